@@ -1,0 +1,1 @@
+"""``lw-bench``: measurements of the pool and the layer pipeline (see the root README)."""

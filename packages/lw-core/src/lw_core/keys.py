@@ -1,0 +1,121 @@
+"""Chunk hashes and pool object keys.
+
+Hashes are chained over token ids with a fixed algorithm (BLAKE2b-128) and a fixed root, so two
+processes or machines compute the same keys without ``PYTHONHASHSEED`` (vLLM's own block hashes
+depend on it). Everything that changes the KV for the same tokens -- LoRA adapter, ``cache_salt``
+(tenant isolation), multimodal hashes -- goes into every link of the chain, so two tenants never
+share an object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+from array import array
+from collections.abc import Sequence
+
+import msgspec
+
+KEY_VERSION = "lw1"
+_ROOT = hashlib.blake2b(b"lw-kv-pool/chunk-hash/v1", digest_size=16).digest()
+
+
+class HashExtra(msgspec.Struct, frozen=True, array_like=True):
+    """What besides token ids determines a chunk's KV."""
+
+    lora_name: str | None = None
+    cache_salt: str | None = None
+    mm_hashes: tuple[str, ...] = ()
+
+
+_NO_EXTRA = HashExtra()
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    a = array("q", tokens)  # int64: any vocab size; fixed little-endian below for cross-machine keys
+    if a.itemsize != 8:  # pragma: no cover - every supported platform has 8-byte long long
+        raise RuntimeError("array('q') is not 64-bit here")
+
+    if sys.byteorder != "little":  # pragma: no cover
+        a.byteswap()
+    return a.tobytes()
+
+
+def chunk_hashes(tokens: Sequence[int], chunk_size: int, extra: HashExtra | None = None) -> list[bytes]:
+    """Chained hashes of every *full* chunk of ``tokens`` (a trailing partial chunk is not hashed)."""
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be > 0, got {chunk_size}")
+    extra_b = _encoder.encode(extra or _NO_EXTRA)
+    out: list[bytes] = []
+    prev = _ROOT
+    for start in range(0, len(tokens) - chunk_size + 1, chunk_size):
+        h = hashlib.blake2b(digest_size=16)
+        h.update(prev)
+        h.update(extra_b)
+        h.update(_token_bytes(tokens[start : start + chunk_size]))
+        prev = h.digest()
+        out.append(prev)
+    return out
+
+
+def partial_chunk_hash(tokens: Sequence[int], chunk_size: int, request_id: str, extra: HashExtra | None = None) -> bytes | None:
+    """Hash for the trailing partial chunk, scoped to one request so no other lookup can match it."""
+    n_full = len(tokens) // chunk_size
+    tail = tokens[n_full * chunk_size :]
+    if not tail:
+        return None
+    prev = chunk_hashes(tokens[: n_full * chunk_size], chunk_size, extra)[-1] if n_full else _ROOT
+    h = hashlib.blake2b(digest_size=16)
+    h.update(prev)
+    h.update(b"partial:" + request_id.encode())
+    h.update(_encoder.encode(extra or _NO_EXTRA))
+    h.update(_token_bytes(tail))
+    return h.digest()
+
+
+def fingerprint(*parts: object) -> str:
+    """Short stable fingerprint of model or layout facts (12 hex chars)."""
+    return hashlib.blake2b(_encoder.encode([str(p) for p in parts]), digest_size=6).hexdigest()
+
+
+class KeySpace(msgspec.Struct, frozen=True):
+    """Names objects: ``lw1/{model_fp}/{layout_fp}/{rank_tag}/{chunk_hash_hex}``.
+
+    ``model_fp`` covers model name and dtype; ``layout_fp`` block size, per-layer bytes, layer
+    count and kv dtype: engines whose KV bytes differ can never read each other's objects.
+    ``rank_tag`` names the slice of KV a worker holds ("all" for MLA, whose KV is the same on every
+    TP rank; e.g. "tp0of2-pp0of1" otherwise).
+    """
+
+    model_fp: str
+    layout_fp: str
+
+    def key(self, rank_tag: str, chunk_hash: bytes) -> str:
+        return f"{KEY_VERSION}/{self.model_fp}/{self.layout_fp}/{rank_tag}/{chunk_hash.hex()}"
+
+    def keys(self, rank_tag: str, hashes: Sequence[bytes]) -> list[str]:
+        prefix = f"{KEY_VERSION}/{self.model_fp}/{self.layout_fp}/{rank_tag}/"
+        return [prefix + h.hex() for h in hashes]
+
+    @classmethod
+    def for_model(
+        cls,
+        *,
+        model: str,
+        dtype: str,
+        block_size: int,
+        layer_block_bytes: Sequence[int],
+        kv_dtype: str,
+        extra: Sequence[object] = (),
+    ) -> "KeySpace":
+        return cls(
+            model_fp=fingerprint(model, dtype),
+            layout_fp=fingerprint(block_size, tuple(layer_block_bytes), len(layer_block_bytes), kv_dtype, *extra),
+        )
+
+
+def rank_tag(*, tp_rank: int, tp_size: int, pp_rank: int = 0, pp_size: int = 1, mla: bool = False) -> str:
+    """Which KV slice a worker holds. MLA's latent KV is identical across TP ranks: one tag for all."""
+    tp = "tpall" if mla else f"tp{tp_rank}of{tp_size}"
+    return f"{tp}-pp{pp_rank}of{pp_size}"

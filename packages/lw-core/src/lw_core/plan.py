@@ -1,0 +1,99 @@
+"""Per-step plans: what a step loads and saves, and how one layer's transfer is batched.
+
+The scheduler builds a ``StepPlan`` per engine step (msgspec: cheap to build, to pickle into
+vLLM's connector metadata, and to send between processes). Workers turn it into per-layer
+transfer batches. A chunk is one vLLM block here; an object holds one chunk's KV for all layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from itertools import accumulate
+
+import msgspec
+
+
+class ObjectLayout(msgspec.Struct, frozen=True):
+    """Byte layout of one pool object: one block of every layer, layer-major."""
+
+    layer_nbytes: tuple[int, ...]  # bytes of one block in layer i
+
+    def __post_init__(self) -> None:
+        if not self.layer_nbytes or any(n <= 0 for n in self.layer_nbytes):
+            raise ValueError(f"layer_nbytes must be non-empty and positive, got {self.layer_nbytes}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_nbytes)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.layer_nbytes)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """Start offset of each layer inside an object."""
+        return (0, *accumulate(self.layer_nbytes))[:-1]
+
+
+class ReqLoad(msgspec.Struct, frozen=True):
+    """Load ``keys[i]`` into KV block ``block_ids[i]`` for request ``req_id``."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+
+
+class ReqSave(msgspec.Struct, frozen=True):
+    """Save KV block ``block_ids[i]`` of request ``req_id`` as object ``keys[i]``."""
+
+    req_id: str
+    keys: list[str]
+    block_ids: list[int]
+
+
+class StepPlan(msgspec.Struct):
+    loads: list[ReqLoad] = msgspec.field(default_factory=list)
+    saves: list[ReqSave] = msgspec.field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not self.loads and not self.saves
+
+
+def split_batches(n_items: int, item_nbytes: int, max_blocks: int = 0, max_bytes: int = 0) -> list[range]:
+    """Split ``n_items`` equal-sized transfers of one layer into consecutive batches.
+
+    ``max_blocks`` caps items per batch and ``max_bytes`` caps bytes per batch (0 = unlimited).
+    A single item larger than ``max_bytes`` still travels, alone: a limit never drops data.
+    The caps apply per layer (the reference applied its block cap to all layers at once,
+    ``num_layers`` times larger than intended).
+    """
+    if n_items < 0 or item_nbytes <= 0 or max_blocks < 0 or max_bytes < 0:
+        raise ValueError(f"bad batching arguments: {n_items=}, {item_nbytes=}, {max_blocks=}, {max_bytes=}")
+    per = n_items if n_items else 1
+    if max_blocks:
+        per = min(per, max_blocks)
+    if max_bytes:
+        per = min(per, max(1, max_bytes // item_nbytes))
+    return [range(s, min(s + per, n_items)) for s in range(0, n_items, per)]
+
+
+def stagger_delay_us(stagger_us: int, tp_rank: int, tp_size: int, layer: int) -> int:
+    """Delay before a rank's host-to-device copy of ``layer`` so TP ranks don't share the bus at once."""
+    if stagger_us <= 0 or tp_size <= 1:
+        return 0
+    return ((tp_rank + layer) % tp_size) * stagger_us
+
+
+def flatten(reqs: Sequence[ReqLoad] | Sequence[ReqSave]) -> tuple[list[str], list[int], list[str]]:
+    """All (key, block id, request id) of a step, in request order."""
+    keys: list[str] = []
+    blocks: list[int] = []
+    owners: list[str] = []
+    for r in reqs:
+        if len(r.keys) != len(r.block_ids):
+            raise ValueError(f"request {r.req_id}: {len(r.keys)} keys but {len(r.block_ids)} block ids")
+        keys.extend(r.keys)
+        blocks.extend(r.block_ids)
+        owners.extend([r.req_id] * len(r.keys))
+    return keys, blocks, owners

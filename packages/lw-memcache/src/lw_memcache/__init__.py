@@ -1,0 +1,2 @@
+"""lw-memcache."""
+__version__ = "0.1.0"

@@ -1,0 +1,43 @@
+"""The Copier protocol: moves one layer's KV blocks between the KV cache and host bytes.
+
+lw-core knows nothing of torch; lw-vllm implements this with torch's device-agnostic stream/event
+API (cpu, cuda, npu). The pipeline calls it from its transfer threads. On a device the copies run
+on a side stream and return an event; on the CPU they run in the calling thread (the big memcpy
+releases the GIL) and return an already-completed token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+Buffer = Any  # buffer-protocol object (memoryview, numpy array)
+Token = Any  # completion token of submitted copies (a device event, or None when already done)
+
+
+@runtime_checkable
+class Copier(Protocol):
+    def block_nbytes(self, layer: int) -> int:
+        """Bytes of one KV block of ``layer`` (opaque: the block is moved whole)."""
+
+    def kv_views(self, layer: int, block_ids: Sequence[int]) -> list[memoryview] | None:
+        """Writable host views of these blocks when KV memory is host-addressable (CPU KV cache),
+        so a backend can read/write them directly; ``None`` on a device."""
+
+    def to_kv(self, layer: int, block_ids: Sequence[int], srcs: Sequence[Buffer]) -> Token:
+        """Submit host -> KV copies of ``srcs[i]`` into block ``block_ids[i]`` of ``layer``."""
+
+    def from_kv(self, layer: int, block_ids: Sequence[int], dsts: Sequence[Buffer], after: Token = None) -> Token:
+        """Submit KV -> host copies of block ``block_ids[i]`` of ``layer`` into ``dsts[i]``; on a
+        device they start only once ``after`` (an event from ``compute_event``) has completed."""
+
+    def compute_event(self) -> Token:
+        """Mark the current point of the compute stream (called in ``save_kv_layer`` right after a
+        layer's attention) so a save copy can wait for it without blocking the host."""
+
+    def wait(self, token: Token, timeout_s: float) -> bool:
+        """Block the host until ``token``'s copies are done; False on timeout."""
+
+    def make_visible(self, token: Token) -> None:
+        """Make the compute stream wait for ``token`` (device: stream-wait-event, no host block;
+        CPU: nothing)."""

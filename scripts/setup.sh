@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up everything on a fresh machine: uv, the workspace venv (.venv) from uv.lock, and the
+# platform's vLLM build (not locked: each platform brings its own; see scripts/install-vllm.sh).
+# Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v uv >/dev/null 2>&1; then
+    python3 -m pip install --quiet --disable-pip-version-check 'uv>=0.5,<1'
+fi
+# --inexact: keep what install-vllm.sh added outside the lock.
+uv sync --inexact --all-packages --all-extras --quiet
+if [ -f scripts/install-vllm.sh ] && [ "${LW_SKIP_VLLM:-0}" != "1" ]; then
+    bash scripts/install-vllm.sh
+fi

@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks (tiny local models, engine runners). Not used in serving."""

@@ -1,0 +1,198 @@
+"""HTTP surface of lw-proxy: routes, auth, body limits, metrics bookkeeping, lifecycle.
+
+Run the app with ``handler_cancellation=True`` (``serve`` does): a client that disconnects then
+cancels its handler, which closes the upstream connection, which makes vLLM abort the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import time
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from lw_core.wire import (
+    BackendFailure,
+    BackendState,
+    HealthcheckResponse,
+    ResetPrefixCacheResponse,
+    decode_metaserver_request,
+)
+
+from .backends import probe_loop
+from .config import ProxyConfig
+from .errors import ProxyError
+from .proxy import CHAT, COMPLETIONS, UPSTREAM_ERRORS, Proxy
+from .validate import ClientRequest, parse_chat, parse_completion
+
+PROXY_KEY = web.AppKey("proxy", Proxy)
+_MAX_METASERVER_BODY = 64 << 10
+_KNOWN = {COMPLETIONS: "POST", CHAT: "POST", "/v1/metaserver": "POST", "/healthcheck": "GET",
+          "/reset_prefix_cache": "POST", "/metrics": "GET"}
+
+
+class _Handlers:
+    def __init__(self, proxy: Proxy) -> None:
+        self.p = proxy
+        self.cfg = proxy.cfg
+        self._auth = f"Bearer {self.cfg.api_key}".encode() if self.cfg.api_key else None
+        m = proxy.m
+        self._in_flight = {ep: m.in_flight.labels(ep) for ep in _KNOWN}
+        self._seconds = {ep: m.request_seconds.labels(ep) for ep in _KNOWN}
+
+    def _check_auth(self, request: web.Request) -> None:
+        if self._auth is None:
+            return
+        got = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(got, self._auth):
+            raise ProxyError(401, "missing or wrong bearer token (header 'Authorization: Bearer <key>')",
+                             kind="auth")
+
+    async def _read(self, request: web.Request, limit: int) -> bytes:
+        if request.content_length is not None and request.content_length > limit:
+            raise ProxyError(413, f"request body of {request.content_length} bytes exceeds the limit of {limit}")
+        try:
+            raw = await request.content.read(limit + 1)
+        except (aiohttp.ClientPayloadError, asyncio.IncompleteReadError, ValueError) as e:
+            raise ProxyError(400, f"request body could not be read: {e}") from None
+        if len(raw) > limit:
+            raise ProxyError(413, f"request body exceeds the limit of {limit} bytes")
+        return raw
+
+    async def _timed(self, endpoint: str, request: web.Request,
+                     work: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+        m = self.p.m
+        t0 = time.perf_counter()
+        gauge = self._in_flight[endpoint]
+        gauge.inc()
+        status = 499  # what is left when the client went away first (nginx's convention)
+        try:
+            try:
+                resp = await work(request)
+            except ProxyError as e:
+                m.errors.labels(e.kind).inc()
+                resp = e.response()
+            status = resp.status
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            m.errors.labels("client_disconnect").inc()
+            raise
+        finally:
+            gauge.dec()
+            m.requests.labels(endpoint, str(status)).inc()
+            self._seconds[endpoint].observe(time.perf_counter() - t0)
+
+    # ------------------------------------------------------------ generation endpoints
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._timed(COMPLETIONS, request, lambda r: self._generate(r, COMPLETIONS, parse_completion))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._timed(CHAT, request, lambda r: self._generate(r, CHAT, parse_chat))
+
+    async def _generate(self, request: web.Request, path: str,
+                        parse: Callable[[bytes], ClientRequest]) -> web.StreamResponse:
+        self._check_auth(request)
+        req = parse(await self._read(request, self.cfg.max_body_bytes))
+        if req.stream:
+            return await self.p.stream(request, req, path)
+        return await self.p.complete(req, path)
+
+    # ------------------------------------------------------------ metaserver
+    async def metaserver(self, request: web.Request) -> web.StreamResponse:
+        return await self._timed("/v1/metaserver", request, self._metaserver)
+
+    async def _metaserver(self, request: web.Request) -> web.Response:
+        raw = await self._read(request, _MAX_METASERVER_BODY)
+        try:
+            msg = decode_metaserver_request(raw)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise ProxyError(400, f"metaserver request: {e}; expected {{\"lw_parent_id\": str, \"request_id\": str}}") from None
+        status, body = await self.p.registry.arrive(msg.lw_parent_id, msg.request_id)
+        return web.Response(status=status, body=body, content_type="application/json")
+
+    # ------------------------------------------------------------ operations
+    async def healthcheck(self, request: web.Request) -> web.StreamResponse:
+        return await self._timed("/healthcheck", request, self._healthcheck)
+
+    async def _healthcheck(self, request: web.Request) -> web.Response:
+        p = self.p
+        hp, hd = p.prefillers.healthy_count(), p.decoders.healthy_count()
+        backends = [BackendState(url=b.url, role=b.role, healthy=b.healthy, in_flight=b.in_flight, load=b.load)
+                    for pool in (p.prefillers, p.decoders) for b in pool.backends]
+        body = HealthcheckResponse(
+            status="ok" if hp and hd else "degraded",
+            prefill_instances=len(p.prefillers.backends), decode_instances=len(p.decoders.backends),
+            healthy_prefill_instances=hp, healthy_decode_instances=hd, backends=backends)
+        # No decoder means no answers at all; no prefiller only means decoders recompute.
+        return web.Response(status=200 if hd else 503, body=msgspec.json.encode(body),
+                            content_type="application/json")
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.StreamResponse:
+        return await self._timed("/reset_prefix_cache", request, self._reset_prefix_cache)
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self._check_auth(request)
+        p = self.p
+        timeout = aiohttp.ClientTimeout(total=self.cfg.connect_timeout + 30)
+
+        async def one(url: str) -> BackendFailure | None:
+            try:
+                async with p.session.post(url + "/reset_prefix_cache", headers=p.headers, timeout=timeout) as r:
+                    text = await r.text(errors="replace")
+                    if r.status == 200:
+                        return None
+                    return BackendFailure(url=url, status=r.status, message=text[:500])
+            except UPSTREAM_ERRORS as e:
+                return BackendFailure(url=url, status=None, message=repr(e))
+
+        urls = [b.url for pool in (p.prefillers, p.decoders) for b in pool.backends]
+        results = await asyncio.gather(*(one(u) for u in urls))
+        failed = [r for r in results if r is not None]
+        ok = [u for u, r in zip(urls, results) if r is None]
+        body = ResetPrefixCacheResponse(status="partial" if failed else "ok", succeeded=ok, failed=failed)
+        return web.Response(status=502 if failed else 200, body=msgspec.json.encode(body),
+                            content_type="application/json")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        data, ctype = self.p.m.render()
+        return web.Response(body=data, headers={"Content-Type": ctype})
+
+    async def fallback(self, request: web.Request) -> web.Response:
+        want = _KNOWN.get(request.path)
+        if want is not None:
+            e = ProxyError(405, f"{request.method} {request.path} is not allowed; use {want}")
+        else:
+            e = ProxyError(404, f"no route {request.method} {request.path}; routes: "
+                           + ", ".join(f"{m} {p}" for p, m in _KNOWN.items()))
+        return e.response()
+
+
+def create_app(cfg: ProxyConfig) -> web.Application:
+    proxy = Proxy(cfg)
+    # The body limit is enforced by _read with an OpenAI-shaped 413; aiohttp's own limit stays above it.
+    app = web.Application(client_max_size=cfg.max_body_bytes + 1)
+    app[PROXY_KEY] = proxy
+    h = _Handlers(proxy)
+    app.router.add_post(COMPLETIONS, h.completions)
+    app.router.add_post(CHAT, h.chat)
+    app.router.add_post("/v1/metaserver", h.metaserver)
+    app.router.add_get("/healthcheck", h.healthcheck)
+    app.router.add_post("/reset_prefix_cache", h.reset_prefix_cache)
+    app.router.add_get("/metrics", h.metrics)
+    app.router.add_route("*", "/{tail:.*}", h.fallback)
+
+    async def lifecycle(app: web.Application):
+        await proxy.start()
+        probe = asyncio.create_task(probe_loop([proxy.prefillers, proxy.decoders], proxy.session,
+                                               cfg.health_interval, proxy.headers))
+        yield
+        probe.cancel()
+        await asyncio.gather(probe, return_exceptions=True)
+        await proxy.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app

@@ -1,0 +1,58 @@
+"""The proxy's Prometheus metrics, on a registry of its own (several proxies may live in one test process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+# Sub-millisecond buckets matter: the proxy's own overhead is what we watch.
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "lw_proxy_requests_total", "Client requests answered, by endpoint and HTTP status", ["endpoint", "status"],
+            registry=r,
+        )
+        self.errors = Counter(
+            "lw_proxy_errors_total",
+            "Failures by kind: bad_request, auth, upstream_connect, upstream_status, upstream_died, timeout, "
+            "client_disconnect, prefill_failed, recompute_exhausted",
+            ["kind"], registry=r,
+        )
+        self.retries = Counter("lw_proxy_retries_total", "Backend calls retried, by backend role", ["role"], registry=r)
+        self.in_flight = Gauge("lw_proxy_requests_in_flight", "Client requests being served", ["endpoint"], registry=r)
+        self.request_seconds = Histogram(
+            "lw_proxy_request_duration_seconds", "Client request duration until the last byte",
+            ["endpoint"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.backend_seconds = Histogram(
+            "lw_proxy_backend_request_duration_seconds", "Duration of one backend call until its last byte",
+            ["role", "backend"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.backend_healthy = Gauge(
+            "lw_proxy_backend_healthy", "1 when the backend takes traffic, 0 while it is out and probed",
+            ["role", "backend"], registry=r,
+        )
+        self.backend_load = Gauge(
+            "lw_proxy_backend_load_tokens", "Estimated tokens in flight on the backend (balancing key)",
+            ["role", "backend"], registry=r,
+        )
+        self.metaserver_wait = Histogram(
+            "lw_proxy_metaserver_wait_seconds", "How long a decoder's metaserver POST was held, by outcome",
+            ["outcome"], buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.prefills = Counter(
+            "lw_proxy_prefill_dispatches_total", "Prefill dispatches by outcome (ok, error, cancelled)", ["outcome"],
+            registry=r,
+        )
+        self.recomputes = Counter(
+            "lw_proxy_recompute_resubmissions_total", "Choices resubmitted after stop_reason == 'recomputed'",
+            registry=r,
+        )
+        self.parents = Gauge("lw_proxy_pending_parents", "Parent requests with metaserver bookkeeping", registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,265 @@
+"""The layer pipeline (ARCHITECTURE §4): per step, load pool objects into KV blocks layer by layer
+ahead of the forward pass, and save KV blocks into pool objects layer by layer behind it.
+
+The vLLM connector drives it from the forward thread::
+
+    pipe.start_load(plan.loads)          # start_load_kv
+    for each attention layer L:
+        pipe.wait_layer(L)               # wait_for_layer_load
+        ... attention ...
+        pipe.save_layer(L)               # save_kv_layer
+    load = pipe.finish_load()            # failed blocks -> kv_load_failure_policy
+    save = pipe.finish_save()            # wait_for_save: commit complete objects
+
+Nothing here raises for pool failures or blocks past a deadline: errors, stuck stores and missed
+deadlines come back in ``LoadResult`` / ``SaveResult``. Programming errors (a layer out of range,
+a step started twice) raise ``ValueError`` / ``RuntimeError``. Work runs on two small fixed pools
+of daemon threads (loads, saves); see ``pipeline_load`` for the rule that keeps late transfers out
+of the KV cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lw_core.backend import Backend, BackendError
+from lw_core.copier import Copier
+from lw_core.pipeline_load import LoadStep
+from lw_core.pipeline_pool import DeadlineCall, ErrorLog, StagingPool, WorkerPool, describe, log
+from lw_core.pipeline_results import LoadResult, SaveResult
+from lw_core.pipeline_save import SaveStep
+from lw_core.plan import ObjectLayout, ReqLoad, ReqSave, split_batches
+
+__all__ = ["LayerPipeline", "LoadResult", "SaveResult"]
+
+
+def _check_int(name: str, v: Any, lo: int, hint: str = "") -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"LayerPipeline: {name}={v!r} must be an int >= {lo}{hint}")
+
+
+def _check_seconds(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
+        raise ValueError(f"LayerPipeline: {name}={v!r} must be a finite number of seconds > 0")
+
+
+class LayerPipeline:
+    def __init__(
+        self,
+        backend: Backend,
+        copier: Copier,
+        layout: ObjectLayout,
+        *,
+        layerwise: bool = True,
+        prefetch_depth: int = 1,
+        max_transfer_blocks: int = 0,
+        max_transfer_bytes: int = 0,
+        h2d_stagger_us: int = 0,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        layer_timeout_s: float = 5.0,
+        save_timeout_s: float = 10.0,
+        load_threads: int = 1,
+        save_threads: int = 1,
+        max_stuck_threads: int = 4,
+    ):
+        _check_int("prefetch_depth", prefetch_depth, 1, " (typical: 1-4)")
+        _check_int("max_transfer_blocks", max_transfer_blocks, 0, " (0 = unlimited)")
+        _check_int("max_transfer_bytes", max_transfer_bytes, 0, " (0 = unlimited)")
+        _check_int("h2d_stagger_us", h2d_stagger_us, 0, " (0 = off)")
+        _check_int("tp_size", tp_size, 1)
+        _check_int("tp_rank", tp_rank, 0)
+        if tp_rank >= tp_size:
+            raise ValueError(f"LayerPipeline: tp_rank={tp_rank} must be < tp_size={tp_size}")
+        _check_seconds("layer_timeout_s", layer_timeout_s)
+        _check_seconds("save_timeout_s", save_timeout_s)
+        _check_int("load_threads", load_threads, 1)
+        _check_int("save_threads", save_threads, 1)
+        _check_int("max_stuck_threads", max_stuck_threads, 0)
+        for layer, n in enumerate(layout.layer_nbytes):
+            got = copier.block_nbytes(layer)
+            if got != n:
+                raise ValueError(
+                    f"LayerPipeline: layout.layer_nbytes[{layer}]={n} but the KV cache's block of layer "
+                    f"{layer} has {got} bytes; the object layout must match the KV cache"
+                )
+        self.backend, self.copier, self.layout = backend, copier, layout
+        self.layerwise = bool(layerwise)
+        self.prefetch_depth = prefetch_depth
+        self.max_transfer_blocks, self.max_transfer_bytes = max_transfer_blocks, max_transfer_bytes
+        self.h2d_stagger_us, self.tp_rank, self.tp_size = h2d_stagger_us, tp_rank, tp_size
+        self.layer_timeout_s, self.save_timeout_s = float(layer_timeout_s), float(save_timeout_s)
+        self.load_pool = WorkerPool("lw-load", load_threads, max_stuck_threads)
+        self.save_pool = WorkerPool("lw-save", save_threads, max_stuck_threads)
+        self.staging = StagingPool(copier.wait)
+        self.sleep: Callable[[float], None] = time.sleep  # the stagger's clock (tests record it)
+        # Flipped off the first time a backend answers view() with None for a whole batch.
+        self.load_views_ok = True
+        self.save_views_ok = True
+        self._deferred = ErrorLog()
+        self._deferred_lock = threading.Lock()
+        self._load: LoadStep | None = None
+        self._save: SaveStep | None = None
+        self._closed = False
+
+    # --- helpers the steps use ---
+    def split(self, n_items: int) -> list[list[range]]:
+        cache: dict[int, list[range]] = {}
+        out = []
+        for nbytes in self.layout.layer_nbytes:
+            if nbytes not in cache:
+                cache[nbytes] = split_batches(n_items, nbytes, self.max_transfer_blocks, self.max_transfer_bytes)
+            out.append(cache[nbytes])
+        return out
+
+    def call(self, pool: WorkerPool, fn: Callable[[], Any], on_late: Callable[[Any], None] | None = None) -> DeadlineCall:
+        return DeadlineCall(pool, fn, on_late)
+
+    def in_background(self, pool: WorkerPool, what: str, fn: Callable[[], None]) -> None:
+        """Fire-and-forget (release, abort); a failure shows up in the next step's result."""
+
+        def job() -> None:
+            try:
+                fn()
+            except Exception as e:
+                if not isinstance(e, BackendError):
+                    log.exception("background %s failed", what)
+                with self._deferred_lock:
+                    self._deferred.add(f"backend.{what} (previous step): {describe(e)}")
+
+        pool.submit(job)
+
+    def release_later(self, pool: WorkerPool, handles: list[Any]) -> None:
+        self.in_background(pool, "release", lambda: self.backend.release(handles))
+
+    def _take_deferred(self) -> list[str]:
+        with self._deferred_lock:
+            out = self._deferred.out()
+            self._deferred = ErrorLog()
+        return out
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"LayerPipeline.{what}: the pipeline is closed")
+
+    def _check_layer(self, what: str, layer: Any) -> None:
+        nl = self.layout.num_layers
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < nl:
+            raise ValueError(f"LayerPipeline.{what}: layer={layer!r} out of range; accepted 0..{nl - 1}")
+
+    # --- loads ---
+    def start_load(self, loads: Sequence[ReqLoad]) -> None:
+        """Lease every object once and plan per-layer batches; layerwise: prefetch the first
+        ``prefetch_depth`` layers; bulk: load every layer now (each wait bounded)."""
+        self._check_open("start_load")
+        if self._load is not None:
+            raise RuntimeError("LayerPipeline.start_load: the previous step's loads were not finished (call finish_load)")
+        step = LoadStep(self, loads)
+        if not step.n:
+            return
+        self._load = step
+        step.open()
+        if self.layerwise:
+            step.submit_upto(self.prefetch_depth - 1)
+        else:
+            step.submit_upto(self.layout.num_layers - 1)
+            for layer in range(self.layout.num_layers):
+                step.wait(layer, self.layer_timeout_s)
+
+    def wait_layer(self, layer: int) -> None:
+        """Layerwise: submit layers ``layer..layer+depth-1`` and wait for ``layer`` (deadline
+        ``layer_timeout_s``); failures and misses become load errors. No-op when nothing loads."""
+        self._check_open("wait_layer")
+        self._check_layer("wait_layer", layer)
+        step = self._load
+        if step is None or not self.layerwise or step.waited[layer]:
+            return
+        step.submit_upto(layer + self.prefetch_depth - 1)
+        step.wait(layer, self.layer_timeout_s)
+
+    def finish_load(self) -> LoadResult:
+        """End the step's loads: nothing lands in the KV after this; leases are released."""
+        step, self._load = self._load, None
+        if step is None:
+            return LoadResult(layer_wait_s=[0.0] * self.layout.num_layers, errors=self._take_deferred())
+        res = step.finish(self.layerwise)
+        res.errors += self._take_deferred()
+        return res
+
+    # --- saves ---
+    def start_save(self, saves: Sequence[ReqSave]) -> None:
+        """Reserve the step's objects (existing ones are skipped)."""
+        self._check_open("start_save")
+        if self._save is not None:
+            raise RuntimeError("LayerPipeline.start_save: the previous step's saves were not finished (call finish_save)")
+        step = SaveStep(self, saves)
+        self._save = step
+        step.reserve()
+
+    def save_layer(self, layer: int) -> None:
+        """Queue the copy of ``layer``'s blocks into the reserved objects; returns at once."""
+        self._check_open("save_layer")
+        self._check_layer("save_layer", layer)
+        step = self._save
+        if step is None or not step.n or not self.layerwise:
+            return
+        self._submit_save(step, layer)
+
+    def _submit_save(self, step: SaveStep, layer: int) -> None:
+        if step.submitted[layer]:
+            return
+        try:
+            token = self.copier.compute_event()
+        except Exception as e:
+            log.exception("compute_event failed")
+            step.submitted[layer] = True
+            step.events[layer].set()
+            step.fail_all(f"layer {layer}: compute_event: {describe(e)}")
+            return
+        step.submit(layer, token)
+
+    def finish_save(self) -> SaveResult:
+        """Wait (deadline ``save_timeout_s``) for every layer, commit complete objects, abort the
+        rest. Bulk mode copies every layer here."""
+        step, self._save = self._save, None
+        if step is None:
+            return SaveResult(errors=self._take_deferred())
+        if not self.layerwise and step.n:
+            for layer in range(self.layout.num_layers):
+                self._submit_save(step, layer)
+        res = step.finish()
+        res.errors += self._take_deferred()
+        return res
+
+    # --- lifecycle ---
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Finish open steps (no late copies; leases released, reservations aborted) and stop the
+        threads. Idempotent. Threads stuck in a backend call are daemons and are left behind."""
+        if self._closed:
+            return
+        load, self._load = self._load, None
+        save, self._save = self._save, None
+        for finish in (lambda: load and load.finish(self.layerwise), lambda: save and save.finish()):
+            try:
+                res = finish()
+                if res and res.errors:
+                    log.warning("close: %s", "; ".join(res.errors))
+            except Exception:
+                log.exception("close: finishing an open step failed")
+        self._closed = True
+        stuck = self.load_pool.close(timeout_s) + self.save_pool.close(timeout_s)
+        if stuck:
+            log.warning("close: %d worker threads are stuck in backend calls: %s", len(stuck), [t.name for t in stuck])
+
+    def threads(self) -> list[threading.Thread]:
+        """Live worker threads (for tests and metrics)."""
+        return [t for t in self.load_pool.threads() + self.save_pool.threads() if t.is_alive()]
+
+    def __enter__(self) -> LayerPipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

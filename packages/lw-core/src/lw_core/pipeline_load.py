@@ -1,0 +1,251 @@
+"""One step's loads: pool objects -> KV blocks, layer by layer, on the load workers.
+
+Safety rule (the reason for most of this file): once a layer's wait has given up, or the step has
+finished, no byte may land in the KV cache, because vLLM may already have handed those blocks to
+another request. Every copy into the KV therefore happens under ``self.lock`` right after checking
+the cancel flags, and the caller sets those flags under the same lock. Backend calls that can stall
+(``open``, ``read``) never target KV memory: ``read`` fills a staging buffer, and only the bounded
+host->KV copy runs under the lock. A backend ``view`` is host memory already (a memcpy from it
+cannot stall), so the zero-copy path hands the view straight to ``copier.to_kv`` under the lock.
+Reading straight into ``copier.kv_views()`` would save one copy on a CPU KV cache, but a read that
+returns after its deadline would then write into blocks vLLM has reused, so it is not done.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lw_core.backend import BackendError
+from lw_core.pipeline_pool import ErrorLog, describe, log
+from lw_core.pipeline_results import LoadResult
+from lw_core.plan import ReqLoad, flatten, stagger_delay_us
+
+if TYPE_CHECKING:
+    from lw_core.pipeline import LayerPipeline
+
+
+class LoadStep:
+    def __init__(self, pipe: LayerPipeline, loads: Sequence[ReqLoad]):
+        self.pipe = pipe
+        keys, blocks, owners = flatten(loads)
+        if len(set(blocks)) != len(blocks):
+            dup = sorted({b for b in blocks if blocks.count(b) > 1})
+            raise ValueError(f"start_load: block ids {dup[:8]} appear more than once in the step's loads")
+        nl = pipe.layout.num_layers
+        self.keys, self.blocks, self.owners = keys, blocks, owners
+        self.n = len(keys)
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.failed = np.zeros(self.n, dtype=bool)
+        self.done = np.zeros((nl, self.n), dtype=bool)
+        self.events = [threading.Event() for _ in range(nl)]
+        self.layer_cancelled = [False] * nl
+        self.tokens: list[list[Any]] = [[] for _ in range(nl)]
+        self.next_submit = 0
+        self.waited = [False] * nl
+        self.wait_s = [0.0] * nl
+        self.misses: list[int] = []
+        self.errors = ErrorLog()
+        self.item_handle: list[Any] = [None] * self.n
+        self.handles: list[Any] = []
+        self.batches = pipe.split(self.n)  # per layer, computed once per step
+
+    # --- caller side ---
+    def open(self) -> None:
+        """Lease every distinct object once; items whose object is missing fail now."""
+        if not self.n:
+            return
+        pipe = self.pipe
+        uniq = list(dict.fromkeys(self.keys))
+        call = pipe.call(pipe.load_pool, lambda: pipe.backend.open(uniq), on_late=self._release_late)
+        if not call.wait(pipe.layer_timeout_s):
+            self._fail(range(self.n), f"backend.open of {len(uniq)} objects missed its {pipe.layer_timeout_s}s deadline")
+            return
+        if call.error is not None:
+            self._fail(range(self.n), f"backend.open: {describe(call.error)}")
+            return
+        handles = list(call.value)
+        if len(handles) != len(uniq):
+            self._fail(range(self.n), f"backend.open returned {len(handles)} handles for {len(uniq)} keys")
+            self._release_late([h for h in handles if h is not None])
+            return
+        by_key = dict(zip(uniq, handles))
+        self.handles = [h for h in handles if h is not None]
+        missing = [i for i, k in enumerate(self.keys) if by_key[k] is None]
+        for i, k in enumerate(self.keys):
+            self.item_handle[i] = by_key[k]
+        if missing:
+            self._fail(missing, f"{len(missing)} objects to load are missing from the pool (e.g. {self.keys[missing[0]]})")
+
+    def _release_late(self, handles: Any) -> None:
+        hs = [h for h in handles or () if h is not None]
+        if hs:
+            self.pipe.backend.release(hs)
+
+    def submit_upto(self, last: int) -> None:
+        last = min(last, len(self.events) - 1)
+        while self.next_submit <= last:
+            layer = self.next_submit
+            self.next_submit += 1
+            self.pipe.load_pool.submit(lambda layer=layer: self.run_layer(layer))
+
+    def wait(self, layer: int, timeout_s: float) -> None:
+        """Wait for ``layer`` (submitting it if needed); on timeout cancel it and fail its blocks."""
+        self.submit_upto(layer)
+        t0 = time.perf_counter()
+        with self.lock:
+            needed = not self.failed.all()
+        if needed and not self.events[layer].wait(timeout_s):
+            self._miss(layer, timeout_s)
+        self.wait_s[layer] = time.perf_counter() - t0
+        self.waited[layer] = True
+        with self.lock:
+            tokens = list(self.tokens[layer])
+        for tok in tokens:
+            try:
+                self.pipe.copier.make_visible(tok)
+            except Exception as e:
+                log.exception("make_visible failed")
+                with self.lock:
+                    self._fail_locked(np.flatnonzero(self.done[layer]), f"layer {layer}: make_visible: {describe(e)}")
+
+    def _miss(self, layer: int, timeout_s: float) -> None:
+        with self.lock:
+            if self.events[layer].is_set():  # finished while we took the lock: keep the data
+                return
+            self.layer_cancelled[layer] = True
+            late = np.flatnonzero(~self.done[layer] & ~self.failed)
+            self._fail_locked(late, f"layer {layer}: load missed its {timeout_s}s deadline ({len(late)} blocks)")
+            self.misses.append(layer)
+        self.pipe.load_pool.unstick(timeout_s)
+
+    def finish(self, layerwise: bool) -> LoadResult:
+        with self.lock:
+            self.cancelled = True  # from here on nothing may touch the KV cache
+            if layerwise:
+                for layer, w in enumerate(self.waited):
+                    if not w:
+                        todo = np.flatnonzero(~self.failed)
+                        if len(todo):
+                            self._fail_locked(todo, f"layer {layer} was never waited for (wait_layer not called); its blocks are not loaded")
+            incomplete = np.flatnonzero(~self.failed & ~self.done.all(axis=0))
+            if len(incomplete):
+                self._fail_locked(incomplete, f"{len(incomplete)} blocks did not get every layer")
+            failed = np.flatnonzero(self.failed)
+        if self.handles:
+            self.pipe.release_later(self.pipe.load_pool, self.handles)
+        ok = self.n - len(failed)
+        return LoadResult(
+            failed_block_ids=[self.blocks[i] for i in failed],
+            failed_req_ids=list(dict.fromkeys(self.owners[i] for i in failed)),
+            loaded_objects=ok,
+            loaded_bytes=ok * self.pipe.layout.nbytes,
+            layer_wait_s=list(self.wait_s),
+            deadline_misses=list(self.misses),
+            errors=self.errors.out(),
+        )
+
+    def _fail(self, idx: Any, msg: str) -> None:
+        with self.lock:
+            self._fail_locked(idx, msg)
+
+    def _fail_locked(self, idx: Any, msg: str) -> None:
+        idx = np.asarray(list(idx) if isinstance(idx, range) else idx, dtype=np.intp)
+        if len(idx):
+            self.failed[idx] = True
+        self.errors.add(msg)
+
+    # --- worker side ---
+    def run_layer(self, layer: int) -> None:
+        try:
+            with self.lock:
+                if self.cancelled or self.layer_cancelled[layer]:
+                    return
+            self._copy_layer(layer)
+        except Exception as e:  # never lose a worker's error: it fails the layer's blocks
+            log.exception("load of layer %d failed", layer)
+            with self.lock:
+                self._fail_locked(np.flatnonzero(~self.done[layer]), f"layer {layer}: {describe(e)}")
+        finally:
+            self.events[layer].set()
+
+    def _copy_layer(self, layer: int) -> None:
+        pipe = self.pipe
+        staggered = False
+        for rng in self.batches[layer]:
+            with self.lock:
+                if self.cancelled or self.layer_cancelled[layer]:
+                    return
+                idx = [i for i in rng if not self.failed[i]]
+            if not idx:
+                continue
+            idx, srcs, bufs = self._fetch_isolating(layer, idx)
+            if not idx:
+                continue
+            if not staggered:
+                staggered = True
+                delay = stagger_delay_us(pipe.h2d_stagger_us, pipe.tp_rank, pipe.tp_size, layer)
+                if delay:
+                    pipe.sleep(delay / 1e6)
+            token = None
+            try:
+                with self.lock:
+                    if self.cancelled or self.layer_cancelled[layer]:
+                        return  # too late: the data must not reach the KV
+                    try:
+                        token = pipe.copier.to_kv(layer, [self.blocks[i] for i in idx], srcs)
+                    except Exception as e:
+                        log.exception("to_kv of layer %d failed", layer)
+                        self._fail_locked(idx, f"layer {layer}: copy into the KV cache: {describe(e)}")
+                        continue
+                    self.done[layer, idx] = True
+                    self.tokens[layer].append(token)
+            finally:
+                for b in bufs:
+                    pipe.staging.put(b, token)
+
+    def _fetch(self, layer: int, idx: list[int]) -> tuple[list[Any], list[np.ndarray]]:
+        """Host sources of one batch: zero-copy views when the backend has them, else a staging read."""
+        pipe = self.pipe
+        off, n = pipe.layout.offsets[layer], pipe.layout.layer_nbytes[layer]
+        hs = [self.item_handle[i] for i in idx]
+        if pipe.load_views_ok:
+            views = [pipe.backend.view(h, off, n) for h in hs]
+            if all(v is not None for v in views):
+                return views, []
+            if all(v is None for v in views):
+                pipe.load_views_ok = False  # not host-addressable: stop asking
+        buf = pipe.staging.get(len(idx) * n)
+        dsts = [buf[j * n : (j + 1) * n] for j in range(len(idx))]
+        try:
+            pipe.backend.read(hs, [off] * len(hs), dsts)
+        except BaseException:
+            pipe.staging.put(buf)
+            raise
+        return dsts, [buf]
+
+    def _fetch_isolating(self, layer: int, idx: list[int]) -> tuple[list[int], list[Any], list[np.ndarray]]:
+        """Fetch a batch; if the store refuses it, retry item by item so only the bad objects fail."""
+        try:
+            srcs, bufs = self._fetch(layer, idx)
+            return idx, srcs, bufs
+        except BackendError as e:
+            if len(idx) == 1:
+                self._fail(idx, f"layer {layer}: read of {self.keys[idx[0]]}: {describe(e)}")
+                return [], [], []
+        ok, srcs, bufs = [], [], []
+        for i in idx:
+            try:
+                s, b = self._fetch(layer, [i])
+            except BackendError as e:
+                self._fail([i], f"layer {layer}: read of {self.keys[i]}: {describe(e)}")
+                continue
+            ok.append(i)
+            srcs += s
+            bufs += b
+        return ok, srcs, bufs

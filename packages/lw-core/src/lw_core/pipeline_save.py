@@ -1,0 +1,269 @@
+"""One step's saves: KV blocks -> reserved pool objects, layer by layer, on the save workers.
+
+An object is committed only when every layer of it was written; anything else is aborted, so a
+reader never sees a partial object. After ``finish`` has cancelled the step (under ``self.lock``)
+no copy into a backend ``view`` starts any more: an aborted object's memory may already belong to
+another object. A ``backend.write`` that stalls past the deadline cannot be recalled; the backend
+must ignore or refuse writes to handles that were aborted meanwhile.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lw_core.backend import BackendError
+from lw_core.pipeline_pool import ErrorLog, describe, log
+from lw_core.pipeline_results import SaveResult
+from lw_core.plan import ReqSave, flatten
+
+if TYPE_CHECKING:
+    from lw_core.pipeline import LayerPipeline
+
+
+class SaveStep:
+    def __init__(self, pipe: LayerPipeline, saves: Sequence[ReqSave]):
+        self.pipe = pipe
+        keys, blocks, owners = flatten(saves)
+        first: dict[str, int] = {}
+        self.owners_of: dict[str, list[str]] = {}
+        for k, b, o in zip(keys, blocks, owners):
+            first.setdefault(k, b)  # the same chunk twice in a step: one copy is enough
+            self.owners_of.setdefault(k, [])
+            if o not in self.owners_of[k]:
+                self.owners_of[k].append(o)
+        self.all_keys = list(first)
+        self.first_block = first
+        nl = pipe.layout.num_layers
+        self.lock = threading.Lock()
+        self.cancelled = False
+        self.errors = ErrorLog()
+        self.skipped: list[str] = []
+        self.keys: list[str] = []
+        self.blocks: list[int] = []
+        self.handles: list[Any] = []
+        self.failed_early: list[str] = []  # keys that failed before any copy (reserve errors)
+        self.submitted = [False] * nl
+        self.events = [threading.Event() for _ in range(nl)]
+        self.misses: list[int] = []
+        self.commit_unknown: set[int] = set()  # commit timed out: neither committed nor abortable
+        self.n = 0
+        self.failed = np.zeros(0, dtype=bool)
+        self.done = np.zeros((nl, 0), dtype=bool)
+        self.batches: list[list[range]] = []
+
+    # --- caller side ---
+    def reserve(self) -> None:
+        if not self.all_keys:
+            return
+        pipe, keys = self.pipe, self.all_keys
+        call = pipe.call(pipe.save_pool, lambda: pipe.backend.reserve(keys, pipe.layout.nbytes), on_late=self._abort_late)
+        if not call.wait(pipe.save_timeout_s):
+            self.failed_early = list(keys)
+            self.errors.add(f"backend.reserve of {len(keys)} objects missed its {pipe.save_timeout_s}s deadline")
+            return
+        if call.error is not None:
+            self.failed_early = list(keys)
+            self.errors.add(f"backend.reserve: {describe(call.error)}")
+            return
+        handles = list(call.value)
+        if len(handles) != len(keys):
+            self.failed_early = list(keys)
+            self.errors.add(f"backend.reserve returned {len(handles)} handles for {len(keys)} keys")
+            self._abort_late(handles)
+            return
+        for k, h in zip(keys, handles):
+            if h is None:
+                self.skipped.append(k)
+            else:
+                self.keys.append(k)
+                self.blocks.append(self.first_block[k])
+                self.handles.append(h)
+        self.n = len(self.keys)
+        nl = pipe.layout.num_layers
+        self.failed = np.zeros(self.n, dtype=bool)
+        self.done = np.zeros((nl, self.n), dtype=bool)
+        self.batches = pipe.split(self.n)
+
+    def _abort_late(self, handles: Any) -> None:
+        hs = [h for h in handles or () if h is not None]
+        if hs:
+            self.pipe.backend.abort(hs)
+
+    def submit(self, layer: int, token: Any) -> None:
+        if self.submitted[layer] or not self.n:
+            return
+        self.submitted[layer] = True
+        self.pipe.save_pool.submit(lambda: self.run_layer(layer, token))
+
+    def fail_all(self, msg: str) -> None:
+        with self.lock:
+            self.failed[:] = True
+            self.errors.add(msg)
+
+    def finish(self) -> SaveResult:
+        pipe = self.pipe
+        deadline = time.monotonic() + pipe.save_timeout_s
+        for layer, sub in enumerate(self.submitted):
+            if sub and not self.events[layer].wait(max(0.0, deadline - time.monotonic())):
+                self.misses.append(layer)
+        if self.misses:
+            pipe.save_pool.unstick(pipe.save_timeout_s)
+        with self.lock:
+            self.cancelled = True  # nothing more goes into the objects' memory
+            if self.n:
+                for layer, sub in enumerate(self.submitted):
+                    if not sub:
+                        self.errors.add(f"layer {layer} was never saved (save_layer not called); its objects are aborted")
+                for layer in self.misses:
+                    late = int((~self.done[layer] & ~self.failed).sum())
+                    self.errors.add(f"layer {layer}: save missed its {pipe.save_timeout_s}s deadline ({late} objects)")
+            complete = np.flatnonzero(~self.failed & self.done.all(axis=0)) if self.n else np.zeros(0, dtype=np.intp)
+        committed = self._commit([int(i) for i in complete])
+        to_abort = [self.handles[i] for i in range(self.n) if i not in committed and i not in self.commit_unknown]
+        if to_abort:
+            pipe.in_background(pipe.save_pool, "abort", lambda: pipe.backend.abort(to_abort))
+        committed_keys = [self.keys[i] for i in range(self.n) if i in committed]
+        failed_keys = [*self.failed_early, *(self.keys[i] for i in range(self.n) if i not in committed)]
+        failed_req = list(dict.fromkeys(o for k in failed_keys for o in self.owners_of[k]))
+        return SaveResult(
+            committed_keys=committed_keys,
+            failed_keys=failed_keys,
+            skipped_keys=list(self.skipped),
+            failed_req_ids=failed_req,
+            saved_bytes=len(committed_keys) * pipe.layout.nbytes,
+            deadline_misses=list(self.misses),
+            errors=self.errors.out(),
+        )
+
+    def _commit(self, idx: list[int]) -> set[int]:
+        """Commit complete objects; on a batch error retry one by one to find the bad ones."""
+        if not idx:
+            return set()
+        pipe = self.pipe
+        backend = pipe.backend
+
+        def commit() -> tuple[set[int], list[str]]:
+            try:
+                backend.commit([self.handles[i] for i in idx])
+                return set(idx), []
+            except BackendError as e:
+                if len(idx) == 1:
+                    return set(), [f"commit of {self.keys[idx[0]]}: {describe(e)}"]
+            ok, errs = set(), []
+            for i in idx:
+                try:
+                    backend.commit([self.handles[i]])
+                    ok.add(i)
+                except BackendError as e:
+                    errs.append(f"commit of {self.keys[i]}: {describe(e)}")
+            return ok, errs
+
+        call = pipe.call(pipe.save_pool, commit)
+        if not call.wait(pipe.save_timeout_s):
+            # It may still land (the data is complete, so that is harmless); aborting would race it.
+            self.commit_unknown = set(idx)
+            self.errors.add(f"backend.commit of {len(idx)} objects missed its {pipe.save_timeout_s}s deadline (state unknown)")
+            return set()
+        if call.error is not None:
+            if not isinstance(call.error, BackendError):
+                log.error("commit raised", exc_info=call.error)
+            self.errors.add(f"backend.commit: {describe(call.error)}")
+            return set()
+        ok, errs = call.value
+        self.errors.extend(errs)
+        return ok
+
+    # --- worker side ---
+    def run_layer(self, layer: int, token: Any) -> None:
+        try:
+            for rng in self.batches[layer]:
+                with self.lock:
+                    if self.cancelled:
+                        return
+                    idx = [i for i in rng if not self.failed[i]]
+                if idx:
+                    self._store(layer, idx, token)
+        except Exception as e:
+            log.exception("save of layer %d failed", layer)
+            with self.lock:
+                bad = np.flatnonzero(~self.done[layer])
+                self.failed[bad] = True
+                self.errors.add(f"layer {layer}: {describe(e)}")
+        finally:
+            self.events[layer].set()
+
+    def _fail(self, idx: list[int], msg: str) -> None:
+        with self.lock:
+            self.failed[idx] = True
+            self.errors.add(msg)
+
+    def _store(self, layer: int, idx: list[int], token: Any) -> None:
+        pipe = self.pipe
+        copier, backend = pipe.copier, pipe.backend
+        off, n = pipe.layout.offsets[layer], pipe.layout.layer_nbytes[layer]
+        hs = [self.handles[i] for i in idx]
+        blocks = [self.blocks[i] for i in idx]
+        views = None
+        if pipe.save_views_ok:
+            views = [backend.view(h, off, n) for h in hs]
+            if all(v is None for v in views):
+                pipe.save_views_ok = False
+            if any(v is None for v in views):
+                views = None
+        if views is not None:
+            with self.lock:
+                if self.cancelled:
+                    return
+                tok = copier.from_kv(layer, blocks, views, after=token)
+            if not copier.wait(tok, pipe.save_timeout_s):
+                self._fail(idx, f"layer {layer}: copy out of the KV cache did not finish in {pipe.save_timeout_s}s")
+                return
+            ok = idx
+        else:
+            buf = None
+            srcs = copier.kv_views(layer, blocks)
+            if srcs is not None:  # host KV: the store copies straight out of it
+                if not copier.wait(token, pipe.save_timeout_s):
+                    self._fail(idx, f"layer {layer}: compute did not reach the save point in {pipe.save_timeout_s}s")
+                    return
+            else:
+                buf = pipe.staging.get(len(idx) * n)
+                srcs = [buf[j * n : (j + 1) * n] for j in range(len(idx))]
+                tok = copier.from_kv(layer, blocks, srcs, after=token)
+                if not copier.wait(tok, pipe.save_timeout_s):
+                    # the device may still write into buf: drop it rather than reuse it
+                    self._fail(idx, f"layer {layer}: copy out of the KV cache did not finish in {pipe.save_timeout_s}s")
+                    return
+            with self.lock:
+                if self.cancelled:
+                    pipe.staging.put(buf)
+                    return
+            try:
+                ok = self._write_isolating(layer, idx, hs, off, srcs)
+            finally:
+                pipe.staging.put(buf)
+        with self.lock:
+            self.done[layer, ok] = True
+
+    def _write_isolating(self, layer: int, idx: list[int], hs: list[Any], off: int, srcs: list[Any]) -> list[int]:
+        backend = self.pipe.backend
+        try:
+            backend.write(hs, [off] * len(hs), srcs)
+            return idx
+        except BackendError as e:
+            if len(idx) == 1:
+                self._fail(idx, f"layer {layer}: write of {self.keys[idx[0]]}: {describe(e)}")
+                return []
+        ok = []
+        for j, i in enumerate(idx):
+            try:
+                backend.write([hs[j]], [off], [srcs[j]])
+                ok.append(i)
+            except BackendError as e:
+                self._fail([i], f"layer {layer}: write of {self.keys[i]}: {describe(e)}")
+        return ok

@@ -187,7 +187,7 @@ class SaveStep:
                         return
                     idx = [i for i in rng if not self.failed[i]]
                 if idx:
-                    self._store(layer, idx, token)
+                    self._store_isolating(layer, idx, token)
         except Exception as e:
             log.exception("save of layer %d failed", layer)
             with self.lock:
@@ -201,6 +201,21 @@ class SaveStep:
         with self.lock:
             self.failed[idx] = True
             self.errors.add(msg)
+
+    def _store_isolating(self, layer: int, idx: list[int], token: Any) -> None:
+        """Store a batch; if the store refuses it, retry item by item so only the bad objects fail."""
+        try:
+            self._store(layer, idx, token)
+            return
+        except BackendError as e:
+            if len(idx) == 1:
+                self._fail(idx, f"layer {layer}: save of {self.keys[idx[0]]}: {describe(e)}")
+                return
+        for i in idx:
+            try:
+                self._store(layer, [i], token)
+            except BackendError as e:
+                self._fail([i], f"layer {layer}: save of {self.keys[i]}: {describe(e)}")
 
     def _store(self, layer: int, idx: list[int], token: Any) -> None:
         pipe = self.pipe

@@ -296,9 +296,8 @@ class EmbeddedBackend:
         return max(64 << 20, self.capacity // PAGE * 1024)
 
     def _open_env(self, idx: str) -> None:
-        self._env = lmdb.open(
+        self._env = _acquire_env(
             idx,
-            subdir=False,
             map_size=self._map_size(),
             max_dbs=8,
             max_readers=1024,
@@ -362,7 +361,7 @@ class EmbeddedBackend:
 
     def _create(self, idx: str, arena: str) -> None:
         if self._env is not None:
-            self._env.close()
+            _release_env(self._env)
             self._env = None
         for p in (idx, idx + "-lock", arena):
             try:
@@ -819,7 +818,7 @@ class EmbeddedBackend:
                 pass  # a caller still holds a view(): the mapping goes when that view does
             self._mm = None
         if self._env is not None:
-            self._env.close()
+            _release_env(self._env)
             self._env = None
         for name in ("_lock_fd", "_attach_fd"):
             fd = getattr(self, name, None)
@@ -835,6 +834,34 @@ class EmbeddedBackend:
 
     def __repr__(self) -> str:
         return f"EmbeddedBackend({self.path!r}, capacity_bytes={self.capacity})"
+
+
+# py-lmdb refuses to open one environment twice in a process, yet a process may hold several
+# backends on one pool (vLLM without multiprocessing runs scheduler and worker in one process):
+# they share the environment. Our flock files are per backend, so they still take turns to write.
+_ENV_LOCK = threading.Lock()
+_ENVS: dict[tuple[int, str], list[Any]] = {}  # (pid, real path) -> [environment, users]
+
+
+def _acquire_env(idx: str, **kwargs: Any) -> Any:
+    key = (os.getpid(), os.path.realpath(idx))
+    with _ENV_LOCK:
+        entry = _ENVS.get(key)
+        if entry is None:
+            entry = _ENVS[key] = [lmdb.open(idx, subdir=False, **kwargs), 0]
+        entry[1] += 1
+        return entry[0]
+
+
+def _release_env(env: Any) -> None:
+    with _ENV_LOCK:
+        for key, entry in list(_ENVS.items()):
+            if entry[0] is env:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _ENVS[key]
+                    env.close()
+                return
 
 
 def _boot_id() -> bytes:

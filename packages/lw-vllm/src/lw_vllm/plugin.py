@@ -1,0 +1,40 @@
+"""vLLM plugin entry point (group ``vllm.general_plugins``): runs in every vLLM process.
+
+Registers ``LayerwiseStoreConnector`` with vLLM's ``KVConnectorFactory`` (idempotent: a second
+call, or another package that registered the same name, is fine), the seed's name
+``AscendStoreConnector`` as an alias only when nothing else registered it (vllm-ascend does, and
+then its connector wins), and applies the CPU RoPE fix for MLA models (see ``rope_fix``).
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger(__name__)
+
+CONNECTOR_NAME = "LayerwiseStoreConnector"
+ALIAS_NAME = "AscendStoreConnector"
+MODULE = "lw_vllm.connector"
+
+
+def _register(factory: type, name: str) -> bool:
+    registry = getattr(factory, "_registry", None)
+    if registry is not None and name in registry:
+        return False
+    try:
+        factory.register_connector(name, MODULE, CONNECTOR_NAME)
+    except ValueError:  # registered between our check and the call (or no _registry attribute)
+        return False
+    return True
+
+
+def register() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    _register(KVConnectorFactory, CONNECTOR_NAME)
+    if _register(KVConnectorFactory, ALIAS_NAME):
+        log.debug("lw-vllm: %s is an alias of %s", ALIAS_NAME, CONNECTOR_NAME)
+
+    from lw_vllm import rope_fix
+
+    rope_fix.apply()

@@ -172,9 +172,10 @@ class Proxy:
                     dec.release(work, t0)
                     self.registry.close(parent)
             if status in RETRY_STATUSES or (status == 200 and not data.strip()):
-                dec.mark_failed(f"HTTP {status}" + (" with an empty body" if status == 200 else ""))
+                why = f"HTTP {status}" + (" with an empty body" if status == 200 else "")
+                dec.mark_failed(why)
                 self.m.errors.labels("upstream_status").inc()
-                last, exclude = f"{dec.url}: HTTP {status}", dec
+                last, exclude = f"{dec.url}: {why}", dec
                 continue
             dec.mark_ok()
             return status, data, resp.headers.get("Content-Type", "application/json")

@@ -1,0 +1,241 @@
+"""``lw-bench proxy``: the proxy's own overhead and throughput against mock backends.
+
+Three processes: mock backends (an aiohttp decoder that calls back the metaserver like the real
+connector, and a prefiller; both answer at once), ``lw-proxy`` itself, and this load generator.
+For each concurrency, the same closed-loop load runs first straight at the mock decoder ("direct",
+what a client of a single vLLM would see) and then through the proxy (full PD flow: decoder,
+metaserver callback, one prefill, answer). Timings are wall-clock latencies of whole requests.
+
+JSON keys (stable; ``--json`` prints them):
+  ``duration_s``           seconds of load per (concurrency, target) point
+  ``concurrency``          the concurrency levels measured, e.g. [1, 16, 64]
+  ``c<N>``                 per concurrency N: ``{"direct": S, "proxy": S, "added_p50_ms",
+                           "throughput_ratio" (proxy rps / direct rps), "proxy_p99_over_p50"}``,
+                           where S = ``{"requests", "errors", "rps", "p50_ms", "p99_ms", "mean_ms"}``
+  ``targets``              ``{"added_p50_ms_c1_le_2", "throughput_ratio_c64_ge_0.5",
+                           "p99_le_3x_p50_c64"}``: booleans, reported, never asserted
+Targets apply when 1 and 64 are among the concurrency levels (the defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing as mp
+import socket
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+import numpy as np
+
+from .config import ProxyConfig
+
+_ANSWER = msgspec.json.encode({
+    "id": "cmpl-bench", "object": "text_completion", "model": "mock",
+    "choices": [{"index": 0, "text": " ok", "finish_reason": "length", "stop_reason": None}],
+    "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+})
+_REQUEST = msgspec.json.encode({"model": "mock", "prompt": "The quick brown fox jumps over the lazy dog",
+                                "max_tokens": 16, "temperature": 0})
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--duration", type=float, default=4.0, help="seconds of load per point (after warm-up)")
+    p.add_argument("--quick", action="store_true", help="smoke test: 0.5 s per point")
+
+
+# ------------------------------------------------------------------------ mock backends (own process)
+def _mock_main(conn: Any) -> None:
+    from aiohttp import web
+
+    async def main() -> None:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        dec_json = msgspec.json.Decoder()
+
+        async def decoder(request: web.Request) -> web.Response:
+            body = dec_json.decode(await request.read())
+            params = body.get("kv_transfer_params")
+            if params and params.get("do_remote_prefill"):
+                cb = msgspec.json.encode({"lw_parent_id": params["lw_parent_id"], "request_id": "bench-0"})
+                async with session.post(params["metaserver"], data=cb,
+                                        headers={"Content-Type": "application/json"}) as r:
+                    await r.read()
+            return web.Response(body=_ANSWER, content_type="application/json")
+
+        async def prefiller(request: web.Request) -> web.Response:
+            await request.read()
+            return web.Response(body=_ANSWER, content_type="application/json")
+
+        async def health(request: web.Request) -> web.Response:
+            return web.Response()
+
+        ports = []
+        runners = []
+        for handler in (decoder, prefiller):
+            app = web.Application()
+            app.router.add_post("/v1/completions", handler)
+            app.router.add_get("/health", health)
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
+            await site.start()
+            ports.append(site._server.sockets[0].getsockname()[1])
+            runners.append(runner)
+        conn.send(ports)
+        # Run until the parent closes its end of the pipe.
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, _wait_closed, conn)
+        await session.close()
+        for r in runners:
+            await r.cleanup()
+
+    asyncio.run(main())
+
+
+def _wait_closed(conn: Any) -> None:
+    with contextlib.suppress(EOFError, OSError):
+        conn.recv()
+
+
+def _proxy_main(cfg: ProxyConfig) -> None:
+    import logging
+
+    from .cli import serve
+
+    logging.basicConfig(level="WARNING")
+    serve(cfg)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------ load generator
+async def _wait_ready(url: str, deadline_s: float = 30.0) -> None:
+    end = time.monotonic() + deadline_s
+    async with aiohttp.ClientSession() as s:
+        while True:
+            try:
+                async with s.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
+                    if r.status in (200, 404, 405):
+                        return
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+                pass
+            if time.monotonic() > end:
+                raise RuntimeError(f"{url} did not come up within {deadline_s:g} s")
+            await asyncio.sleep(0.1)
+
+
+async def _load(url: str, concurrency: int, duration: float) -> dict[str, Any]:
+    conn = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
+    headers = {"Content-Type": "application/json"}
+    lat: list[float] = []
+    errors = 0
+    async with aiohttp.ClientSession(connector=conn, timeout=aiohttp.ClientTimeout(total=30)) as s:
+        async def one() -> bool:
+            async with s.post(url, data=_REQUEST, headers=headers) as r:
+                await r.read()
+                return r.status == 200
+
+        # Warm-up: open the pool's connections, let the proxy open its own.
+        await asyncio.gather(*(one() for _ in range(concurrency * 2)), return_exceptions=True)
+        stop = time.perf_counter() + duration
+
+        async def worker() -> None:
+            nonlocal errors
+            while time.perf_counter() < stop:
+                t0 = time.perf_counter()
+                try:
+                    ok = await one()
+                except (aiohttp.ClientError, asyncio.TimeoutError):
+                    ok = False
+                if ok:
+                    lat.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - t0
+    a = np.asarray(lat) * 1000 if lat else np.asarray([float("nan")])
+    return {"requests": len(lat), "errors": errors, "rps": round(len(lat) / elapsed, 1),
+            "p50_ms": round(float(np.percentile(a, 50)), 3), "p99_ms": round(float(np.percentile(a, 99)), 3),
+            "mean_ms": round(float(a.mean()), 3)}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    duration = 0.5 if args.quick else args.duration
+    levels = list(args.concurrency)
+    if not levels or min(levels) < 1 or max(levels) > 4096:
+        raise SystemExit("lw-bench proxy: --concurrency values must be 1-4096")
+    ctx = mp.get_context("spawn")
+    parent_end, child_end = ctx.Pipe()
+    mocks = ctx.Process(target=_mock_main, args=(child_end,), daemon=True)
+    mocks.start()
+    proxy = None
+    try:
+        if not parent_end.poll(30):
+            raise RuntimeError("mock backends did not start within 30 s")
+        dport, pport = parent_end.recv()
+        port = _free_port()
+        cfg = ProxyConfig(host="127.0.0.1", port=port, prefillers=[f"http://127.0.0.1:{pport}"],
+                          decoders=[f"http://127.0.0.1:{dport}"])
+        proxy = ctx.Process(target=_proxy_main, args=(cfg,), daemon=True)
+        proxy.start()
+        direct_url = f"http://127.0.0.1:{dport}/v1/completions"
+        proxy_url = f"http://127.0.0.1:{port}/v1/completions"
+        result = asyncio.run(_measure(direct_url, proxy_url, f"http://127.0.0.1:{port}/healthcheck", levels, duration))
+    finally:
+        parent_end.close()
+        for p in (proxy, mocks):
+            if p is not None:
+                p.terminate()
+                p.join(5)
+    result["duration_s"] = duration
+    if not getattr(args, "json", False):
+        _print_table(result)
+    return result
+
+
+async def _measure(direct_url: str, proxy_url: str, health: str, levels: list[int],
+                   duration: float) -> dict[str, Any]:
+    await _wait_ready(health)
+    out: dict[str, Any] = {"concurrency": levels}
+    for c in levels:
+        d = await _load(direct_url, c, duration)
+        p = await _load(proxy_url, c, duration)
+        out[f"c{c}"] = {
+            "direct": d, "proxy": p,
+            "added_p50_ms": round(p["p50_ms"] - d["p50_ms"], 3),
+            "throughput_ratio": round(p["rps"] / d["rps"], 3) if d["rps"] else None,
+            "proxy_p99_over_p50": round(p["p99_ms"] / p["p50_ms"], 2) if p["p50_ms"] else None,
+        }
+    t: dict[str, bool | None] = {}
+    if "c1" in out:
+        t["added_p50_ms_c1_le_2"] = out["c1"]["added_p50_ms"] <= 2.0
+    if "c64" in out:
+        r = out["c64"]
+        t["throughput_ratio_c64_ge_0.5"] = r["throughput_ratio"] is not None and r["throughput_ratio"] >= 0.5
+        t["p99_le_3x_p50_c64"] = r["proxy_p99_over_p50"] is not None and r["proxy_p99_over_p50"] <= 3.0
+    out["targets"] = t
+    return out
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    print(f"lw-bench proxy: {r['duration_s']:g} s per point; direct = straight to the mock decoder")
+    print(f"{'conc':>5} {'target':>7} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6}")
+    for c in r["concurrency"]:
+        row = r[f"c{c}"]
+        for name in ("direct", "proxy"):
+            s = row[name]
+            print(f"{c:>5} {name:>7} {s['rps']:>9.1f} {s['p50_ms']:>8.3f} {s['p99_ms']:>8.3f} {s['errors']:>6}")
+        print(f"{'':>5} added p50 {row['added_p50_ms']:.3f} ms; throughput ratio {row['throughput_ratio']}; "
+              f"proxy p99/p50 {row['proxy_p99_over_p50']}")
+    for k, v in r["targets"].items():
+        print(f"target {k}: {'met' if v else 'NOT met'}")

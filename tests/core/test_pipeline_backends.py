@@ -96,7 +96,6 @@ def _save_in_child(path: str, ready) -> None:
         ready.put(res.committed_keys)
 
 
-@pytest.mark.slow
 def test_objects_saved_by_another_process_load_exactly(tmp_path):
     embedded = pytest.importorskip("lw_core.backends.embedded")
     path = str(tmp_path / "pool")

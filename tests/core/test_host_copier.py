@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from lw_core.copier import Copier
 from lw_core.host_copier import HostCopier, aligned_empty
 

@@ -7,11 +7,10 @@ import time
 
 import numpy as np
 import pytest
-from test_pipeline_support import make_layout
-
 from lw_core.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
+from test_pipeline_support import make_layout
 
 LAYOUT = make_layout(4, [4096, 8192, 4096, 12288])
 SAVES = [ReqSave("r0", ["a", "b", "c"], [2, 5, 7]), ReqSave("r1", ["d"], [0])]

@@ -6,7 +6,6 @@ import importlib.util
 import json
 
 import pytest
-
 from lw_core.bench.cli import main
 
 KEYS = {

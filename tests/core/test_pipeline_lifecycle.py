@@ -5,11 +5,10 @@ from __future__ import annotations
 import threading
 
 import pytest
-from test_pipeline_support import DictBackend, make_layout, wait_until
-
 from lw_core.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ReqLoad, ReqSave
+from test_pipeline_support import DictBackend, make_layout, wait_until
 
 
 def make(layout, **kw):

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from lw_core.backend import BackendError, ObjectMissing
 from lw_core.host_copier import HostCopier
 from lw_core.plan import ObjectLayout

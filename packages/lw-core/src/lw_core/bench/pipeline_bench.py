@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = dict(os.environ, **{k: "1" for k in _BLAS_ENV}, **{_CFG_ENV: json.dumps(cfg)})
     cmd = [sys.executable, "-c", "from lw_core.bench.pipeline_bench import _child; _child()"]
     try:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout_s)
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout_s, check=False)
     except subprocess.TimeoutExpired:
         raise SystemExit(f"lw-bench pipeline: the measurement did not finish within --timeout-s={args.timeout_s}") from None
     if proc.returncode != 0:
@@ -202,7 +202,7 @@ def _calibrate_matmul(target_s: float) -> tuple[int, Any]:
     n = 128
     for _ in range(6):
         t = timed(kernel_for(n))
-        new = max(8, min(8192, int(round(n * (target_s / max(t, 1e-7)) ** (1 / 3)))))
+        new = max(8, min(8192, round(n * (target_s / max(t, 1e-7)) ** (1 / 3))))
         if abs(new - n) <= max(2, n // 50):
             break
         n = new

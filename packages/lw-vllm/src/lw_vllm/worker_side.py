@@ -1,0 +1,183 @@
+"""The worker part of LayerwiseStoreConnector: turns each step's plan into LayerPipeline calls.
+
+Hooks per step (vLLM's order): ``start_load_kv`` (before the forward when the step loads, after it
+otherwise), per attention layer ``wait_for_layer_load`` then ``save_kv_layer``, then
+``wait_for_save``. Saves therefore start lazily at the first ``save_kv_layer`` of a step (or in
+``wait_for_save`` in bulk mode), and loads and saves both finish in ``wait_for_save``, so nothing
+outlives its step: ``get_finished`` has nothing to report and blocks are never freed late.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from lw_core.pipeline import LayerPipeline
+from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
+
+from lw_vllm import pool
+from lw_vllm.copier import TorchCopier
+from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta
+
+log = logging.getLogger(__name__)
+
+
+def _tp() -> tuple[int, int]:
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except Exception:  # model parallel groups not initialised (unit tests)
+        return 0, 1
+
+
+class WorkerSide:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: Any, role: str) -> None:
+        self.vllm_config, self.kv_cache_config, self.cfg = vllm_config, kv_cache_config, cfg
+        self.tp_rank, self.tp_size = _tp()
+        self.tag = pool.my_rank_tag(vllm_config, self.tp_rank)
+        self.keyspace = pool.key_space(vllm_config, kv_cache_config)
+        # MLA's latent KV is identical on every TP rank: rank 0 alone writes it, every rank reads.
+        self.saves_here = not pool.is_mla(vllm_config) or self.tp_rank == 0
+        self.layer_index: dict[str, int] = {}
+        self.pipe: LayerPipeline | None = None
+        self.backend: Any = None
+        self._meta: LayerwiseMeta | None = None
+        self._loading = False
+        self._saving = False
+        self._load_blocks: dict[str, list[int]] = {}
+        self._save_owner: dict[str, str] = {}
+        self._failed_blocks: set[int] = set()
+        self._report = LayerwiseWorkerMeta()
+
+    # --- set-up ---
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        names = pool.layer_names(self.kv_cache_config)
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise NotImplementedError(f"LayerwiseStoreConnector: KV cache tensors missing for layers {missing[:4]}")
+        num_blocks = self.kv_cache_config.num_blocks
+        copier = TorchCopier([kv_caches[n] for n in names], num_blocks)
+        page = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        for i, n in enumerate(names):
+            if copier.block_nbytes(i) != page:
+                raise NotImplementedError(
+                    f"LayerwiseStoreConnector: layer {n} has {copier.block_nbytes(i)} bytes per block in its KV "
+                    f"tensor but the KV cache spec says {page}; this KV layout is not supported"
+                )
+        self.layer_index = {n: i for i, n in enumerate(names)}
+        layout = ObjectLayout(tuple(copier.block_nbytes(i) for i in range(len(names))))
+        self.backend = pool.acquire_backend(self.cfg)
+        self.pipe = LayerPipeline(
+            self.backend,
+            copier,
+            layout,
+            layerwise=self.cfg.use_layerwise,
+            prefetch_depth=self.cfg.layerwise_prefetch_layers,
+            max_transfer_blocks=self.cfg.layerwise_max_transfer_blocks,
+            max_transfer_bytes=self.cfg.layerwise_max_transfer_bytes,
+            h2d_stagger_us=self.cfg.h2d_stagger_us,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            layer_timeout_s=self.cfg.layer_wait_timeout_s,
+            save_timeout_s=self.cfg.save_timeout_s,
+        )
+        log.info(
+            "lw-vllm: %d layers, %d bytes per block and layer, %s mode, tag %s",
+            len(names), page, "layerwise" if self.cfg.use_layerwise else "bulk", self.tag,
+        )
+
+    # --- per step ---
+    def bind(self, meta: Any) -> None:
+        self._meta = meta if isinstance(meta, LayerwiseMeta) else None
+        self._loading = self._saving = False
+
+    def start_load_kv(self) -> None:
+        meta, pipe = self._meta, self.pipe
+        if meta is None or pipe is None or self._loading or not meta.loads:
+            return
+        loads = []
+        for x in meta.loads:
+            loads.append(ReqLoad(x.req_id, self.keyspace.keys(self.tag, x.hashes), list(x.block_ids)))
+            self._load_blocks[x.req_id] = list(x.block_ids)
+        self._loading = True
+        pipe.start_load(loads)
+
+    def _start_save(self) -> None:
+        meta, pipe = self._meta, self.pipe
+        if self._saving or meta is None or pipe is None:
+            return
+        self._saving = True
+        if not meta.saves or not self.saves_here:
+            return
+        saves = []
+        for x in meta.saves:
+            keys = self.keyspace.keys(self.tag, x.hashes)
+            saves.append(ReqSave(x.req_id, keys, list(x.block_ids)))
+            for k in keys:
+                self._save_owner.setdefault(k, x.req_id)
+        pipe.start_save(saves)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self._loading and self.pipe is not None:
+            idx = self.layer_index.get(layer_name)
+            if idx is not None:
+                self.pipe.wait_layer(idx)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        if self.pipe is None or self._meta is None:
+            return
+        self._start_save()
+        idx = self.layer_index.get(layer_name)
+        if idx is not None:
+            self.pipe.save_layer(idx)
+
+    def wait_for_save(self) -> None:
+        pipe = self.pipe
+        if pipe is None or self._meta is None:
+            return
+        if self._loading:
+            self._finish_load(pipe)
+        self._start_save()
+        res = pipe.finish_save()
+        for k in res.committed_keys:
+            rid = self._save_owner.pop(k, None)
+            if rid is not None:
+                self._report.saved[rid] = self._report.saved.get(rid, 0) + 1
+        for k in res.failed_keys + res.skipped_keys:
+            self._save_owner.pop(k, None)
+        if res.errors:
+            log.warning("lw-vllm: saves failed (those chunks are not published): %s", "; ".join(res.errors[:3]))
+
+    def _finish_load(self, pipe: LayerPipeline) -> None:
+        self._loading = False
+        res = pipe.finish_load()
+        failed = set(res.failed_block_ids)
+        self._failed_blocks |= failed
+        for rid, blocks in self._load_blocks.items():
+            bad = sum(1 for b in blocks if b in failed)
+            self._report.loaded[rid] = self._report.loaded.get(rid, 0) + len(blocks) - bad
+            if bad:
+                self._report.failed[rid] = self._report.failed.get(rid, 0) + bad
+        self._load_blocks.clear()
+        if res.errors:
+            log.warning("lw-vllm: %d blocks failed to load, vLLM recomputes them: %s", len(failed), "; ".join(res.errors[:3]))
+
+    def take_load_errors(self) -> set[int]:
+        out, self._failed_blocks = self._failed_blocks, set()
+        return out
+
+    def take_report(self) -> LayerwiseWorkerMeta | None:
+        rep = self._report
+        if not (rep.loaded or rep.failed or rep.saved):
+            return None
+        self._report = LayerwiseWorkerMeta()
+        return rep
+
+    def shutdown(self) -> None:
+        if self.pipe is not None:
+            self.pipe.close()
+            self.pipe = None
+        if self.backend is not None:
+            pool.release_backend(self.cfg, self.backend)
+            self.backend = None

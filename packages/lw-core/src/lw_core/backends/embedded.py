@@ -5,9 +5,11 @@ Layout of the pool directory (``embedded_path``; put it on tmpfs, e.g. ``/dev/sh
 * ``arena``  -- the data: one file of ``capacity_bytes``, ``mmap``'d ``MAP_SHARED`` by every process.
   Objects are page-aligned extents of it, so a read or write is one memcpy between the caller's
   buffer and the mapping, and ``view()`` hands out the mapping itself (zero copy).
-* ``index.lmdb`` -- the metadata, in LMDB: key -> object record (state, extent, LRU stamp, lease),
-  the LRU order, in-flight reservations (owner pid, start time, age) and the arena's free extents.
+* ``index.lmdb`` -- the metadata, in LMDB: key -> object record (state, extent, LRU stamp), the
+  LRU order, in-flight reservations (owner pid, start time, age) and the arena's free extents.
   Every call that changes metadata is ONE write transaction for the whole batch.
+* ``leases`` -- read leases, one slot per arena page (embedded_leases.py): ``open`` is an LMDB
+  read plus a few stores there, ``release`` touches no index at all.
 * ``writer.lock`` / ``attach.lock`` -- ``flock`` files: a bounded writer lock in front of LMDB's,
   and a shared lock every attached process holds, so a process can tell it is alone.
 
@@ -26,15 +28,22 @@ shared/design/embedded-store-facts.md and ``lw-bench backend``):
   ``reader_check()`` when the map fills (a killed reader pins pages).
 * The arena is ``posix_fallocate``'d at creation and mapped with ``MAP_POPULATE``: first-touch page
   faults on tmpfs ran at ~2.8 GB/s against ~11 GB/s for mapped pages.
-* Copies of >= 64 KiB go through numpy (it releases the GIL, so a transfer thread does not stall
+* Copies of >= 1 MiB go through numpy (it releases the GIL, so a transfer thread does not stall
   the engine); smaller ones through memoryview slice assignment (less per-call overhead).
+* Measured with ``lw-bench backend`` (ratio to a numpy memcpy of the same bytes, same run):
+  64 KiB objects put 0.41-0.46x / get 0.62-0.66x (one open+read+release per 32 objects; the
+  index work, ~1.5 us per key, is what is left), 4 MiB objects put ~0.85-0.9x / get ~0.9x, per-layer
+  ranged batches of 32 x 16 KiB put ~0.8x / get ~0.8x at ~0.1 ms per layer call; open+release of
+  32 keys ~0.05 ms, reserve+commit of 32 keys ~0.2 ms (more when it must evict mixed sizes).
 
 Rules kept (lw_core.backend's contract):
 
 * Only committed objects are visible; objects are write-once; a batch's metadata is one
   transaction. ``reserve`` returns None for a committed or in-flight key, or when nothing fits.
-* Eviction: LRU over committed objects that hold no live lease, done inside ``reserve`` when the
-  free list has no room; evictions are counted in ``stats()``.
+* Eviction: CLOCK over the LRU order of committed objects (a read sets a flag instead of moving
+  the object, which would cost an index write per read; a flagged object gets a second chance),
+  skipping objects with a live lease; done inside ``reserve`` when the free list has no room. An
+  evicted extent of the right size is handed straight to the new object. Counted in ``stats()``.
 * Leases: ``open`` adds a lease that expires after ``lease_ttl_s`` (a dead reader cannot pin an
   object forever). A reader still copying after its lease expired may read a reused extent: keep
   ``lease_ttl_s`` far above one step's duration.
@@ -44,8 +53,10 @@ Rules kept (lw_core.backend's contract):
   than ``reservation_timeout_s`` whose owner still lives loses its key (others may write it) but
   keeps its extent until that owner ends or calls commit/abort -- it may still be copying into it.
   Owners in another pid namespace cannot be checked: they are reclaimed after the timeout only.
-* Processes: open one ``EmbeddedBackend`` per process (after spawn/fork); using one across a fork
-  raises. Processes sharing a pool must see the same ``/proc`` pid namespace for fast reclaim.
+* Processes: open an ``EmbeddedBackend`` in each process (several in one process share one LMDB
+  environment); using one across a fork raises, and py-lmdb cannot reopen a pool in a child forked
+  from a process that has it open: use spawn. Processes sharing a pool must see the same ``/proc``
+  pid namespace for fast reclaim.
 * Nothing hangs: our writer lock is an ``flock`` taken with a deadline (``lock_timeout_s``,
   ``BackendUnavailable`` after it), so LMDB's own writer mutex -- which has no timeout -- is only
   ever taken uncontended. A process that dies holding either lock frees it (flock / LMDB's robust
@@ -74,11 +85,12 @@ import numpy as np
 
 from lw_core.backend import BackendError, BackendUnavailable, Buffer, ObjectMissing, PoolFull
 from lw_core.backends._arena_alloc import ArenaCorrupt, ExtentAllocator
+from lw_core.backends.embedded_leases import FREE, LEASED, LeaseTable
 from lw_core.backends.embedded_proc import OWNER_SIZE, Owner, current_owner, owner_alive
 
-FORMAT = b"lw-embedded/1"
+FORMAT = b"lw-embedded/3"
 PAGE = mmap.PAGESIZE
-_NP_COPY_MIN = 64 << 10  # numpy copies release the GIL; below this memoryview is cheaper per call
+_NP_COPY_MIN = 1 << 20  # numpy copies release the GIL (worth it for long copies); memoryview costs less per call
 _MAX_KEY_BYTES = 500  # LMDB's default key limit is 511
 _SWEEP_INTERVAL_S = 5.0
 
@@ -88,18 +100,11 @@ _CAP = struct.Struct("<QQ")  # capacity, page size
 COMMITTED, RESERVED = 1, 2
 
 
-class _Obj(NamedTuple):
-    state: int
-    leases: int
-    oid: int
-    off: int
-    alloc: int
-    nbytes: int
-    stamp: int  # LRU position (0 while reserved)
-    expiry: float  # wall-clock end of the newest lease
-
-
-_OBJ = struct.Struct("<BxxxIQQQQQd")
+# Object record, kept as a plain list on the hot paths (a NamedTuple per record cost more than the
+# LMDB operations): state, object id, arena offset, allocated bytes, object bytes, LRU stamp (0
+# while reserved). Leases live in the lease table (embedded_leases.py), not here.
+_OBJ = struct.Struct("<B7xQQQQQ")
+ST, OID, OFF, ALLOC, NBYTES, STAMP = range(6)
 
 
 class _Resv(NamedTuple):
@@ -128,8 +133,6 @@ COUNTERS = (
     "reserve_rejected_full",
     "commits",
     "aborts",
-    "open_hits",
-    "open_misses",
 )
 _C = {name: i for i, name in enumerate(COUNTERS)}
 _COUNTERS = struct.Struct("<" + "q" * len(COUNTERS))
@@ -184,6 +187,7 @@ class _Tx:
         raw = txn.get(b"counters", db=be._meta)
         self.c = list(_COUNTERS.unpack(raw))
         self.swept = False
+        self.lru_cur: Any = None
 
     def flush(self) -> None:
         self.txn.put(b"counters", _COUNTERS.pack(*self.c), db=self.be._meta)
@@ -202,11 +206,11 @@ class _Tx:
         self.be._alloc.free(self.txn, off, size)
         self.c[_C["free_bytes"]] += size
 
-    def get_obj(self, bkey: bytes) -> _Obj | None:
+    def get_obj(self, bkey: bytes) -> list | None:
         v = self.txn.get(bkey, db=self.be._obj)
-        return None if v is None else _Obj(*_OBJ.unpack(v))
+        return None if v is None else list(_OBJ.unpack(v))
 
-    def put_obj(self, bkey: bytes, o: _Obj) -> None:
+    def put_obj(self, bkey: bytes, o: list) -> None:
         self.txn.put(bkey, _OBJ.pack(*o), db=self.be._obj)
 
     def get_resv(self, oid: int) -> tuple[_Resv, bytes] | None:
@@ -263,6 +267,8 @@ class EmbeddedBackend:
         self._mv: memoryview | None = None
         self._np: np.ndarray | None = None
         self._last_sweep = 0.0
+        self._leases: LeaseTable | None = None
+        self._local = {"open_hits": 0, "open_misses": 0}
         try:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
             self._lock_fd = os.open(os.path.join(self.path, "writer.lock"), os.O_RDWR | os.O_CREAT, 0o600)
@@ -287,8 +293,8 @@ class EmbeddedBackend:
 
     # ----------------------------------------------------------------- setup
 
-    def _files(self) -> tuple[str, str]:
-        return os.path.join(self.path, "index.lmdb"), os.path.join(self.path, "arena")
+    def _files(self) -> tuple[str, str, str]:
+        return tuple(os.path.join(self.path, f) for f in ("index.lmdb", "arena", "leases"))  # type: ignore[return-value]
 
     def _map_size(self) -> int:
         # Worst case one object per page; ~1 KiB of index per object covers records, LRU and free
@@ -328,9 +334,9 @@ class EmbeddedBackend:
         return None
 
     def _open_or_create(self, alone: bool, populate: bool) -> None:
-        idx, arena = self._files()
+        idx, arena, leases = self._files()
         reason = None
-        if os.path.exists(idx) and os.path.exists(arena):
+        if all(map(os.path.exists, (idx, arena, leases))):
             try:
                 self._open_env(idx)
                 reason = self._mismatch()
@@ -344,7 +350,7 @@ class EmbeddedBackend:
         else:
             reason = "new"
         if reason:
-            self._create(idx, arena)
+            self._create(idx, arena, leases)
         try:
             fd = os.open(arena, os.O_RDWR)
         except OSError as e:
@@ -358,12 +364,16 @@ class EmbeddedBackend:
             os.close(fd)
         self._mv = memoryview(self._mm)
         self._np = np.frombuffer(self._mm, dtype=np.uint8)
+        try:
+            self._leases = LeaseTable(leases, self.capacity // PAGE)
+        except (OSError, ValueError) as e:
+            raise BackendError(f"embedded pool: cannot map the lease table: {e}") from e
 
-    def _create(self, idx: str, arena: str) -> None:
+    def _create(self, idx: str, arena: str, leases: str) -> None:
         if self._env is not None:
             _release_env(self._env)
             self._env = None
-        for p in (idx, idx + "-lock", arena):
+        for p in (idx, idx + "-lock", arena, leases):
             try:
                 os.unlink(p)
             except FileNotFoundError:
@@ -379,6 +389,7 @@ class EmbeddedBackend:
             hint = " (not enough free space: lower embedded_capacity_bytes or free the filesystem)" if e.errno == errno.ENOSPC else ""
             raise BackendError(f"embedded pool: cannot allocate {self.capacity} bytes at {arena!r}: {e}{hint}") from e
         os.close(fd)
+        LeaseTable.create(leases, self.capacity // PAGE)
         self._open_env(idx)
         with self._env.begin(write=True) as txn:
             c = [0] * len(COUNTERS)
@@ -496,43 +507,64 @@ class EmbeddedBackend:
 
     def _drop_key_if(self, t: _Tx, bkey: bytes, oid: int) -> None:
         o = t.get_obj(bkey)
-        if o is not None and o.oid == oid and o.state == RESERVED:
+        if o is not None and o[OID] == oid and o[ST] == RESERVED:
             t.txn.delete(bkey, db=self._obj)
 
     def _make_room(self, t: _Tx, size: int) -> int | None:
-        """Free space for ``size`` bytes: reclaim dead reservations, then evict LRU unleased objects."""
+        """Free space for ``size`` bytes: reclaim dead reservations, then evict (CLOCK over the LRU
+        order) committed objects without a live lease. One cursor serves a whole batch."""
         if not t.swept:
             self._sweep(t)
             off = t.alloc(size)
             if off is not None:
                 return off
-        cur = t.txn.cursor(db=self._lru)
-        if not cur.first():
-            return None
+        if t.lru_cur is None:
+            t.lru_cur = t.txn.cursor(db=self._lru)
+            if not t.lru_cur.first():
+                return None
+        cur = t.lru_cur
+        # Terminates: each entry is evicted, skipped (leased) or re-queued at most once (its
+        # reference flag is cleared, and nobody can set it while we hold the writer lock).
         while True:
-            stamp = _BE.unpack(cur.key())[0]
-            bkey = bytes(cur.value())
+            k = cur.key()
+            if not k:  # past the last entry
+                return None
+            stamp = _BE.unpack(k)[0]
+            bkey = cur.value()
             o = t.get_obj(bkey)
-            if o is None or o.stamp != stamp or o.state != COMMITTED:
-                cur.delete()  # stale LRU entry (cannot happen unless a bug): drop it, go on
-            elif o.leases > 0 and o.expiry > t.now:
+            if o is None or o[STAMP] != stamp or o[ST] != COMMITTED:
+                cur.delete()  # stale entry (a bug if ever): drop it, go on
+                continue
+            lease = self._leases.state(o[OFF] // PAGE, o[OID], t.now)
+            if lease == LEASED:
                 if not cur.next():
                     return None
                 continue
-            else:
+            if lease != FREE:
+                # Read since it was queued: second chance at the tail (CLOCK).
                 cur.delete()
-                t.txn.delete(bkey, db=self._obj)
-                t.free(o.off, o.alloc)
-                t.c[_C["objects"]] -= 1
-                t.c[_C["bytes"]] -= o.nbytes
-                t.c[_C["committed_alloc_bytes"]] -= o.alloc
-                t.c[_C["evictions"]] += 1
-                t.c[_C["evicted_bytes"]] += o.nbytes
-                off = t.alloc(size)
-                if off is not None:
-                    return off
-            if not cur.key():  # the delete moved past the last entry
-                return None
+                o[STAMP] = t.next_id()
+                t.txn.put(_BE.pack(o[STAMP]), bkey, db=self._lru)
+                t.put_obj(bkey, o)
+                if not cur.key():  # it was the last entry: the cursor fell off; resume at its new place
+                    cur.set_key(_BE.pack(o[STAMP]))
+                continue
+            cur.delete()
+            t.txn.delete(bkey, db=self._obj)
+            t.c[_C["objects"]] -= 1
+            t.c[_C["bytes"]] -= o[NBYTES]
+            t.c[_C["committed_alloc_bytes"]] -= o[ALLOC]
+            t.c[_C["evictions"]] += 1
+            t.c[_C["evicted_bytes"]] += o[NBYTES]
+            if o[ALLOC] >= size:
+                # Usual case (one object size per pool): hand the extent over, free only the rest.
+                if o[ALLOC] > size:
+                    t.free(o[OFF] + size, o[ALLOC] - size)
+                return o[OFF]
+            t.free(o[OFF], o[ALLOC])
+            off = t.alloc(size)
+            if off is not None:
+                return off
 
     # ----------------------------------------------------------------- the protocol
 
@@ -553,7 +585,7 @@ class EmbeddedBackend:
         with self._read() as txn:
             for bk in bkeys:
                 v = txn.get(bk, db=self._obj)
-                if v is None or v[0] != COMMITTED:
+                if v is None or v[ST] != COMMITTED:
                     break
                 n += 1
         return n
@@ -593,7 +625,7 @@ class EmbeddedBackend:
                         t.c[_C["reserve_rejected_full"]] += len(eligible) - j
                         break
                 oid = t.next_id()
-                t.put_obj(bkeys[i], _Obj(RESERVED, 0, oid, off, alloc, nbytes, 0, 0.0))
+                t.put_obj(bkeys[i], [RESERVED, oid, off, alloc, nbytes, 0])
                 t.put_resv(oid, _Resv(self._me, t.now, off, alloc, 0), bkeys[i])
                 t.c[_C["reserved_objects"]] += 1
                 t.c[_C["reserved_bytes"]] += alloc
@@ -602,56 +634,63 @@ class EmbeddedBackend:
 
         return self._write(fn)
 
-    def _key_free(self, t: _Tx, bkey: bytes, o: _Obj) -> bool:
+    def _key_free(self, t: _Tx, bkey: bytes, o: list) -> bool:
         """An existing record blocks a new reservation unless it is a dead writer's."""
-        if o.state == COMMITTED:
+        if o[ST] == COMMITTED:
             return False
-        found = t.get_resv(o.oid)
+        found = t.get_resv(o[OID])
         if found is None:  # record without reservation: a bug; drop it rather than pin the key
             t.txn.delete(bkey, db=self._obj)
             return True
-        return self._judge(t, o.oid, *found)
+        return self._judge(t, o[OID], *found)
 
     def _own(self, h: Any, what: str) -> EmbeddedHandle:
         if not isinstance(h, EmbeddedHandle):
             raise TypeError(f"embedded pool: {what} needs handles from this backend, got {type(h).__name__}")
         return h
 
+    # write/read are the per-layer hot path (one call per layer for a whole batch): the loops are
+    # kept tight -- per-item Python overhead is comparable to a 16 KiB memcpy.
+
     def write(self, handles: Sequence[EmbeddedHandle], offsets: Sequence[int], srcs: Sequence[Buffer]) -> None:
         self._usable()
         if not (len(handles) == len(offsets) == len(srcs)):
             raise ValueError(f"embedded pool: write got {len(handles)} handles, {len(offsets)} offsets, {len(srcs)} srcs")
-        mv, npa = self._mv, self._np
+        mv, npa, big = self._mv, self._np, _NP_COPY_MIN
         for h, off, src in zip(handles, offsets, srcs):
-            if not (isinstance(h, EmbeddedHandle) and h._writable):
+            if type(h) is not EmbeddedHandle or not h._writable:
                 raise BackendError(f"embedded pool: write to {h!r}, which is not a reserved handle")
-            m = _bytes_view(src, writable=False, what=f"write {h.key!r}")
+            m = src if type(src) is memoryview else memoryview(src)
+            if m.ndim != 1 or m.format != "B":
+                m = _bytes_view(m, writable=False, what=f"write {h.key!r}")
             n = m.nbytes
             if off < 0 or off + n > h.nbytes:
                 raise ValueError(f"embedded pool: write of {n} bytes at offset {off} is outside object {h.key!r} of {h.nbytes} bytes")
             a = h._off + off
-            if n >= _NP_COPY_MIN:
-                npa[a : a + n] = np.frombuffer(m, dtype=np.uint8)
-            else:
+            if n < big:
                 mv[a : a + n] = m
+            else:
+                npa[a : a + n] = np.frombuffer(m, dtype=np.uint8)
 
     def read(self, handles: Sequence[EmbeddedHandle], offsets: Sequence[int], dsts: Sequence[Buffer]) -> None:
         self._usable()
         if not (len(handles) == len(offsets) == len(dsts)):
             raise ValueError(f"embedded pool: read got {len(handles)} handles, {len(offsets)} offsets, {len(dsts)} dsts")
-        mv, npa = self._mv, self._np
+        mv, npa, big = self._mv, self._np, _NP_COPY_MIN
         for h, off, dst in zip(handles, offsets, dsts):
-            if not isinstance(h, EmbeddedHandle):
+            if type(h) is not EmbeddedHandle:
                 raise TypeError(f"embedded pool: read needs handles from this backend, got {type(h).__name__}")
-            m = _bytes_view(dst, writable=True, what=f"read {h.key!r}")
+            m = dst if type(dst) is memoryview else memoryview(dst)
+            if m.ndim != 1 or m.format != "B" or m.readonly:
+                m = _bytes_view(m, writable=True, what=f"read {h.key!r}")
             n = m.nbytes
             if off < 0 or off + n > h.nbytes:
                 raise ValueError(f"embedded pool: read of {n} bytes at offset {off} is outside object {h.key!r} of {h.nbytes} bytes")
             a = h._off + off
-            if n >= _NP_COPY_MIN:
-                np.frombuffer(m, dtype=np.uint8)[:] = npa[a : a + n]
-            else:
+            if n < big:
                 m[:] = mv[a : a + n]
+            else:
+                np.frombuffer(m, dtype=np.uint8)[:] = npa[a : a + n]
 
     def view(self, handle: EmbeddedHandle, offset: int, nbytes: int) -> memoryview:
         self._usable()
@@ -669,18 +708,19 @@ class EmbeddedBackend:
             lost = []
             for h in hs:
                 o = t.get_obj(h._bkey)
-                if o is not None and o.oid == h._oid:
-                    if o.state == COMMITTED:
+                if o is not None and o[OID] == h._oid:
+                    if o[ST] == COMMITTED:
                         continue  # committed twice: the first one counted
                     stamp = t.next_id()
-                    t.put_obj(h._bkey, o._replace(state=COMMITTED, stamp=stamp))
+                    o[ST], o[STAMP] = COMMITTED, stamp
+                    t.put_obj(h._bkey, o)
                     t.txn.put(_BE.pack(stamp), h._bkey, db=self._lru)
                     t.txn.delete(_BE.pack(h._oid), db=self._resv)
                     t.c[_C["reserved_objects"]] -= 1
-                    t.c[_C["reserved_bytes"]] -= o.alloc
+                    t.c[_C["reserved_bytes"]] -= o[ALLOC]
                     t.c[_C["objects"]] += 1
-                    t.c[_C["bytes"]] += o.nbytes
-                    t.c[_C["committed_alloc_bytes"]] += o.alloc
+                    t.c[_C["bytes"]] += o[NBYTES]
+                    t.c[_C["committed_alloc_bytes"]] += o[ALLOC]
                     t.c[_C["commits"]] += 1
                 else:
                     # Aborted before, or our reservation timed out (its key went to others) and
@@ -721,46 +761,43 @@ class EmbeddedBackend:
 
     def open(self, keys: Sequence[str]) -> list[EmbeddedHandle | None]:
         bkeys = self._bkeys(keys)
-        ttl = self.lease_ttl_s
-
-        def fn(t: _Tx) -> list[EmbeddedHandle | None]:
-            out: list[EmbeddedHandle | None] = []
+        self._usable()
+        out: list[EmbeddedHandle | None] = []
+        # Under the writer lock, so no eviction can run between reading a record and leasing it;
+        # the index itself is only read.
+        with self._locked(), self._read() as txn:
+            expiry = time.time() + self.lease_ttl_s
+            get, unpack, db, take = txn.get, _OBJ.unpack, self._obj, self._leases.take
             for k, bk in zip(keys, bkeys):
-                o = t.get_obj(bk)
-                if o is None or o.state != COMMITTED:
+                v = get(bk, db=db)
+                if v is None or v[0] != COMMITTED:
                     out.append(None)
-                    t.c[_C["open_misses"]] += 1
                     continue
-                stamp = t.next_id()  # a read makes the object most recently used
-                t.txn.delete(_BE.pack(o.stamp), db=self._lru)
-                t.txn.put(_BE.pack(stamp), bk, db=self._lru)
-                t.put_obj(bk, o._replace(leases=o.leases + 1, expiry=t.now + ttl, stamp=stamp))
-                out.append(EmbeddedHandle(k, bk, o.nbytes, o.off, o.alloc, o.oid, False))
-                t.c[_C["open_hits"]] += 1
-            return out
-
-        return self._write(fn)
+                _, oid, off, alloc, nbytes, _ = unpack(v)
+                take(off // PAGE, oid, expiry)
+                out.append(EmbeddedHandle(k, bk, nbytes, off, alloc, oid, False))
+        hits = sum(h is not None for h in out)
+        self._local["open_hits"] += hits
+        self._local["open_misses"] += len(out) - hits
+        return out
 
     def release(self, handles: Sequence[EmbeddedHandle]) -> None:
         hs = [h for h in handles if isinstance(h, EmbeddedHandle) and h._leased]
         if not hs:
             return
-
-        def fn(t: _Tx) -> None:
+        self._usable()
+        with self._locked():
+            drop = self._leases.drop
             for h in hs:
-                o = t.get_obj(h._bkey)
-                if o is not None and o.oid == h._oid and o.leases > 0:
-                    t.put_obj(h._bkey, o._replace(leases=o.leases - 1))
-
-        self._write(fn)
-        for h in hs:
-            h._leased = False
+                drop(h._off // PAGE, h._oid)
+                h._leased = False
 
     def stats(self) -> dict[str, int]:
         with self._read() as txn:
             c = _COUNTERS.unpack(txn.get(b"counters", db=self._meta))
         out = {name: int(v) for name, v in zip(COUNTERS, c) if name != "next_id"}
         out["capacity_bytes"] = self.capacity
+        out.update(self._local)  # this process's own counters
         return out
 
     def verify(self) -> dict[str, int]:
@@ -770,12 +807,12 @@ class EmbeddedBackend:
         n_obj = n_bytes = n_resv = 0
         with self._read() as txn:
             for k, v in txn.cursor(db=self._obj):
-                o = _Obj(*_OBJ.unpack(v))
-                if o.state == COMMITTED:
-                    extents.append((o.off, o.alloc, f"object {bytes(k)!r}"))
+                o = _OBJ.unpack(v)
+                if o[ST] == COMMITTED:
+                    extents.append((o[OFF], o[ALLOC], f"object {bytes(k)!r}"))
                     n_obj += 1
-                    n_bytes += o.nbytes
-                    if bytes(txn.get(_BE.pack(o.stamp), db=self._lru) or b"") != bytes(k):
+                    n_bytes += o[NBYTES]
+                    if bytes(txn.get(_BE.pack(o[STAMP]), db=self._lru) or b"") != bytes(k):
                         raise BackendError(f"embedded pool: object {bytes(k)!r} is missing from the LRU order")
             for k, v in txn.cursor(db=self._resv):
                 r, _ = _unpack_resv(v)
@@ -808,6 +845,9 @@ class EmbeddedBackend:
 
     def _teardown(self) -> None:
         self._np = None
+        if self._leases is not None:
+            self._leases.close()
+            self._leases = None
         if self._mv is not None:
             self._mv.release()
             self._mv = None
@@ -848,7 +888,16 @@ def _acquire_env(idx: str, **kwargs: Any) -> Any:
     with _ENV_LOCK:
         entry = _ENVS.get(key)
         if entry is None:
-            entry = _ENVS[key] = [lmdb.open(idx, subdir=False, **kwargs), 0]
+            try:
+                env = lmdb.open(idx, subdir=False, **kwargs)
+            except lmdb.Error as e:
+                if "already open" in str(e):  # opened by the process we were forked from
+                    raise BackendError(
+                        f"embedded pool: {idx!r} was open in the parent of this forked process and py-lmdb "
+                        "cannot reopen it here; start workers with spawn, or open the pool only after fork"
+                    ) from e
+                raise
+            entry = _ENVS[key] = [env, 0]
         entry[1] += 1
         return entry[0]
 

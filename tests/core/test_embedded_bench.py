@@ -1,0 +1,38 @@
+"""Smoke test of ``lw-bench backend --quick --json``: documented keys, positive figures (the bench
+reports timings; nothing here asserts them)."""
+
+from __future__ import annotations
+
+import json
+
+from lw_core.bench.cli import main
+
+ROW_KEYS = {"case", "op", "process", "object_bytes", "objects", "bytes", "gbps", "memcpy_gbps", "ratio", "ms_per_call"}
+
+
+def test_backend_bench_quick_json(capsys, tmp_path):
+    assert main(["backend", "--quick", "--json", "--path", str(tmp_path / "pool")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["backend"] == "embedded" and out["quick"] is True and out["setup_s"] >= 0
+    cases = {(r["case"], r["op"], r["process"]) for r in out["results"]}
+    for case in ("64KiB", "4MiB", "layer_16KiB"):
+        assert {(case, "put", "same"), (case, "get", "same"), (case, "get", "other")} <= cases
+    for r in out["results"]:
+        assert set(r) == ROW_KEYS
+        for k in ("gbps", "memcpy_gbps", "ratio", "ms_per_call", "bytes", "objects"):
+            assert r[k] > 0, (k, r)
+    assert {m["op"] for m in out["metadata"]} == {"reserve+commit", "open+release"}
+    assert all(m["ms_per_call"] > 0 and m["keys_per_call"] == 32 for m in out["metadata"])
+    assert out["stats"]["objects"] > 0 and out["stats"]["capacity_bytes"] > 0
+
+
+def test_backend_bench_memcache_without_package_fails_clearly(capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "lw_memcache.local", None)  # import fails like a missing package
+    try:
+        main(["backend", "--quick", "--backend", "memcache"])
+    except SystemExit as e:
+        assert "LocalMemcache" in str(e.code)
+    else:
+        raise AssertionError("expected a clear failure without lw_memcache.local")

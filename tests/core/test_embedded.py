@@ -329,3 +329,28 @@ def test_close_with_live_view_does_not_crash(tmp_path):
     b.close()
     v[:4] = b"abcd"  # the mapping lives as long as the view
     assert bytes(v[:4]) == b"abcd"
+
+
+def test_stale_release_does_not_drop_a_new_objects_lease(tmp_path):
+    """A lease slot belongs to an extent; after the old object is evicted and its extent reused,
+    releasing the old handle must not unpin the new object."""
+    b = EmbeddedBackend(str(tmp_path / "p"), capacity_bytes=2 * MiB, lease_ttl_s=0.2)
+    try:
+        n = 1 * MiB
+        put(b, ["a", "b"], n)
+        (stale,) = b.open(["a"])
+        time.sleep(0.25)  # the reader's lease expires: "a" may go
+        b.release(b.open(["b"]))
+        put(b, ["c"], n)  # evicts "a" (b was read more recently), takes its extent
+        assert b.lookup(["a"]) == 0 and b.lookup(["c"]) == 1
+        b.lease_ttl_s = 60.0
+        (hc,) = b.open(["c"])
+        assert hc._off == stale._off, "test premise: c reuses a's extent"
+        b.release([stale])  # late release of the evicted object's lease
+        hs = b.reserve(["d", "e"], n)  # room for one: b's extent; c must stay pinned
+        assert hs[0] is not None and hs[1] is None, "the stale release unpinned the new object"
+        assert b.lookup(["c"]) == 1
+        b.abort(hs)
+        b.release([hc])
+    finally:
+        b.close()

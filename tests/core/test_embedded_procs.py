@@ -70,6 +70,13 @@ def _child(argv: list[str]) -> None:
         print("HALF", flush=True)
         time.sleep(60)
         sys.exit("not killed")  # the test failed to kill us: make it visible
+    elif role == "lease":  # open KEYS and hold the leases until told to go
+        keys = argv[3:]
+        hs = b.open(keys)
+        print("LEASED" if all(hs) else "MISSING", flush=True)
+        sys.stdin.readline()
+        b.release(hs)
+        print("DONE", flush=True)
     elif role == "read":  # lookup and read KEYS of NBYTES; report visibility and digests
         nbytes, keys = int(argv[3]), argv[4:]
         found = b.lookup(keys)
@@ -236,6 +243,35 @@ def test_concurrent_writers_with_eviction_keep_index_consistent(tmp_path):
             assert digest(dst) == digest(payload(k, n)), k
         b.release(hs)
     finally:
+        b.close()
+
+
+def test_lease_held_by_another_process_blocks_eviction(tmp_path):
+    from lw_core.backends.embedded import EmbeddedBackend
+
+    path, cap, n = str(tmp_path / "pool"), 4 * MiB, 1 * MiB
+    b = EmbeddedBackend(path, capacity_bytes=cap)
+    r = None
+    try:
+        for k in ("a", "b", "c", "d"):
+            (h,) = b.reserve([k], n)
+            b.commit([h])
+        r = spawn("lease", path, cap, "a", "b", stdin=True)
+        assert readline(r) == "LEASED"
+        hs = b.reserve(["x", "y", "z"], n)
+        assert hs[0] is not None and hs[1] is not None and hs[2] is None, "only c and d were evictable"
+        assert b.lookup(["a", "b"]) == 2 and b.lookup(["c"]) == 0 and b.lookup(["d"]) == 0
+        b.abort(hs)
+        r.stdin.write("go\n")
+        r.stdin.flush()
+        assert readline(r) == "DONE" and r.wait(timeout=30) == 0
+        # released by the other process: now they can go (after their second chance)
+        hs = b.reserve(["x", "y", "z", "w"], n)
+        assert all(hs) and b.lookup(["a"]) == 0 and b.lookup(["b"]) == 0
+        b.abort(hs)
+    finally:
+        if r is not None:
+            r.kill()
         b.close()
 
 

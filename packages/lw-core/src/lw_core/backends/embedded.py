@@ -31,7 +31,7 @@ shared/design/embedded-store-facts.md and ``lw-bench backend``):
 * Copies of >= 1 MiB go through numpy (it releases the GIL, so a transfer thread does not stall
   the engine); smaller ones through memoryview slice assignment (less per-call overhead).
 * Measured with ``lw-bench backend`` (ratio to a numpy memcpy of the same bytes, same run):
-  64 KiB objects put 0.41-0.46x / get 0.62-0.66x (one open+read+release per 32 objects; the
+  64 KiB objects put 0.41-0.46x / get 0.57-0.66x (one open+read+release per 32 objects; the
   index work, ~1.5 us per key, is what is left), 4 MiB objects put ~0.85-0.9x / get ~0.9x, per-layer
   ranged batches of 32 x 16 KiB put ~0.8x / get ~0.8x at ~0.1 ms per layer call; open+release of
   32 keys ~0.05 ms, reserve+commit of 32 keys ~0.2 ms (more when it must evict mixed sizes).

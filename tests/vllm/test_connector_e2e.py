@@ -133,7 +133,10 @@ def test_eviction_under_pressure_keeps_output_correct(pool_path: str, baseline) 
     job = {"model": "gqa", "max_tokens": MAX_TOKENS, "engine": _engine_kw("gqa"), "extra": extra,
            "phases": [[p] for p in EVICT]}
     a = run_engine(job)
-    b = run_engine(job)
+    # B runs the prompts newest first: in A's order each miss would evict the next prompt's
+    # chunks before it is looked up (LRU flooding) and nothing could hit.
+    b = run_engine({**job, "phases": job["phases"][::-1]})
+    b["phases"] = b["phases"][::-1]
     promised = []
     for ph_a, ph_b, r in zip(a["phases"], b["phases"], ref):
         ga, gb = ph_a["outputs"][0], ph_b["outputs"][0]

@@ -62,8 +62,10 @@ def apply() -> bool:
         q2 = _staged(query)
         k2 = None if key is None else _staged(key)
         original(self, positions, q2, k2)
-        query.copy_(q2.view(query.shape))
-        if key is not None:
+        # A contiguous input is staged as a view of itself: the op already wrote it in place.
+        if q2.data_ptr() != query.data_ptr():
+            query.copy_(q2.view(query.shape))
+        if key is not None and k2.data_ptr() != key.data_ptr():
             key.copy_(k2.view(key.shape))
         return query, key
 

@@ -1,0 +1,428 @@
+"""``MemcacheBackend``: lw-core's Backend protocol over ``memcache_hybrid.DistributedObjectStore``.
+
+One pool object per key holds all layers layer-major. Its life, in store calls (all batched):
+
+* ``reserve``: ``batch_get_key_info(flag=0)`` (sees objects being written too) skips keys that
+  exist or are being written, then ``batch_alloc`` places the rest and takes a write lease; the
+  answer is each object's global address (GVA).
+* ``write``: ``batch_copy(GVA + offset, buffer, size)`` -- a ranged copy per layer, no metadata
+  round trip. ``commit``: ``batch_write_finish(res=0)``: only now does the object become
+  readable (``batch_is_exist`` / ``batch_add_lease`` fail on it before). ``abort``:
+  ``batch_write_finish(res=1)`` drops it.
+* ``open``: ``batch_add_lease`` (fails on missing and on unfinished objects) then
+  ``batch_get_key_info`` for the GVA; ``read``: ``batch_copy`` from ``GVA + offset``;
+  ``release``: ``batch_remove_lease``.
+
+Copy direction comes from where the memory lives: host buffers use H2G/G2H; device memory
+(``DeviceRegion`` or a non-CPU tensor) uses L2G/G2L, which needs an Ascend NPU.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from lw_core.backend import BackendError, BackendUnavailable
+
+from lw_memcache import errors
+from lw_memcache.conf import PROTOCOLS, ConfError, local_config_fields, meta_address, read_conf
+
+log = logging.getLogger(__name__)
+
+# Copy directions (memcache_hybrid's BmCopyType values; AUTO is rejected by batch_copy).
+L2G, G2L, G2H, H2G = 0, 1, 2, 3
+MEDIA_DRAM = 1
+# batch_get_key_info flags: 1 = readable objects only, 0 = also objects still being written.
+_INFO_READABLE, _INFO_ANY = 1, 0
+
+_open_in_process: weakref.WeakSet[MemcacheBackend] = weakref.WeakSet()
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceRegion:
+    """Device (NPU) memory handed to ``read``/``write``: copied with L2G/G2L."""
+
+    ptr: int
+    nbytes: int
+
+
+@dataclass(eq=False, slots=True)
+class MemcacheHandle:
+    key: str
+    nbytes: int
+    gva: int
+    writable: bool
+
+
+def _memory(buf: Any, *, writable: bool, what: str) -> tuple[int, int, bool]:
+    """(address, nbytes, on_device) of a buffer, DeviceRegion or tensor."""
+    if isinstance(buf, DeviceRegion):
+        return buf.ptr, buf.nbytes, True
+    if not isinstance(buf, np.ndarray) and callable(getattr(buf, "data_ptr", None)):
+        # A torch tensor (duck-typed: lw-memcache does not depend on torch).
+        if not buf.is_contiguous():
+            raise ValueError(f"{what}: tensor must be contiguous")
+        on_device = getattr(getattr(buf, "device", None), "type", "cpu") != "cpu"
+        return int(buf.data_ptr()), int(buf.numel() * buf.element_size()), on_device
+    if isinstance(buf, np.ndarray):
+        arr = buf
+        if not arr.flags.c_contiguous:
+            raise ValueError(f"{what}: array must be C-contiguous")
+    else:
+        try:
+            arr = np.frombuffer(buf, dtype=np.uint8)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{what}: needs a contiguous buffer (memoryview, bytearray, numpy array): {e}") from e
+    if writable and not arr.flags.writeable:
+        raise ValueError(f"{what}: destination buffer is read-only")
+    return int(arr.ctypes.data), int(arr.nbytes), False
+
+
+def _meta_reachable(host: str, port: int, timeout_s: float) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+class MemcacheBackend:
+    name = "memcache"
+
+    def __init__(
+        self,
+        config_path: str,
+        *,
+        protocol: str = "host_shm",
+        device_id: int = 0,
+        read_lease_ms: int = 30_000,
+        write_lease_ms: int = 30_000,
+        connect_timeout_s: float = 3.0,
+        restore_signals: bool = True,
+    ) -> None:
+        if protocol not in PROTOCOLS:
+            raise BackendError(f"kv_connector_extra_config.memcache_protocol={protocol!r}; accepted: {', '.join(PROTOCOLS)}")
+        if not config_path:
+            raise BackendError(
+                "kv_connector_extra_config.memcache_config_path is empty: give the mmc-local.conf path "
+                "(write one with `lw-memcache config`)"
+            )
+        try:
+            conf = read_conf(config_path)
+        except OSError as e:
+            raise BackendError(f"kv_connector_extra_config.memcache_config_path={config_path!r}: cannot read it ({e})") from e
+        file_protocol = conf.get("ock.mmc.local_service.protocol")
+        if file_protocol != protocol:
+            raise BackendError(
+                f"kv_connector_extra_config.memcache_protocol={protocol!r} but {config_path} sets "
+                f"ock.mmc.local_service.protocol = {file_protocol}; make them agree"
+            )
+        try:
+            host, port = meta_address(conf)
+        except ConfError as e:
+            raise BackendError(f"{config_path}: {e}") from e
+        for name, v in (("read_lease_ms", read_lease_ms), ("write_lease_ms", write_lease_ms)):
+            if v <= 0:
+                raise BackendError(f"{name}={v!r} must be > 0 (milliseconds)")
+        if any(not b._closed for b in _open_in_process):
+            raise BackendError("a memcache client is already open in this process: close it first (one per process)")
+
+        from lw_memcache.runtime import import_memcache
+
+        self._mc = import_memcache(protocol)
+        # Checked first because init() blocks ~80 s per attempt, five attempts, when it is down.
+        if not _meta_reachable(host, port, connect_timeout_s):
+            raise BackendUnavailable(
+                f"memcache MetaService at tcp://{host}:{port} (from {config_path}) is not reachable: start it "
+                "with `lw-memcache meta` (code -3014 once clients are running)"
+            )
+        self.config_path = config_path
+        self.protocol = protocol
+        self._read_lease_ms = read_lease_ms
+        self._write_lease_ms = write_lease_ms
+        self._lock = threading.Lock()
+        self._writing: dict[str, MemcacheHandle] = {}
+        self._device_regions: list[tuple[int, int]] = []
+        self._stats = dict.fromkeys(
+            ("lookups", "lookup_hits", "reserved", "reserve_skipped", "committed", "aborted", "opened",
+             "open_misses", "released", "bytes_written", "bytes_read", "copy_calls", "errors", "unavailable"),
+            0,
+        )
+        self._closed = True
+        local_cfg = self._local_config(conf, config_path)
+        saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._store = self._mc.DistributedObjectStore()
+        rc = self._store.setup(local_cfg)
+        if rc != 0:
+            raise errors.error_for(rc, f"client setup from {config_path}")
+        rc = self._store.init(device_id, True)
+        if restore_signals and threading.current_thread() is threading.main_thread():
+            # The library replaces SIGINT/SIGTERM handlers; give them back to Python (Ctrl-C,
+            # vLLM's own shutdown). close() still runs: from atexit or the owner.
+            for s, h in saved.items():
+                if h is not None:
+                    signal.signal(s, h)
+        if rc != 0:
+            # Exiting without close() after init aborts the process (rc 134): close even on failure.
+            try:
+                self._store.close()
+            finally:
+                raise errors.error_for(rc, f"client init (device {device_id}, {protocol}, {config_path})")
+        self._closed = False
+        _open_in_process.add(self)
+        ref = weakref.ref(self)
+        atexit.register(lambda: (b := ref()) is not None and b.close())
+
+    @classmethod
+    def from_config(cls, cfg: Any, **kwargs: Any) -> MemcacheBackend:
+        """Build from a ``lw_core.config.PoolConfig``; lease lengths default from its timeouts."""
+        kwargs.setdefault("write_lease_ms", max(10_000, int(cfg.save_timeout_s * 2000)))
+        kwargs.setdefault("read_lease_ms", max(10_000, int(cfg.layer_wait_timeout_s * 4000)))
+        return cls(cfg.memcache_config_path, protocol=cfg.memcache_protocol, **kwargs)
+
+    # ----- helpers -----
+
+    def _local_config(self, conf: dict[str, str], path: str) -> Any:
+        cfg = self._mc.LocalConfig()
+        known = {a for a in dir(cfg) if not a.startswith("_") and a != "str"}
+        try:
+            fields = local_config_fields(conf, known)
+        except ConfError as e:
+            raise BackendError(f"{path}: {e}") from e
+        for attr, raw in fields.items():
+            cur = getattr(cfg, attr)
+            try:
+                if isinstance(cur, bool):
+                    if raw.lower() not in ("true", "false", "1", "0"):
+                        raise ValueError("expected true or false")
+                    value: Any = raw.lower() in ("true", "1")
+                elif isinstance(cur, int):
+                    value = int(raw)
+                else:
+                    value = raw
+                setattr(cfg, attr, value)
+            except (TypeError, ValueError) as e:
+                raise BackendError(f"{path}: {attr} = {raw!r} is not valid ({e})") from e
+        return cfg
+
+    def _check(self, code: int, what: str) -> None:
+        if code != 0:
+            self._fail(code, what)
+
+    def _fail(self, code: int, what: str) -> None:
+        with self._lock:
+            self._stats["errors"] += 1
+            if errors.is_unavailable(code):
+                self._stats["unavailable"] += 1
+        raise errors.error_for(code, what)
+
+    def _count(self, **inc: int) -> None:
+        with self._lock:
+            for k, v in inc.items():
+                self._stats[k] += v
+
+    def _live(self) -> Any:
+        if self._closed:
+            raise BackendError("memcache backend is closed")
+        return self._store
+
+    def _on_device(self, ptr: int, nbytes: int, flagged: bool) -> bool:
+        if flagged:
+            return True
+        return any(s <= ptr and ptr + nbytes <= s + n for s, n in self._device_regions)
+
+    def _copy(self, handles: Sequence[MemcacheHandle], offsets: Sequence[int], bufs: Sequence[Any], *, to_store: bool) -> None:
+        if not (len(handles) == len(offsets) == len(bufs)):
+            raise ValueError(f"{len(handles)} handles, {len(offsets)} offsets, {len(bufs)} buffers: lengths differ")
+        store = self._live()
+        groups: dict[int, tuple[list[int], list[int], list[int]]] = {}
+        total = 0
+        what = "write" if to_store else "read"
+        for h, off, buf in zip(handles, offsets, bufs):
+            ptr, n, dev = _memory(buf, writable=not to_store, what=f"{what} of {h.key}")
+            if off < 0 or off + n > h.nbytes:
+                raise ValueError(f"{what} of {h.key}: range [{off}, {off + n}) outside the object's {h.nbytes} bytes")
+            if n == 0:
+                continue
+            dev = self._on_device(ptr, n, dev)
+            direction = (L2G if dev else H2G) if to_store else (G2L if dev else G2H)
+            gvas, ptrs, sizes = groups.setdefault(direction, ([], [], []))
+            gvas.append(h.gva + off)
+            ptrs.append(ptr)
+            sizes.append(n)
+            total += n
+        for direction, (gvas, ptrs, sizes) in groups.items():
+            self._check(store.batch_copy(gvas, ptrs, sizes, direction, 0), f"batch_copy ({what}, {len(gvas)} ranges)")
+        self._count(copy_calls=len(groups), **{"bytes_written" if to_store else "bytes_read": total})
+
+    # ----- Backend protocol -----
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        res = self._live().batch_is_exist(list(keys))
+        n = 0
+        for r in res:
+            if r == 1:
+                n += 1
+                continue
+            if r != 0:
+                self._fail(r, "lookup (batch_is_exist)")
+            break
+        self._count(lookups=1, lookup_hits=n)
+        return n
+
+    def reserve(self, keys: Sequence[str], nbytes: int) -> list[MemcacheHandle | None]:
+        if nbytes <= 0:
+            raise ValueError(f"reserve: nbytes={nbytes} must be > 0")
+        store = self._live()
+        out: list[MemcacheHandle | None] = [None] * len(keys)
+        if not keys:
+            return out
+        infos = store.batch_get_key_info(list(keys), _INFO_ANY)
+        todo: list[int] = []
+        seen: set[str] = set()
+        for i, (k, info) in enumerate(zip(keys, infos)):
+            if k in seen or k in self._writing or info.size() > 0:
+                continue  # committed, being written (here or elsewhere), or repeated in this batch
+            seen.add(k)
+            todo.append(i)
+        if todo:
+            gvas = store.batch_alloc([keys[i] for i in todo], [nbytes] * len(todo), MEDIA_DRAM, self._write_lease_ms)
+            if gvas and all(errors.is_unavailable(g) for g in gvas):
+                self._fail(gvas[0], "reserve (batch_alloc)")
+            with self._lock:
+                for i, gva in zip(todo, gvas):
+                    if gva > 0:
+                        h = MemcacheHandle(keys[i], nbytes, gva, True)
+                        self._writing[h.key] = h
+                        out[i] = h
+        n_ok = sum(h is not None for h in out)
+        self._count(reserved=n_ok, reserve_skipped=len(keys) - n_ok)
+        return out
+
+    def write(self, handles: Sequence[MemcacheHandle], offsets: Sequence[int], srcs: Sequence[Any]) -> None:
+        for h in handles:
+            if not h.writable or self._writing.get(h.key) is not h:
+                raise BackendError(f"write to {h.key}: not a reservation of this backend (or already committed/aborted)")
+        self._copy(handles, offsets, srcs, to_store=True)
+
+    def _finish(self, handles: Sequence[MemcacheHandle], ok: bool) -> list[tuple[str, int]]:
+        store = self._live()
+        with self._lock:
+            mine = [h for h in handles if self._writing.get(h.key) is h]
+            for h in mine:
+                del self._writing[h.key]
+        if not mine:
+            return []
+        keys = [h.key for h in mine]
+        return list(zip(keys, store.batch_write_finish(keys, [0 if ok else 1] * len(mine))))
+
+    def commit(self, handles: Sequence[MemcacheHandle]) -> None:
+        res = self._finish(handles, True)
+        bad = [(k, r) for k, r in res if r != 0]
+        self._count(committed=len(res) - len(bad))
+        if bad:
+            self._fail(bad[0][1], f"commit (batch_write_finish) of {len(bad)} object(s), first {bad[0][0]}")
+
+    def abort(self, handles: Sequence[MemcacheHandle]) -> None:
+        # Best effort: an unfinished object is invisible and reclaimed when its write lease ends.
+        try:
+            res = self._finish(handles, False)
+        except BackendError:
+            return
+        self._count(aborted=len(res))
+        if any(r != 0 for _, r in res):
+            log.debug("memcache abort: write_finish codes %s", res)
+
+    def open(self, keys: Sequence[str]) -> list[MemcacheHandle | None]:
+        store = self._live()
+        out: list[MemcacheHandle | None] = [None] * len(keys)
+        if not keys:
+            return out
+        res = store.batch_add_lease(list(keys), self._read_lease_ms)
+        if res and all(errors.is_unavailable(r) for r in res):
+            self._fail(res[0], "open (batch_add_lease)")
+        leased = [i for i, r in enumerate(res) if r == 0]
+        if leased:
+            infos = store.batch_get_key_info([keys[i] for i in leased], _INFO_READABLE)
+            lost = []
+            for i, info in zip(leased, infos):
+                gvas = info.gva_list()
+                if info.size() > 0 and gvas:
+                    out[i] = MemcacheHandle(keys[i], int(info.size()), int(gvas[0]), False)
+                else:
+                    lost.append(keys[i])
+            if lost:
+                store.batch_remove_lease(lost)
+        n_ok = sum(h is not None for h in out)
+        self._count(opened=n_ok, open_misses=len(keys) - n_ok)
+        return out
+
+    def read(self, handles: Sequence[MemcacheHandle], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
+        self._copy(handles, offsets, dsts, to_store=False)
+
+    def release(self, handles: Sequence[MemcacheHandle]) -> None:
+        keys = [h.key for h in handles if not h.writable]
+        if not keys or self._closed:
+            return
+        # Best effort: a lease that cannot be removed (MetaService down) simply expires.
+        rc = self._store.batch_remove_lease(keys)
+        self._count(released=len(keys))
+        if rc != 0:
+            log.debug("memcache release: batch_remove_lease code %s", rc)
+
+    def view(self, handle: MemcacheHandle, offset: int, nbytes: int) -> memoryview | None:
+        return None  # objects live in the store's global space; use read/write
+
+    def register_buffer(self, buf: Any, *, device: bool = False) -> None:
+        """Register memory the pipeline will copy to/from (KV cache or staging regions): the
+        store maps it for its copy engines. ``device=True`` (or a non-CPU tensor /
+        ``DeviceRegion``) marks it device memory, so copies touching it use L2G/G2L."""
+        ptr, n, dev = _memory(buf, writable=False, what="register_buffer")
+        self._check(self._live().register_buffer(ptr, n), f"register_buffer ({n} bytes at {ptr:#x})")
+        if dev or device:
+            with self._lock:
+                self._device_regions.append((ptr, n))
+
+    def unregister_buffer(self, buf: Any) -> None:
+        ptr, n, _ = _memory(buf, writable=False, what="unregister_buffer")
+        self._check(self._live().unregister_buffer(ptr, n), f"unregister_buffer ({n} bytes at {ptr:#x})")
+        with self._lock:
+            self._device_regions = [r for r in self._device_regions if r != (ptr, n)]
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._stats)
+            out["writing"] = len(self._writing)
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            pending = list(self._writing.values())
+            self._writing.clear()
+        if pending:  # never publish half-written objects; drop them before leaving
+            try:
+                self._store.batch_write_finish([h.key for h in pending], [1] * len(pending))
+            except Exception:  # noqa: BLE001 - leaving anyway
+                pass
+        self._store.close()
+        _open_in_process.discard(self)
+
+    def __enter__(self) -> MemcacheBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

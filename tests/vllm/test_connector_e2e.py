@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from conftest import EngineFailed, assert_same_greedy, run_engine
+from lw_vllm.testing.harness import EngineFailed, assert_same_greedy, run_engine
 
 pytestmark = pytest.mark.slow
 

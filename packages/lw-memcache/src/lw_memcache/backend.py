@@ -25,7 +25,9 @@ import os
 import signal
 import socket
 import threading
+import time
 import weakref
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -151,6 +153,8 @@ class MemcacheBackend:
         self._write_lease_ms = write_lease_ms
         self._lock = threading.Lock()
         self._writing: dict[str, MemcacheHandle] = {}
+        self._unfinished_seen: dict[str, float] = {}
+        self._reading: Counter[str] = Counter()  # open read leases, released at close if forgotten
         self._device_regions: list[tuple[int, int]] = []
         self._stats = dict.fromkeys(
             ("lookups", "lookup_hits", "reserved", "reserve_skipped", "committed", "aborted", "opened",
@@ -235,6 +239,21 @@ class MemcacheBackend:
             raise BackendError("memcache backend is closed")
         return self._store
 
+    def _orphaned(self, key: str, now: float) -> bool:
+        """An unfinished object seen for longer than a write lease: its writer died after
+        allocating it on another client's memory, which the store never reclaims. Re-reserving
+        it (``batch_alloc`` returns the same space) lets the key be saved again."""
+        with self._lock:
+            first = self._unfinished_seen.setdefault(key, now)
+            if len(self._unfinished_seen) > 100_000:  # forget the oldest sightings
+                for k in list(self._unfinished_seen)[:50_000]:
+                    del self._unfinished_seen[k]
+        if now - first > self._write_lease_ms / 1000:
+            with self._lock:
+                self._unfinished_seen.pop(key, None)
+            return True
+        return False
+
     def _on_device(self, ptr: int, nbytes: int, flagged: bool) -> bool:
         if flagged:
             return True
@@ -289,11 +308,18 @@ class MemcacheBackend:
         if not keys:
             return out
         infos = store.batch_get_key_info(list(keys), _INFO_ANY)
+        readable = store.batch_is_exist(list(keys))
+        bad = [r for r in readable if r not in (0, 1)]
+        if bad:  # the MetaService is down (-3014) or failing: say so instead of "no room"
+            self._fail(bad[0], "reserve (batch_is_exist)")
+        now = time.monotonic()
         todo: list[int] = []
         seen: set[str] = set()
-        for i, (k, info) in enumerate(zip(keys, infos)):
-            if k in seen or k in self._writing or info.size() > 0:
-                continue  # committed, being written (here or elsewhere), or repeated in this batch
+        for i, (k, info, r) in enumerate(zip(keys, infos, readable)):
+            if k in seen or k in self._writing or r == 1:
+                continue  # committed, reserved here already, or repeated in this batch
+            if info.size() > 0 and not self._orphaned(k, now):
+                continue  # being written by another writer, within its write lease
             seen.add(k)
             todo.append(i)
         if todo:
@@ -364,6 +390,8 @@ class MemcacheBackend:
                     lost.append(keys[i])
             if lost:
                 store.batch_remove_lease(lost)
+        with self._lock:
+            self._reading.update(h.key for h in out if h is not None)
         n_ok = sum(h is not None for h in out)
         self._count(opened=n_ok, open_misses=len(keys) - n_ok)
         return out
@@ -375,6 +403,9 @@ class MemcacheBackend:
         keys = [h.key for h in handles if not h.writable]
         if not keys or self._closed:
             return
+        with self._lock:
+            self._reading.subtract(keys)
+            self._reading = +self._reading
         # Best effort: a lease that cannot be removed (MetaService down) simply expires.
         rc = self._store.batch_remove_lease(keys)
         self._count(released=len(keys))
@@ -413,11 +444,17 @@ class MemcacheBackend:
             self._closed = True
             pending = list(self._writing.values())
             self._writing.clear()
-        if pending:  # never publish half-written objects; drop them before leaving
-            try:
+            leased = list(self._reading)
+            self._reading.clear()
+        # Leaving: drop half-written objects (never publish them) and our read leases (the
+        # holder of a leased object waits for the lease to end before it can leave).
+        try:
+            if pending:
                 self._store.batch_write_finish([h.key for h in pending], [1] * len(pending))
-            except Exception:  # noqa: BLE001 - leaving anyway
-                pass
+            if leased:
+                self._store.batch_remove_lease(leased)
+        except Exception:  # noqa: BLE001 - leaving anyway
+            pass
         self._store.close()
         _open_in_process.discard(self)
 

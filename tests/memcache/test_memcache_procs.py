@@ -67,7 +67,7 @@ def test_reserved_but_unfinished_is_never_a_hit(pool, make_client):
 
 def test_writer_killed_mid_object_leaves_nothing_visible(pool, make_client):
     keys = _keys("killed", 4)
-    w = make_client(pool.extra_config)
+    w = make_client(pool.extra_config, write_lease_ms=3000)  # short: holders wait for it on close
     # Objects are placed round-robin on every client's memory; what the dead writer allocated on
     # the others' stays "being written" until a writer re-reserves it after a write lease.
     r = make_client(pool.extra_config, write_lease_ms=3000)
@@ -98,8 +98,9 @@ def test_writer_killed_mid_object_leaves_nothing_visible(pool, make_client):
 
 def test_metaservice_killed_fails_fast_and_restart_is_picked_up(pool, make_client):
     keys = _keys("meta", 5)
-    w = make_client(pool.extra_config)
-    r = make_client(pool.extra_config)
+    # Short leases: a client leaving waits for leases on what it holds, and a restart orphans them.
+    w = make_client(pool.extra_config, write_lease_ms=3000, read_lease_ms=3000)
+    r = make_client(pool.extra_config, write_lease_ms=3000, read_lease_ms=3000)
     _write_all(w, keys)
     w.ok("commit", keys=keys)
     assert r.ok("lookup", keys=keys) == 5

@@ -19,9 +19,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from lw_vllm import pool
+from lw_vllm.metrics import Collector, LayerwisePromMetrics, LayerwiseStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -41,16 +43,20 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
         kv_role = self._kv_transfer_config.kv_role or "kv_both"
         self._sched = None
         self._worker = None
+        self.stats = Collector()
         if role == KVConnectorRole.SCHEDULER:
             from lw_vllm.scheduler_side import SchedulerSide
 
             # vLLM reads its load-failure policy right after creating this connector.
             self._kv_transfer_config.kv_load_failure_policy = self.cfg.kv_load_failure_policy
             self._sched = SchedulerSide(vllm_config, kv_cache_config, self.cfg, kv_role)
+            # The scheduler part records what only it sees (e.g. metaserver waits) here.
+            self._sched.metrics = self.stats
+            self._lookup_errors = _LookupErrorCounter(self._sched, self.stats)
         else:
             from lw_vllm.worker_side import WorkerSide
 
-            self._worker = WorkerSide(vllm_config, kv_cache_config, self.cfg, kv_role)
+            self._worker = WorkerSide(vllm_config, kv_cache_config, self.cfg, kv_role, self.stats)
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -100,12 +106,31 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
         if self._sched is not None:
+            self._lookup_errors.detach()
             self._sched.shutdown()
+
+    # --- metrics (vLLM merges worker and scheduler stats; see lw_vllm.metrics) ---
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self._worker is not None:
+            self._worker.poll_pool_stats()
+        return self.stats.take()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return LayerwiseStats(data=dict(data)) if data else LayerwiseStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> LayerwisePromMetrics:
+        return LayerwisePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- scheduler ---
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
-        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        n, is_async = self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+        if getattr(self._sched, "can_load", True):
+            self.stats.add(lookups=1, lookup_tokens=len(request.prompt_token_ids or ()), hit_tokens=n or 0)
+        return n, is_async
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self._sched is not None
@@ -122,3 +147,27 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
+
+
+class _LookupErrorCounter:
+    """Counts lookups the pool could not answer: the scheduler part turns them into misses, so
+    the only place to see them is the backend call itself. Wraps ``lookup`` on the scheduler
+    part's attribute only (the backend object is shared with the worker and stays untouched)."""
+
+    def __init__(self, sched: Any, stats: Collector) -> None:
+        self._sched, self._stats, self._backend = sched, stats, sched.backend
+        sched.backend = self
+
+    def lookup(self, keys: Any) -> int:
+        try:
+            return self._backend.lookup(keys)
+        except Exception:
+            self._stats.add(lookup_errors=1)
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._backend, name)
+
+    def detach(self) -> None:
+        if self._sched.backend is self:
+            self._sched.backend = self._backend  # release_backend matches the backend by identity

@@ -18,6 +18,7 @@ from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_vllm import pool
 from lw_vllm.copier import TorchCopier
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta
+from lw_vllm.metrics import Collector, EvictionWatch
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +33,11 @@ def _tp() -> tuple[int, int]:
 
 
 class WorkerSide:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: Any, role: str) -> None:
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: Any, role: str,
+                 stats: Collector | None = None) -> None:
         self.vllm_config, self.kv_cache_config, self.cfg = vllm_config, kv_cache_config, cfg
+        self.stats = stats if stats is not None else Collector()
+        self._evictions: EvictionWatch | None = None
         self.tp_rank, self.tp_size = _tp()
         self.tag = pool.my_rank_tag(vllm_config, self.tp_rank)
         self.keyspace = pool.key_space(vllm_config, kv_cache_config)
@@ -68,6 +72,7 @@ class WorkerSide:
         self.layer_index = {n: i for i, n in enumerate(names)}
         layout = ObjectLayout(tuple(copier.block_nbytes(i) for i in range(len(names))))
         self.backend = pool.acquire_backend(self.cfg)
+        self._evictions = EvictionWatch(self.backend)
         self.pipe = LayerPipeline(
             self.backend,
             copier,
@@ -146,8 +151,12 @@ class WorkerSide:
                 self._report.saved[rid] = self._report.saved.get(rid, 0) + 1
         for k in res.failed_keys + res.skipped_keys:
             self._save_owner.pop(k, None)
+        self.stats.add(saved_objects=len(res.committed_keys), saved_bytes=res.saved_bytes,
+                       save_failed_objects=len(res.failed_keys), save_errors=1 if res.errors else 0,
+                       save_deadline_misses=len(res.deadline_misses))
         if res.errors:
-            log.warning("lw-vllm: saves failed (those chunks are not published): %s", "; ".join(res.errors[:3]))
+            log.warning("lw-vllm: saves failed (those chunks are not published; the requests go on): %s",
+                        "; ".join(res.errors[:3]))
 
     def _finish_load(self, pipe: LayerPipeline) -> None:
         self._loading = False
@@ -160,8 +169,27 @@ class WorkerSide:
             if bad:
                 self._report.failed[rid] = self._report.failed.get(rid, 0) + bad
         self._load_blocks.clear()
-        if res.errors:
-            log.warning("lw-vllm: %d blocks failed to load, vLLM recomputes them: %s", len(failed), "; ".join(res.errors[:3]))
+        self.stats.add(loaded_objects=res.loaded_objects, loaded_bytes=res.loaded_bytes,
+                       load_failed_blocks=len(failed), load_errors=1 if res.errors else 0,
+                       load_deadline_misses=len(res.deadline_misses))
+        waited = [w for w in res.layer_wait_s if w > 0.0]
+        if waited:
+            self.stats.observe("layer_wait_s", waited)
+        if failed:
+            # Name the requests and the cause: under kv_load_failure_policy "fail" vLLM ends them
+            # with finish_reason "error" (HTTP 500 "Internal server error") and no message of ours.
+            action = "vLLM recomputes them" if self.cfg.kv_load_failure_policy == "recompute" else (
+                "kv_load_failure_policy=fail: vLLM fails these requests")
+            log.warning("lw-vllm: %d KV blocks of requests %s failed to load, %s; cause: %s", len(failed),
+                        res.failed_req_ids, action, "; ".join(res.errors[:3]) or "unknown")
+        elif res.errors:
+            log.warning("lw-vllm: pool errors during loads (no block affected): %s", "; ".join(res.errors[:3]))
+
+    def poll_pool_stats(self) -> None:
+        if self._evictions is not None:
+            n = self._evictions.poll()
+            if n:
+                self.stats.add(evictions=n)
 
     def take_load_errors(self) -> set[int]:
         out, self._failed_blocks = self._failed_blocks, set()

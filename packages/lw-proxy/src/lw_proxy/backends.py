@@ -16,7 +16,7 @@ log = logging.getLogger("lw_proxy")
 
 class Backend:
     __slots__ = ("url", "role", "healthy", "in_flight", "load", "failures", "down_since", "_seconds", "_healthy_g",
-                 "_load_g")
+                 "_load_g", "_in_flight_g", "_failures_c")
 
     def __init__(self, url: str, role: str, metrics: ProxyMetrics) -> None:
         self.url = url
@@ -30,17 +30,21 @@ class Backend:
         self._seconds = metrics.backend_seconds.labels(role, url)
         self._healthy_g = metrics.backend_healthy.labels(role, url)
         self._load_g = metrics.backend_load.labels(role, url)
+        self._in_flight_g = metrics.backend_in_flight.labels(role, url)
+        self._failures_c = metrics.backend_failures.labels(role, url)
         self._healthy_g.set(1)
 
     def acquire(self, work: int) -> None:
         self.in_flight += 1
         self.load += work
         self._load_g.set(self.load)
+        self._in_flight_g.set(self.in_flight)
 
     def release(self, work: int, started: float) -> None:
         self.in_flight -= 1
         self.load -= work
         self._load_g.set(self.load)
+        self._in_flight_g.set(self.in_flight)
         self._seconds.observe(time.perf_counter() - started)
 
     def mark_ok(self) -> None:
@@ -52,6 +56,7 @@ class Backend:
 
     def mark_failed(self, why: str) -> None:
         self.failures += 1
+        self._failures_c.inc()
         if self.healthy:
             log.warning("%s %s taken out: %s", self.role, self.url, why)
             self.healthy = False

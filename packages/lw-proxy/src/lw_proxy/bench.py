@@ -46,6 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--duration", type=float, default=4.0, help="seconds of load per point (after warm-up)")
     p.add_argument("--quick", action="store_true", help="smoke test: 0.5 s per point")
+    p.add_argument("--soak", type=int, default=0, metavar="N",
+                   help="instead: soak the proxy with N requests against failing mocks (see lw_proxy.soak)")
+    p.add_argument("--soak-concurrency", type=int, default=64)
+    p.add_argument("--soak-fail-rate", type=float, default=0.2, help="share of mock answers that fail")
 
 
 # ------------------------------------------------------------------------ mock backends (own process)
@@ -170,6 +174,10 @@ async def _load(url: str, concurrency: int, duration: float) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if getattr(args, "soak", 0):
+        from . import soak
+
+        return soak.run(args.soak, args.soak_concurrency, args.soak_fail_rate, quiet=getattr(args, "json", False))
     duration = 0.5 if args.quick else args.duration
     levels = list(args.concurrency)
     if not levels or min(levels) < 1 or max(levels) > 4096:

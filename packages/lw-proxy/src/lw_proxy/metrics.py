@@ -40,6 +40,17 @@ class ProxyMetrics:
             "lw_proxy_backend_load_tokens", "Estimated tokens in flight on the backend (balancing key)",
             ["role", "backend"], registry=r,
         )
+        self.backend_in_flight = Gauge(
+            "lw_proxy_backend_requests_in_flight", "Calls open on the backend right now", ["role", "backend"],
+            registry=r,
+        )
+        self.backend_failures = Counter(
+            "lw_proxy_backend_failures_total",
+            "Calls that failed on the backend (connect error, 502/503/504, empty 200, died before a "
+            "non-streamed body was complete); "
+            "each takes it out of rotation until a health probe passes",
+            ["role", "backend"], registry=r,
+        )
         self.metaserver_wait = Histogram(
             "lw_proxy_metaserver_wait_seconds", "How long a decoder's metaserver POST was held, by outcome",
             ["outcome"], buckets=_LATENCY_BUCKETS, registry=r,

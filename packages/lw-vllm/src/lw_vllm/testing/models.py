@@ -160,3 +160,20 @@ def gqa_model(**kw: Any) -> Path:
 
 def mla_model(**kw: Any) -> Path:
     return build_model(MLA_SPEC, **kw)
+
+
+# ``lw-bench serve``: big enough that prefill compute dominates a 2k-token miss on a CPU, small
+# enough to build in seconds (~0.2 GB of float32 weights). Not used by the tests.
+BENCH_SPEC: dict[str, Any] = {
+    "arch": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+}
+
+
+def bench_model(**kw: Any) -> Path:
+    return build_model(BENCH_SPEC, **kw)

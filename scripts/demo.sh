@@ -1,9 +1,23 @@
 #!/usr/bin/env bash
-# The README's main job: set up (idempotent), then measure the layer pipeline and the pool.
-# Figures go to out/ as JSON and PNG besides the printed tables.
+# The README's main job: set up (idempotent), then `lw-bench serve` -- time to first token of a
+# real vLLM engine (CPU build) with the connector on the embedded pool: recompute vs pool hits,
+# bulk vs layerwise, at 256..2048-token prefixes. Table on stdout, figures in out/serve.{json,png}.
+#
+#   bash scripts/demo.sh [--all] [lw-bench serve options, e.g. --reps 5]
+#
+# --all also runs the two component benches afterwards (layer pipeline vs synthetic compute, and
+# the raw pool), into out/pipeline.png and the printed tables.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+all=0
+if [ "${1:-}" = "--all" ]; then
+    all=1
+    shift
+fi
 bash scripts/setup.sh
 mkdir -p out
-uv run --no-sync lw-bench pipeline --plot out/pipeline.png "$@"
-uv run --no-sync lw-bench backend
+uv run --no-sync lw-bench serve --plot out/serve.png --save out/serve.json "$@"
+if [ "$all" = 1 ]; then
+    uv run --no-sync lw-bench pipeline --plot out/pipeline.png
+    uv run --no-sync lw-bench backend
+fi

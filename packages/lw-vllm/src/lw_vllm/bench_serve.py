@@ -52,12 +52,13 @@ Returned dict (stable keys; lengths are string keys, times in seconds):
   ``saved_ok`` (the save engine saved ``L / block_size`` chunks per prefix), ``problems``
 * ``engine_start_s``: ``{mode: s}``; ``runtime_s``; ``loadavg``: the machine's 1-minute load
   average before and after (other work on the machine makes every figure noisier)
-* ``plot``: the PNG path, when ``--plot`` was given
+* ``plot``: the PNG path, when ``--plot`` was given (``--save`` writes this same object to a file)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import shutil
@@ -86,6 +87,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the engine's compute (default 1; see the module doc)")
     p.add_argument("--pool-path", default=None, help="embedded pool directory (default: a fresh one on /dev/shm, removed after)")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write TTFT vs prefix length per mode (needs matplotlib)")
+    p.add_argument("--save", default=None, metavar="OUT.json", help="also write the JSON object to this file (the table is still printed)")
     p.add_argument("--quick", action="store_true", help="smoke run: tiny model, length 128, 1 rep, depth 2")
     p.add_argument("--engine-timeout-s", type=float, default=900.0, help="give up on one engine after this long (default 900)")
 
@@ -245,6 +247,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.plot:
         _plot(result, args.plot)
         result["plot"] = args.plot
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
     if not getattr(args, "json", False):
         print_table(result)
     return result

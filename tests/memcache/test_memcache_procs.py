@@ -16,6 +16,22 @@ def _keys(prefix: str, n: int) -> list[str]:
     return [f"lw1/test/{prefix}/{i:04d}" for i in range(n)]
 
 
+def _save_eventually(c, keys, n, timeout_s) -> bool:
+    """What a writer does: save whatever it can reserve, right away, until all keys are saved."""
+    done: set[str] = set()
+
+    def save_rest() -> bool:
+        rest = [k for k in keys if k not in done]
+        got = [k for k, ok in zip(rest, c.ok("reserve", keys=rest, layers=L, layer_nbytes=n)) if ok]
+        if got:
+            c.ok("write_layers", keys=got, layers=list(range(L)), layer_nbytes=n)
+            c.ok("commit", keys=got)
+            done.update(got)
+        return len(done) == len(keys)
+
+    return bool(wait_until(save_rest, timeout_s, interval_s=0.5))
+
+
 def _write_all(w, keys, layers=range(L)):
     assert all(w.ok("reserve", keys=keys, layers=L, layer_nbytes=N))
     w.ok("write_layers", keys=keys, layers=list(layers), layer_nbytes=N)
@@ -81,18 +97,7 @@ def test_writer_killed_mid_object_leaves_nothing_visible(pool, make_client):
         time.sleep(0.5)
     assert time.monotonic() - t0 < 30
     # The keys are free again for a new writer once the dead writer's blocks are reclaimed.
-    done: set[str] = set()
-
-    def save_rest() -> bool:  # what a writer does: save what it can reserve, right away
-        rest = [k for k in keys if k not in done]
-        got = [k for k, ok in zip(rest, r.ok("reserve", keys=rest, layers=L, layer_nbytes=N)) if ok]
-        if got:
-            r.ok("write_layers", keys=got, layers=list(range(L)), layer_nbytes=N)
-            r.ok("commit", keys=got)
-            done.update(got)
-        return len(done) == len(keys)
-
-    assert wait_until(save_rest, 20, interval_s=0.5), f"keys never freed: only {sorted(done)} saved again"
+    assert _save_eventually(r, keys, N, 20), "keys of the dead writer never freed"
     assert r.ok("lookup", keys=keys) == 4
 
 
@@ -129,3 +134,22 @@ def test_metaservice_killed_fails_fast_and_restart_is_picked_up(pool, make_clien
     assert all(r.ok("open", keys=fresh))
     assert r.read([(k, 0, L * N) for k in fresh]) == [b"".join(expected(k, i, N) for i in range(L)) for k in fresh]
     r.ok("release", keys=fresh)
+
+
+def test_full_pool_refuses_what_does_not_fit_then_evicts(pool, make_client):
+    c = make_client(pool.extra_config)  # the only client: the pool is its 64 MiB
+    n = 256 << 10  # 1 MiB objects
+    refused = 0
+    for rnd in range(10):  # 100 MiB offered
+        keys = _keys(f"full{rnd}", 10)
+        ok = c.ok("reserve", keys=keys, layers=L, layer_nbytes=n)
+        got = [k for k, o in zip(keys, ok) if o]
+        refused += len(keys) - len(got)
+        c.ok("write_layers", keys=got, layers=list(range(L)), layer_nbytes=n)
+        c.ok("commit", keys=got)
+    assert refused > 0, "100 MiB fitted in a 64 MiB pool"
+    # The MetaService's periodic eviction makes room: new objects fit again, old ones are gone.
+    fresh = _keys("full-after", 5)
+    assert _save_eventually(c, fresh, n, 15), "no room made within 15 s"
+    assert c.ok("lookup", keys=fresh) == 5
+    assert sum(c.ok("lookup", keys=_keys(f"full{rnd}", 10)[:1]) for rnd in range(10)) < 10

@@ -326,12 +326,20 @@ class MemcacheBackend:
             gvas = store.batch_alloc([keys[i] for i in todo], [nbytes] * len(todo), MEDIA_DRAM, self._write_lease_ms)
             if gvas and all(errors.is_unavailable(g) for g in gvas):
                 self._fail(gvas[0], "reserve (batch_alloc)")
+            failed = []
             with self._lock:
                 for i, gva in zip(todo, gvas):
                     if gva > 0:
                         h = MemcacheHandle(keys[i], nbytes, gva, True)
                         self._writing[h.key] = h
                         out[i] = h
+                    else:
+                        failed.append(keys[i])
+            if failed:
+                # A refused allocation (pool full: 0) can still leave the key half-created at the
+                # MetaService, "being written" to everyone for good: remove it (write-finish with
+                # a failure does not; remove does).
+                store.remove_batch(failed)
         n_ok = sum(h is not None for h in out)
         self._count(reserved=n_ok, reserve_skipped=len(keys) - n_ok)
         return out
@@ -356,7 +364,12 @@ class MemcacheBackend:
     def commit(self, handles: Sequence[MemcacheHandle]) -> None:
         res = self._finish(handles, True)
         bad = [(k, r) for k, r in res if r != 0]
-        self._count(committed=len(res) - len(bad))
+        done = [k for k, r in res if r == 0]
+        if done:
+            # batch_alloc's write lease outlives write-finish: until it expires the object can be
+            # neither evicted nor freed (a full pool stays full, a leaving holder waits). End it.
+            self._live().batch_remove_lease(done)
+        self._count(committed=len(done))
         if bad:
             self._fail(bad[0][1], f"commit (batch_write_finish) of {len(bad)} object(s), first {bad[0][0]}")
 

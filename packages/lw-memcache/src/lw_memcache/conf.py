@@ -70,6 +70,7 @@ def write_meta_conf(
     log_output_target: str = "screen",
     evict_threshold_high: int = 90,
     evict_threshold_low: int = 80,
+    evict_check_interval_s: int = 1,
     lease_ttl_ms: int | None = None,
 ) -> Path:
     """``mmc-meta.conf`` for a MetaService listening on the three given addresses."""
@@ -85,6 +86,8 @@ def write_meta_conf(
             f"evict_threshold_low={evict_threshold_low!r}, evict_threshold_high={evict_threshold_high!r}: "
             "need 0 < low < high <= 100 (percent of the pool)"
         )
+    if evict_check_interval_s < 1:
+        raise ConfError(f"evict_check_interval_s={evict_check_interval_s!r} must be >= 1 (seconds)")
     items: dict[str, object] = {
         "ock.mmc.meta_service_url": meta_url,
         "ock.mmc.meta_service.config_store_url": config_store_url,
@@ -93,6 +96,9 @@ def write_meta_conf(
         "ock.mmc.log_output_target": log_output_target,
         "ock.mmc.evict_threshold_high": evict_threshold_high,
         "ock.mmc.evict_threshold_low": evict_threshold_low,
+        # Allocation does not evict: a full pool refuses new objects until this periodic check
+        # (library default 5 s) has made room, so check often.
+        "ock.mmc.evict_check_interval_seconds": evict_check_interval_s,
     }
     if log_path:
         items["ock.mmc.log_path"] = log_path

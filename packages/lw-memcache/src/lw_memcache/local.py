@@ -125,6 +125,7 @@ class LocalMemcache:
         *,
         protocol: str = "host_shm",
         dram_size: str | int = "256MB",
+        dram_bytes: int | None = None,
         host: str = "127.0.0.1",
         workdir: str | os.PathLike[str] | None = None,
         log_level: str = "warn",
@@ -136,7 +137,8 @@ class LocalMemcache:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol={protocol!r}; accepted: {', '.join(PROTOCOLS)}")
         self.protocol = protocol
-        self.dram_size = dram_size
+        # DRAM each client adds to the pool; ``dram_bytes`` is the same as a number of bytes.
+        self.dram_size = dram_bytes if dram_bytes is not None else dram_size
         self.host = host
         self.log_level = log_level
         self.client_log_level = client_log_level

@@ -18,6 +18,7 @@ import time
 
 import aiohttp
 import msgspec
+import pytest
 
 from proxy_mocks import generate, harness, run
 
@@ -80,6 +81,7 @@ def _check_stream(i: int, status: int, raw: bytes, counts: dict[str, int]) -> No
     assert (text == want) if full else want.startswith(text), f"request {i}: stream text {text!r} vs {want!r}"
 
 
+@pytest.mark.slow
 def test_soak_no_request_lost_or_doubled_and_memory_flat():
     async def body():
         async with harness(n_prefill=1, n_decode=2, max_retries=2, retry_delay=0.0, health_interval=0.05,

@@ -100,6 +100,8 @@ def test_summary_medians_and_ratios_from_records() -> None:
     assert r["ratios"]["layered_vs_local"]["bulk"] == pytest.approx(1.5)
     assert r["headline"]["hit_vs_recompute"] == pytest.approx(0.2) and r["headline"]["length"] == 128
     assert r["pool_load_s"]["layerwise_d2"]["128"] == pytest.approx(0.2 * 1.1 - 0.11)
+    assert r["pool_load_s"]["bulk"]["128"] == pytest.approx(0.44 - 0.165)
+    assert r["ratios"]["load_layerwise_vs_bulk"]["2"] == pytest.approx(0.11 / 0.275)
     assert r["pool_hit_tokens"]["bulk"]["128"] == 128 and r["pool_hit_tokens"]["save"]["64"] == 64
     assert r["checks"]["pool_hits_ok"] and r["checks"]["local_hits_ok"] and r["checks"]["saved_ok"]
     assert len(r["samples"]["bulk"]["128"]["first"]) == 3

@@ -44,7 +44,10 @@ Returned dict (stable keys; lengths are string keys, times in seconds):
   ``hit_vs_recompute`` ``{mode: ttft[mode] / ttft[recompute]}`` per pool mode;
   ``layerwise_vs_bulk`` ``{d: ttft[layerwise_d] / ttft[bulk]}``;
   ``layered_vs_local`` ``{mode: local_ttft[mode] / local_ttft[recompute]}`` per pool mode (the
-  pool layered over vLLM's prefix cache vs that cache alone)
+  pool layered over vLLM's prefix cache vs that cache alone);
+  ``load_layerwise_vs_bulk`` ``{d: pool_load[layerwise_d] / pool_load[bulk]}``: the same
+  comparison as ``layerwise_vs_bulk`` on the load cost alone, each term taken within one engine,
+  so engine-to-engine differences (the machine's load while that engine ran) cancel out
 * ``headline``: ``hit_vs_recompute`` (layerwise at ``headline_depth``), ``layerwise_vs_bulk``
   (same depth), ``layered_vs_local`` (same depth), ``targets`` (0.3, 0.85, 1.0), ``length``
 * ``checks``: ``pool_hits_ok`` (every first request of a pool mode loaded exactly ``L`` tokens,
@@ -310,6 +313,7 @@ def summarize(cfg: dict[str, Any], modes: list[str], records: dict[str, list[dic
         "hit_vs_recompute": {m: ratio(ttft[m][top], ttft["recompute"][top]) for m in pool_modes},
         "layerwise_vs_bulk": {str(d): ratio(ttft[f"layerwise_d{d}"][top], ttft["bulk"][top]) for d in cfg["depths"]},
         "layered_vs_local": {m: ratio(local[m][top], local["recompute"][top]) for m in pool_modes},
+        "load_layerwise_vs_bulk": {str(d): ratio(load[f"layerwise_d{d}"][top], load["bulk"][top]) for d in cfg["depths"]},
     }
     hd = cfg["headline_depth"]
     headline = {
@@ -357,6 +361,10 @@ def print_table(r: dict[str, Any]) -> None:
     print("  prefix " + "".join(f"{m:>{w}}" for m in lm))
     for L in lengths:
         print(f"  {L:>6} " + "".join(f"{_ms(r['local_ttft_s'][m][L]):>{w}}" for m in lm))
+    print("pool load cost = first - second request of a prefix, same engine (ms)")
+    print("  prefix " + "".join(f"{m:>{w}}" for m in r["pool_load_s"]))
+    for L in lengths:
+        print(f"  {L:>6} " + "".join(f"{_ms(r['pool_load_s'][m][L]):>{w}}" for m in r["pool_load_s"]))
     h = r["headline"]
     fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
     print(

@@ -163,7 +163,7 @@ def mla_model(**kw: Any) -> Path:
 
 
 # ``lw-bench serve``: big enough that prefill compute dominates a 2k-token miss on a CPU, small
-# enough to build in seconds (~0.2 GB of float32 weights). Not used by the tests.
+# enough to build in seconds (~134M parameters, 0.54 GB in float32). Not used by the tests.
 BENCH_SPEC: dict[str, Any] = {
     "arch": "llama",
     "hidden_size": 1024,

@@ -2,6 +2,7 @@
 
     lw-memcache config --out-dir DIR [--protocol host_shm] [--dram-size 1GB] [--host 127.0.0.1] ...
     lw-memcache meta   [--config DIR/mmc-meta.conf | --host 127.0.0.1 --port 5000 ...]
+    lw-memcache hold   --config DIR/mmc-local.conf     # a client that only lends its DRAM to the pool
     lw-memcache standin
 
 ``config`` prints the ``kv_connector_extra_config`` keys that select the pool it describes.
@@ -93,6 +94,45 @@ def cmd_meta(args: argparse.Namespace) -> int:
     return 0 if rc in (0, None) else 1
 
 
+READY_MARK = "lw-memcache hold: ready"
+
+
+def cmd_hold(args: argparse.Namespace) -> int:
+    """A client that adds its DRAM to the pool and does nothing else, so objects outlive the
+    engines that write them (an object lives in the memory of the client it was placed on)."""
+    import signal
+    import threading
+
+    from lw_core.backend import BackendError
+
+    from lw_memcache.backend import MemcacheBackend
+    from lw_memcache.conf import parse_size, read_conf
+
+    path = Path(args.config)
+    if not path.is_file():
+        raise ConfError(f"--config {path}: no such file (write one with `lw-memcache config`)")
+    conf = read_conf(path)
+    size = parse_size(conf.get("ock.mmc.local_service.dram.size", "0"), "ock.mmc.local_service.dram.size", allow_zero=True)
+    if size == 0:
+        raise ConfError(f"--config {path}: ock.mmc.local_service.dram.size is 0; a holder must lend memory")
+    stop = threading.Event()
+    try:
+        backend = MemcacheBackend(str(path), protocol=conf.get("ock.mmc.local_service.protocol", ""))
+    except BackendError as e:
+        print(f"lw-memcache hold: {e}", file=sys.stderr)
+        return 1
+    # After init: the library replaces the handlers at init, the backend gives Python's back.
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda *_: stop.set())
+    print(f"{READY_MARK} ({size} bytes, pid {os.getpid()})", flush=True)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        backend.close()
+    return 0
+
+
 def cmd_standin(args: argparse.Namespace) -> int:
     from lw_memcache import standin
 
@@ -122,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="an mmc-meta.conf; without it one is written from the address options")
     _address_args(p)
     p.set_defaults(func=cmd_meta)
+
+    p = sub.add_parser("hold", help="lend this machine's DRAM to the pool until SIGTERM (objects outlive engines)")
+    p.add_argument("--config", required=True, help="an mmc-local.conf with dram.size > 0")
+    p.set_defaults(func=cmd_hold)
 
     p = sub.add_parser("standin", help="build the CPU stand-in for the Ascend runtime and print its environment")
     p.add_argument("--force", action="store_true", help="rebuild even if cached")

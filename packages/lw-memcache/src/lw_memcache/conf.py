@@ -25,8 +25,9 @@ class ConfError(ValueError):
     """A bad memcache setting; the message names it and what is accepted."""
 
 
-def parse_size(value: str | int, field: str = "dram_size") -> int:
-    """``134217728``, ``2048K``, ``200MB``, ``2.5GB`` -> bytes (what the library accepts)."""
+def parse_size(value: str | int, field: str = "dram_size", *, allow_zero: bool = False) -> int:
+    """``134217728``, ``2048K``, ``200MB``, ``2.5GB`` -> bytes (what the library accepts).
+    ``allow_zero``: 0 is a client that adds no memory to the pool (only uses it)."""
     if isinstance(value, bool):
         raise ConfError(f"{field}={value!r}: expected a size such as 268435456, '256MB' or '2GB'")
     if isinstance(value, int):
@@ -36,9 +37,9 @@ def parse_size(value: str | int, field: str = "dram_size") -> int:
         if not m:
             raise ConfError(f"{field}={value!r}: expected a size such as 268435456, '256MB' or '2GB'")
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0 or n > MAX_DRAM:
-        raise ConfError(f"{field}={value!r}: must be > 0 and at most 1TB")
-    return n
+    if (n == 0 and allow_zero) or 0 < n <= MAX_DRAM:
+        return n
+    raise ConfError(f"{field}={value!r}: must be {'>= 0' if allow_zero else '> 0'} and at most 1TB")
 
 
 def _check_url(url: str, field: str, schemes: tuple[str, ...]) -> tuple[str, int]:
@@ -121,7 +122,11 @@ def write_local_conf(
     log_level: str = "error",
     client_timeout_s: int = 10,
 ) -> Path:
-    """``mmc-local.conf`` for clients (each client contributes ``dram_size`` to the pool)."""
+    """``mmc-local.conf`` for clients (each client contributes ``dram_size`` to the pool).
+
+    ``dram_size=0``: clients that only use the pool. Objects live in the memory of the clients
+    that hold them and vanish when those exit, so engines that come and go should use such a
+    config while long-lived clients (``lw-memcache hold``) keep the pool's memory."""
     _check_url(meta_url, "meta_url", ("tcp",))
     _check_url(config_store_url, "config_store_url", ("tcp",))
     if protocol not in PROTOCOLS:
@@ -132,7 +137,7 @@ def write_local_conf(
         raise ConfError(f"world_size={world_size!r}: the most clients the pool accepts, 1..16384")
     if client_timeout_s <= 0:
         raise ConfError(f"client_timeout_s={client_timeout_s!r} must be > 0")
-    parse_size(dram_size)
+    parse_size(dram_size, allow_zero=True)
     items: dict[str, object] = {
         "ock.mmc.meta_service_url": meta_url,
         "ock.mmc.local_service.config_store_url": config_store_url,

@@ -12,7 +12,11 @@ What it takes care of (facts of memcache-hybrid 1.3.0):
   returns only once its ports answer and ``/health`` says ready.
 * On a CPU-only machine the Ascend runtime stand-in is built and ``/etc/ascend_install.info`` is
   written if missing (root), before any client starts (``lw_memcache.standin``).
-* ``stop`` ends the MetaService (SIGTERM, then SIGKILL after a deadline) and removes what dead
+* ``holder=True`` also starts ``lw-memcache hold``: one client that lends ``dram_size`` to the
+  pool, while the clients of ``extra_config`` lend none (``mmc-client.conf``, DRAM 0). Objects
+  live in the memory of the client they were placed on and vanish with it, so engines that come
+  and go (tests: engine A saves, a fresh engine B loads) need this.
+* ``stop`` ends the holder, then the MetaService (SIGTERM, then SIGKILL after a deadline) and removes what dead
   clients leave behind: ``/dev/shm/memfabric_hybrid_*`` segments no process maps any more and the
   ``/var/log/memfabric_hybrid/ptracer_<pid>.dat`` traces of exited processes, made since start.
 """
@@ -133,6 +137,7 @@ class LocalMemcache:
         start_timeout_s: float = 30.0,
         lock_wait_s: float = 120.0,
         stop_timeout_s: float = 5.0,
+        holder: bool = False,
     ) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol={protocol!r}; accepted: {', '.join(PROTOCOLS)}")
@@ -148,6 +153,8 @@ class LocalMemcache:
         self._own_workdir = workdir is None
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="lw-memcache-"))
         self.proc: subprocess.Popen[bytes] | None = None
+        self.holder = holder
+        self.holder_proc: subprocess.Popen[bytes] | None = None
         self._since = time.time()
         self._ports: list[int] | None = None
 
@@ -174,13 +181,18 @@ class LocalMemcache:
         return self.workdir / "mmc-local.conf"
 
     @property
+    def client_conf(self) -> Path:
+        """Config of the clients ``extra_config`` selects: DRAM 0 when a holder lends the memory."""
+        return self.workdir / "mmc-client.conf" if self.holder else self.local_conf
+
+    @property
     def log_path(self) -> Path:
         return self.workdir / "metaservice.log"
 
     @property
     def extra_config(self) -> dict[str, Any]:
         """``kv_connector_extra_config`` keys selecting this pool."""
-        return {"backend": "memcache", "memcache_config_path": str(self.local_conf), "memcache_protocol": self.protocol}
+        return {"backend": "memcache", "memcache_config_path": str(self.client_conf), "memcache_protocol": self.protocol}
 
     def _port(self, i: int) -> int:
         if self._ports is None:
@@ -212,6 +224,8 @@ class LocalMemcache:
                 self._write_confs()
             try:
                 self._spawn()
+                if self.holder:
+                    self._spawn_holder()
                 return self.extra_config
             except LocalMemcacheError as e:
                 last = e
@@ -227,15 +241,17 @@ class LocalMemcache:
             log_level=self.log_level,
         )
         hcom = f"tcp://{self.host}:{self._port(3)}" if self.protocol in ("host_tcp", "host_rdma") else None
-        write_local_conf(
-            self.local_conf,
-            meta_url=self.meta_url,
-            config_store_url=self.config_store_url,
-            protocol=self.protocol,
-            dram_size=self.dram_size,
-            hcom_url=hcom,
-            log_level=self.client_log_level,
-        )
+        confs = [(self.local_conf, self.dram_size)] + ([(self.client_conf, 0)] if self.holder else [])
+        for path, size in confs:
+            write_local_conf(
+                path,
+                meta_url=self.meta_url,
+                config_store_url=self.config_store_url,
+                protocol=self.protocol,
+                dram_size=size,
+                hcom_url=hcom,
+                log_level=self.client_log_level,
+            )
 
     def _wait_lock_free(self) -> None:
         deadline = time.monotonic() + self.lock_wait_s
@@ -259,6 +275,44 @@ class LocalMemcache:
                 start_new_session=True,  # a Ctrl-C in a test run must not reach it first
             )
         self._wait_ready()
+
+    def _spawn_holder(self) -> None:
+        from lw_memcache.cli import READY_MARK
+
+        log = open(self.workdir / "holder.log", "w+b")
+        self.holder_proc = subprocess.Popen(
+            [sys.executable, "-m", "lw_memcache.cli", "hold", "--config", str(self.local_conf)],
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + self.start_timeout_s
+        out = ""
+        with log:
+            while time.monotonic() < deadline:
+                log.seek(0)
+                out = log.read().decode(errors="replace")
+                if READY_MARK in out:
+                    return
+                if self.holder_proc.poll() is not None:
+                    break
+                time.sleep(0.1)
+        tail = "\n".join(out.splitlines()[-20:])
+        self._stop_holder()
+        raise LocalMemcacheError(f"lw-memcache hold did not get ready within {self.start_timeout_s:.0f} s; output:\n{tail}")
+
+    def _stop_holder(self) -> None:
+        p, self.holder_proc = self.holder_proc, None
+        if p is None or p.poll() is not None:
+            return
+        p.send_signal(signal.SIGTERM)
+        try:
+            # Leaving, a client waits for read leases on what it holds (up to a lease length).
+            p.wait(timeout=max(self.stop_timeout_s, 40.0))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=10)
 
     def _wait_ready(self) -> None:
         assert self.proc is not None
@@ -314,6 +368,7 @@ class LocalMemcache:
             p.wait(timeout=10)
 
     def stop(self) -> None:
+        self._stop_holder()
         self._kill_proc()
         cleanup_leftovers(self._since)
         if self._own_workdir:

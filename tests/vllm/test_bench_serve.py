@@ -56,6 +56,7 @@ def test_quick_json_run_reports_pool_hits_and_positive_times() -> None:
         (["--tail", "32"], "--tail"),
         (["--depths", "0"], "--depths"),
         (["--reps", "0"], "--reps"),
+        (["--rounds", "0"], "--rounds"),
         (["--lengths", "4096"], "4096"),
     ],
 )
@@ -63,6 +64,13 @@ def test_bad_arguments_fail_naming_the_flag(argv: list[str], needle: str) -> Non
     with pytest.raises(SystemExit) as ei:
         bench_serve._config(_args(*argv))
     assert needle in str(ei.value)
+
+
+def test_schedule_saves_once_then_alternates_the_measured_modes() -> None:
+    names = ["save", "recompute", "bulk", "layerwise_d2"]
+    assert bench_serve._schedule(names, 1) == names
+    assert bench_serve._schedule(names, 3) == [
+        "save", "recompute", "bulk", "layerwise_d2", "layerwise_d2", "bulk", "recompute", "recompute", "bulk", "layerwise_d2"]
 
 
 def _rec(mode: str, rid: str, ttft: float, L: int, bs: int = 32) -> dict:

@@ -8,7 +8,9 @@ length in the table) followed by a short unique tail (``--tail`` tokens, less th
 tail is never a full chunk and nothing new is saved by the measured engines). Every prefix is
 used by two requests: ``first`` (prefix + tail 0) and ``second`` (prefix + tail 1).
 
-Engines, each a fresh process (``lw_vllm.bench_serve_engine``), one after another:
+Engines, each a fresh process (``lw_vllm.bench_serve_engine``), one after another; ``save`` runs
+once, every other mode once per ``--rounds`` (default 2, alternating the order of the modes so a
+spell of load from other work on the machine does not land on one mode alone):
 
 * ``save``      -- connector (layerwise), empty pool, vLLM prefix cache off: every ``first``
   request misses, is computed and saved. Its TTFT is a miss plus the save; it fills the pool.
@@ -21,7 +23,8 @@ Engines, each a fresh process (``lw_vllm.bench_serve_engine``), one after anothe
 
 Before the measured requests each engine runs one warm-up prefix per length (same path, not
 counted). Requests run one at a time with ``max_tokens=1``; the wall time of that ``generate``
-call is the TTFT. Figures are medians over ``--reps`` prefixes per length, all from one run.
+call is the TTFT. Figures are medians over ``--reps`` prefixes per length x ``--rounds``, all from
+one run.
 
 The engine's compute runs on ``--threads`` OpenMP threads (default 1): on a small shared machine
 two threads stall on each other's barriers whenever another process holds a core, and one core
@@ -30,9 +33,9 @@ stays free for the pool's copy thread -- the role a device's copy engine plays.
 Returned dict (stable keys; lengths are string keys, times in seconds):
 
 * ``config``: ``model``, ``layers``, ``hidden``, ``dtype``, ``block_size``, ``lengths``, ``reps``,
-  ``depths``, ``tail``, ``threads``, ``kv_bytes_per_token``, ``pool_path``,
+  ``rounds``, ``depths``, ``tail``, ``threads``, ``kv_bytes_per_token``, ``pool_path``,
   ``pool_capacity_bytes``, ``headline_depth``
-* ``modes``: engine names in run order (``save``, ``recompute``, ``bulk``, ``layerwise_d<d>``...)
+* ``modes``: engine names in first-run order (``save``, ``recompute``, ``bulk``, ``layerwise_d<d>``...)
 * ``ttft_s``: ``{mode: {L: median TTFT of first requests}}``
 * ``local_ttft_s``: ``{mode: {L: median TTFT of second requests}}`` (not for ``save``)
 * ``pool_hit_tokens``: ``{mode: {L: median tokens the connector loaded for first requests}}``
@@ -53,7 +56,7 @@ Returned dict (stable keys; lengths are string keys, times in seconds):
 * ``checks``: ``pool_hits_ok`` (every first request of a pool mode loaded exactly ``L`` tokens,
   none failed), ``local_hits_ok`` (every second request was a vLLM prefix-cache hit of ``L``),
   ``saved_ok`` (the save engine saved ``L / block_size`` chunks per prefix), ``problems``
-* ``engine_start_s``: ``{mode: s}``; ``runtime_s``; ``loadavg``: the machine's 1-minute load
+* ``engine_start_s``: ``{mode: median s over its rounds}``; ``runtime_s``; ``loadavg``: the machine's 1-minute load
   average before and after (other work on the machine makes every figure noisier)
 * ``plot``: the PNG path, when ``--plot`` was given (``--save`` writes this same object to a file)
 """
@@ -83,6 +86,7 @@ _TARGETS = {"hit_vs_recompute": 0.3, "layerwise_vs_bulk": 0.85, "layered_vs_loca
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", default="256,512,1024,2048", help="shared-prefix lengths in tokens, multiples of 32 (default 256,512,1024,2048)")
     p.add_argument("--reps", type=int, default=3, help="prefixes per length; medians are reported (default 3)")
+    p.add_argument("--rounds", type=int, default=2, help="engines per measured mode, run in alternating order; samples are pooled (default 2)")
     p.add_argument("--depths", default="1,2,4", help="layerwise prefetch depths, comma-separated (default 1,2,4)")
     p.add_argument("--tail", type=int, default=16, help="unique tokens after the shared prefix, 1..31 (default 16)")
     p.add_argument("--model", choices=MODELS, default="bench", help="bench: 12 layers, hidden 1024; tiny: the 4-layer test model (default bench)")
@@ -116,7 +120,7 @@ def _model_spec(name: str) -> dict[str, Any]:
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
-        args.model, args.lengths, args.reps, args.depths = "tiny", "128", 1, "2"
+        args.model, args.lengths, args.reps, args.depths, args.rounds = "tiny", "128", 1, "2", 1
     lengths = _int_list("lengths", args.lengths, lo=BLOCK_SIZE)
     bad = [n for n in lengths if n % BLOCK_SIZE]
     if bad:
@@ -126,6 +130,8 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"lw-bench serve: --tail={args.tail} must be in 1..{BLOCK_SIZE - 1} (less than a block)")
     if args.reps < 1:
         raise SystemExit(f"lw-bench serve: --reps={args.reps} must be >= 1")
+    if args.rounds < 1:
+        raise SystemExit(f"lw-bench serve: --rounds={args.rounds} must be >= 1")
     if args.threads < 1:
         raise SystemExit(f"lw-bench serve: --threads={args.threads} must be >= 1")
     max_len = max(lengths) + args.tail
@@ -142,6 +148,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": BLOCK_SIZE,
         "lengths": lengths,
         "reps": args.reps,
+        "rounds": args.rounds,
         "depths": depths,
         "tail": args.tail,
         "threads": args.threads,
@@ -184,6 +191,17 @@ def _items(cfg: dict[str, Any], prompts: dict, *, second: bool) -> list[dict[str
     return items
 
 
+def _schedule(names: list[str], rounds: int) -> list[str]:
+    """Engine run order: ``save`` once, then every measured mode once per round, the order
+    reversed on odd rounds, so a spell of load from other work on the machine is spread over
+    the modes instead of landing on one of them."""
+    measured = [n for n in names if n != "save"]
+    order = ["save"]
+    for r in range(rounds):
+        order += measured if r % 2 == 0 else measured[::-1]
+    return order
+
+
 def _modes(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any] | None, bool]]:
     """``(name, extra config or None, vLLM prefix cache on)`` in run order."""
     base = {"embedded_path": cfg["pool_path"], "embedded_capacity_bytes": cfg["pool_capacity_bytes"]}
@@ -215,21 +233,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg["pool_path"] = args.pool_path or os.path.join(base, f"lw-bench-serve-{uuid.uuid4().hex[:8]}")
     prompts = _prompts(cfg)
     modes = _modes(cfg)
-    jobs = []
+    jobs = {}
     for name, extra, prefix_caching in modes:
         items = _items(cfg, prompts, second=name != "save")
-        jobs.append((name, {
+        jobs[name] = {
             "model": model_dir, "dtype": cfg["dtype"], "block_size": BLOCK_SIZE,
             "max_model_len": cfg["max_model_len"], "kv_cache_memory_bytes": cfg["kv_cache_memory_bytes"],
             "prefix_caching": prefix_caching, "extra": extra, "items": items,
-        }))
+        }
+    schedule = _schedule([m[0] for m in modes], cfg["rounds"])
     env = {"OMP_NUM_THREADS": str(cfg["threads"])}
     records: dict[str, list[dict[str, Any]]] = {}
-    starts: dict[str, float] = {}
-    total = sum(len(j["items"]) + 1 for _, j in jobs)
+    starts: dict[str, list[float]] = {}
+    total = sum(len(jobs[name]["items"]) + 1 for name in schedule)
     try:
         with tqdm(total=total, desc="lw-bench serve", unit="step", file=sys.stderr) as bar:
-            for name, job in jobs:
+            for name in schedule:
+                job = jobs[name]
                 bar.set_postfix_str(f"{name}: starting engine")
 
                 def on_event(kind: str, payload: Any, name: str = name) -> None:
@@ -237,14 +257,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     bar.set_postfix_str(name)
 
                 try:
-                    starts[name], records[name] = run_engine(job, env=env, timeout_s=args.engine_timeout_s, on_event=on_event)
+                    start_s, recs = run_engine(job, env=env, timeout_s=args.engine_timeout_s, on_event=on_event)
                 except EngineError as e:
                     raise SystemExit(f"lw-bench serve: engine '{name}' failed: {e}") from None
+                starts.setdefault(name, []).append(start_s)
+                records.setdefault(name, []).extend(recs)
     finally:
         if own_pool:
             shutil.rmtree(cfg["pool_path"], ignore_errors=True)
     result = summarize(cfg, [m[0] for m in modes], records)
-    result["engine_start_s"] = starts
+    result["engine_start_s"] = {m: statistics.median(v) for m, v in starts.items()}
     result["runtime_s"] = time.perf_counter() - t_start
     result["loadavg"] = {"before": load_before, "after": os.getloadavg()[0]}
     if args.plot:
@@ -349,7 +371,7 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"lw-bench serve: {c['model']} model ({c['layers']} layers, hidden {c['hidden']}, {c['dtype']}), "
         f"block {c['block_size']}, {c['threads']} compute thread(s), prefix + {c['tail']}-token tail, "
-        f"TTFT in ms, median of {c['reps']}"
+        f"TTFT in ms, median of {c['reps']} prefixes x {c['rounds']} engine rounds"
     )
     print("first request of a prefix (save: miss + save; recompute: no pool; others: pool hit)")
     print("  prefix " + "".join(f"{m:>{w}}" for m in modes))
@@ -426,7 +448,7 @@ def _plot(r: dict[str, Any], out: str) -> None:
         a.set_ylabel("TTFT, ms (median)")
         a.grid(alpha=0.3)
         a.legend(fontsize=7)
-    fig.suptitle(f"lw-bench serve: {c['layers']} layers, hidden {c['hidden']}, {c['dtype']}, vLLM CPU, median of {c['reps']}",
+    fig.suptitle(f"lw-bench serve: {c['layers']} layers, hidden {c['hidden']}, {c['dtype']}, vLLM CPU, median of {c['reps']}x{c['rounds']}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(out, dpi=120)

@@ -11,6 +11,17 @@ request lives in KV block ``block_ids[i]``. Rules:
   their step, so ``request_finished`` never has to delay freeing blocks.
 * Only full prompt chunks are shared. A trailing partial chunk would only be useful to the same
   request (its key is request-scoped), so it is not saved here; see the README.
+
+PD disaggregation (ARCHITECTURE §6). Decoder (kv_consumer, or kv_both): a request whose
+``kv_transfer_params`` carry ``do_remote_prefill`` and a ``metaserver`` URL POSTs to the metaserver
+once (pd_metaserver, off this thread) and is reported "not ready yet" (``None``) until the answer;
+then it is looked up and loaded as usual. Such a request loads even when ``consumer_is_to_load``
+is false: loading the remote prefill is what a decoder is for; that flag governs only plain
+requests sent straight to a decoder. On a metaserver error or after ``metaserver_timeout_s`` the
+request still looks the pool up (committed objects are always valid KV) and vLLM computes the rest.
+Prefiller (kv_producer): every full prompt chunk is saved in the step that computes it and
+committed in that step's ``wait_for_save``, i.e. before vLLM turns the step's output into a
+response, so a ``max_tokens: 1`` prefill is answered only after its objects are visible.
 """
 
 from __future__ import annotations
@@ -25,15 +36,23 @@ from lw_core.keys import HashExtra, chunk_hashes
 
 from lw_vllm import pool
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
+from lw_vllm.pd_metaserver import MetaserverClient, Outcome, remote_prefill_params
 
 log = logging.getLogger(__name__)
 
 STATS_ENV = "LW_VLLM_STATS_FILE"
+# While requests wait for their remote prefill, vLLM runs an empty step about every millisecond
+# (scheduler + worker round trip): measured, that burns more than one CPU core, which on a
+# shared host starves the very prefiller being waited for. When the last step ran nothing, one
+# scheduling pass waits up to this long for a metaserver answer (waking at once on one); a new
+# request arriving meanwhile is scheduled at most this much later.
+IDLE_WAIT_S = 0.02
 
 
 class _Req:
     __slots__ = ("req", "hashes", "n_tokens", "block_ids", "pool_chunks", "saved_upto", "load",
-                 "promised", "local_computed", "loaded_blocks", "failed_blocks", "saved_chunks", "prompt_len")
+                 "promised", "local_computed", "loaded_blocks", "failed_blocks", "saved_chunks", "prompt_len",
+                 "remote", "last_xfer_build")
 
     def __init__(self, req: Any) -> None:
         self.req = req
@@ -49,6 +68,8 @@ class _Req:
         self.failed_blocks = 0
         self.saved_chunks = 0
         self.prompt_len = len(req.prompt_token_ids or ())
+        self.remote: Outcome | str | None = None  # PD: metaserver outcome, or why there was no call
+        self.last_xfer_build = -1  # build_connector_meta index of this request's latest load/save
 
 
 def _extra(req: Any) -> HashExtra:
@@ -73,6 +94,16 @@ class SchedulerSide:
         self.reqs: dict[str, _Req] = {}
         self.stats_path = os.environ.get(STATS_ENV) or None
         self._stats_lock = threading.Lock()
+        # A prefiller never waits for anyone; a decoder (or a kv_both engine behind the proxy) does.
+        self.metaserver = MetaserverClient(cfg.metaserver_timeout_s) if role in ("kv_consumer", "kv_both") else None
+        self._builds = 0
+        self._last_step_empty = False
+        self._idle_waited_at = -1  # build index of the scheduling pass that last idle-waited
+        self._lag = 1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0
+        # Finished requests whose last step's worker report has not arrived yet: their stats are
+        # written when it does, so saved/loaded counts include the final step.
+        self._finishing: dict[str, _Req] = {}
+        self.metrics: Any = None  # lw_vllm.metrics.Collector, set by the connector
 
     # --- helpers ---
     def _state(self, req: Any) -> _Req:
@@ -96,14 +127,54 @@ class SchedulerSide:
             n = min(n, self.backend.lookup(self.keyspace.keys(tag, hashes[:n])))
         return n
 
+    def _remote_prefill(self, st: _Req, max_chunks: int) -> bool | None:
+        """PD decoder: ``None`` while the metaserver has not answered, else whether this request is
+        a remote-prefill one (which loads whatever the pool holds, whatever the outcome)."""
+        if self.metaserver is None:
+            return False
+        req = st.req
+        if st.remote is None:
+            params = remote_prefill_params(getattr(req, "kv_transfer_params", None))
+            if params is None:
+                return False
+            if isinstance(params, str):
+                log.warning("lw-vllm: %s: %s; computing what the pool lacks", req.request_id, params)
+                st.remote = params
+                return True
+            # Post even when this request will not wait: the proxy dispatches the prefill only once
+            # every child of the parent has called.
+            self.metaserver.post(req.request_id, params)
+            if max_chunks <= 0 or getattr(req, "skip_reading_prefix_cache", False):
+                st.remote = "nothing to load"
+                return True
+            st.remote = "waiting"
+        if st.remote == "waiting":
+            out = self.metaserver.poll(req.request_id)
+            if out is None and self._last_step_empty and self._idle_waited_at != self._builds:
+                self._idle_waited_at = self._builds
+                self.metaserver.wait_for_answer(IDLE_WAIT_S)
+                out = self.metaserver.poll(req.request_id)
+            if out is None:
+                return None
+            st.remote = out
+            if self.metrics is not None:
+                self.metrics.observe("metaserver_wait_s", [out.wait_s])
+            if not out.ok:
+                log.warning("lw-vllm: %s: remote prefill unavailable (%s); computing what the pool lacks",
+                            req.request_id, out.detail)
+        return True
+
     # --- vLLM hooks ---
-    def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._state(req)
-        if not self.can_load:
+        max_chunks = (len(req.all_token_ids) - 1) // self.block_size  # leave one token to compute
+        remote = self._remote_prefill(st, max_chunks)
+        if remote is None:
+            return None, False  # vLLM asks again next step
+        if not (self.can_load or remote):
             return 0, False
         st.local_computed = num_computed_tokens
         hashes = self._hashes(st)
-        max_chunks = (len(req.all_token_ids) - 1) // self.block_size  # leave one token to compute
         if max_chunks <= 0:
             return 0, False
         try:
@@ -127,6 +198,9 @@ class SchedulerSide:
         st.promised += num_external_tokens
 
     def build_connector_meta(self, so: Any) -> LayerwiseMeta:
+        self._builds += 1
+        self._last_step_empty = getattr(so, "total_num_scheduled_tokens", 1) == 0
+        self._flush_finishing(older_than=self._builds - 1 - self._lag)
         meta = LayerwiseMeta()
         bs = self.block_size
         scheduled: list[tuple[_Req, int]] = []
@@ -156,6 +230,7 @@ class SchedulerSide:
                 if n > 0 and first + n <= min(len(hashes), len(st.block_ids)):
                     meta.loads.append(Xfer(st.req.request_id, hashes[first:first + n], st.block_ids[first:first + n]))
                     st.saved_upto = max(st.saved_upto, first + n)
+                    st.last_xfer_build = self._builds
             if not self.can_save:
                 continue
             full = min(computed_after, st.prompt_len) // bs
@@ -166,31 +241,54 @@ class SchedulerSide:
                 if full > st.saved_upto:
                     meta.saves.append(Xfer(st.req.request_id, hashes[st.saved_upto:full], st.block_ids[st.saved_upto:full]))
                     st.saved_upto = full
+                    st.last_xfer_build = self._builds
         return meta
 
     def update_connector_output(self, out: Any) -> None:
         wm = getattr(out, "kv_connector_worker_meta", None)
-        if not isinstance(wm, LayerwiseWorkerMeta):
-            return
+        if isinstance(wm, LayerwiseWorkerMeta):
+            self._apply_report(wm)
+        # vLLM finishes requests before it hands the connector the step's report (same call).
+        self._flush_finishing()
+
+    def _apply_report(self, wm: LayerwiseWorkerMeta) -> None:
+        def get(rid: str) -> _Req | None:
+            return self.reqs.get(rid) or self._finishing.get(rid)
+
         for rid, n in wm.loaded.items():
-            if rid in self.reqs:
-                self.reqs[rid].loaded_blocks += n
+            if (st := get(rid)) is not None:
+                st.loaded_blocks += n
         for rid, n in wm.failed.items():
-            if rid in self.reqs:
-                self.reqs[rid].failed_blocks += n
+            if (st := get(rid)) is not None:
+                st.failed_blocks += n
         for rid, n in wm.saved.items():
-            if rid in self.reqs:
-                self.reqs[rid].saved_chunks += n
+            if (st := get(rid)) is not None:
+                st.saved_chunks += n
 
     def request_finished(self, req: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         st = self.reqs.pop(req.request_id, None)
+        if self.metaserver is not None:
+            # A request that finishes while still waiting was aborted: its call goes too. One that
+            # never waited (nothing to load) leaves its call running for its siblings' sake.
+            self.metaserver.forget(req.request_id, cancel=st is None or st.remote == "waiting")
         if st is not None and self.stats_path:
-            self._write_stats(st)
+            # The report of the step that finished it is still to come only if that step moved
+            # its KV (with async scheduling, one more step may have been built meanwhile).
+            if st.last_xfer_build >= 0 and st.last_xfer_build >= self._builds - self._lag:
+                self._finishing[req.request_id] = st
+            else:
+                self._write_stats(st)
         # Saves complete inside their step: nothing still reads these blocks.
         return False, None
 
+    def _flush_finishing(self, older_than: int | None = None) -> None:
+        for rid, st in list(self._finishing.items()):
+            if older_than is None or st.last_xfer_build < older_than:
+                del self._finishing[rid]
+                self._write_stats(st)
+
     def _write_stats(self, st: _Req) -> None:
-        rec = {
+        rec: dict[str, Any] = {
             "req_id": st.req.request_id,
             "prompt_tokens": st.prompt_len,
             "promised_tokens": st.promised,
@@ -198,6 +296,10 @@ class SchedulerSide:
             "failed_blocks": st.failed_blocks,
             "saved_chunks": st.saved_chunks,
         }
+        if st.remote is not None:
+            out = st.remote
+            rec["remote_prefill"] = out.detail if isinstance(out, Outcome) else out
+            rec["metaserver_wait_s"] = round(out.wait_s, 4) if isinstance(out, Outcome) else None
         try:
             with self._stats_lock, open(self.stats_path, "a") as f:  # type: ignore[arg-type]
                 f.write(json.dumps(rec) + "\n")
@@ -205,4 +307,8 @@ class SchedulerSide:
             log.warning("lw-vllm: cannot write stats to %s: %s", self.stats_path, e)
 
     def shutdown(self) -> None:
+        if self.stats_path:
+            self._flush_finishing()
+        if self.metaserver is not None:
+            self.metaserver.close()
         pool.release_backend(self.cfg, self.backend)

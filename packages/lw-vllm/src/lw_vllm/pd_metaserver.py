@@ -1,0 +1,171 @@
+"""The decoder's metaserver calls (ARCHITECTURE §6 step 3), off vLLM's scheduler loop.
+
+A kv_consumer engine request carrying ``do_remote_prefill`` and a ``metaserver`` URL POSTs
+``{lw_parent_id, request_id}`` once; the proxy holds the POST until the prefiller has committed the
+prompt's KV to the pool, then answers 200. The POSTs run on one asyncio loop in a daemon thread
+(aiohttp, which vLLM itself depends on): they are long-held, possibly hundreds at once, so a thread
+per call would not scale. The scheduler only polls: ``poll`` is a dict read, never a wait.
+
+Every call has a deadline (``metaserver_timeout_s``), enforced twice: by aiohttp on the call, and by
+``poll`` from the scheduler's clock, so a wedged loop can never keep a request waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+import msgspec
+from lw_core.wire import DecodeTransferParams, MetaserverRequest, MetaserverResponse, decode_transfer_params
+
+log = logging.getLogger(__name__)
+
+_CLOSE_TIMEOUT_S = 5.0
+_response_decoder = msgspec.json.Decoder(MetaserverResponse)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    ok: bool
+    detail: str  # "ok", or why the decoder recomputes
+    wait_s: float
+
+
+def remote_prefill_params(raw: object) -> DecodeTransferParams | str | None:
+    """The request's remote-prefill params, an error text when they are ours but malformed, or
+    ``None`` for a request that is not a layerwise remote prefill.
+
+    Only params with a ``metaserver`` key are ours: other connectors' PD protocols (NIXL's
+    ``remote_engine_id`` …) also set ``do_remote_prefill`` and must be left alone."""
+    if not isinstance(raw, dict) or not raw.get("do_remote_prefill") or "metaserver" not in raw:
+        return None
+    try:
+        params = decode_transfer_params(raw)
+    except msgspec.ValidationError as e:
+        return f"bad kv_transfer_params: {e}"
+    assert isinstance(params, DecodeTransferParams)
+    if not params.metaserver.startswith(("http://", "https://")):
+        return f"bad kv_transfer_params.metaserver={params.metaserver!r}: accepted: an http:// or https:// URL"
+    return params
+
+
+class _Call:
+    __slots__ = ("future", "started", "outcome")
+
+    def __init__(self, future: concurrent.futures.Future, started: float) -> None:
+        self.future = future
+        self.started = started
+        self.outcome: Outcome | None = None
+
+
+class MetaserverClient:
+    """Starts its loop thread on first use (the engine core forks before any request arrives)."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._session = None
+        self._calls: dict[str, _Call] = {}
+        self._answered = threading.Event()  # set by the loop thread whenever a call completes
+
+    # --- scheduler thread ---
+    def post(self, request_id: str, params: DecodeTransferParams) -> None:
+        """Start the call for ``request_id`` unless one exists (vLLM asks again after preemption)."""
+        if request_id in self._calls:
+            return
+        body = msgspec.json.encode(MetaserverRequest(lw_parent_id=params.lw_parent_id, request_id=request_id))
+        loop = self._ensure_loop()
+        fut = asyncio.run_coroutine_threadsafe(self._post(params.metaserver, body), loop)
+        fut.add_done_callback(lambda _f: self._answered.set())
+        self._calls[request_id] = _Call(fut, time.monotonic())
+
+    def wait_for_answer(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for any call to complete (returns at once if one has since
+        the last wait). For an engine with nothing else to do; see SchedulerSide."""
+        got = self._answered.wait(timeout_s)
+        self._answered.clear()
+        return got
+
+    def poll(self, request_id: str) -> Outcome | None:
+        """The call's outcome, or ``None`` while it is still within its deadline."""
+        call = self._calls.get(request_id)
+        if call is None:
+            return None
+        if call.outcome is None:
+            waited = time.monotonic() - call.started
+            if call.future.done():
+                try:
+                    call.outcome = call.future.result()
+                except BaseException as e:  # cancelled or a bug in _post: recompute, never fail the request
+                    call.outcome = Outcome(False, f"metaserver call failed: {e!r}", waited)
+            elif waited > self.timeout_s + 1.0:
+                # aiohttp's own deadline should have fired by now; do not depend on it.
+                call.future.cancel()
+                call.outcome = Outcome(False, f"no metaserver answer within {self.timeout_s:g} s", waited)
+        return call.outcome
+
+    def forget(self, request_id: str, *, cancel: bool = True) -> None:
+        """Drop the call's state. ``cancel``: also abort a call still in flight (the proxy sees the
+        connection close); without it the call runs to its answer or deadline, because the proxy
+        dispatches a parent's prefill only once every child has called."""
+        call = self._calls.pop(request_id, None)
+        if cancel and call is not None and not call.future.done():
+            call.future.cancel()
+
+    def close(self) -> None:
+        for rid in list(self._calls):
+            self.forget(rid)
+        loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        if self._session is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self._session.close(), loop).result(_CLOSE_TIMEOUT_S)
+            except Exception as e:
+                log.debug("lw-vllm: closing the metaserver session: %r", e)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(_CLOSE_TIMEOUT_S)
+        self._loop = self._thread = self._session = None
+
+    def _ensure_loop(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                t = threading.Thread(target=loop.run_forever, name="lw-metaserver", daemon=True)
+                t.start()
+                self._loop, self._thread = loop, t
+            return self._loop
+
+    # --- loop thread ---
+    async def _post(self, url: str, body: bytes) -> Outcome:
+        import aiohttp
+
+        t0 = time.monotonic()
+        if self._session is None:
+            # No connection limit: each call is held until its prefill is done, and the proxy
+            # bounds the number of children per parent.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        try:
+            async with self._session.post(
+                url, data=body, headers={"Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+            ) as r:
+                raw = await r.read()
+                waited = time.monotonic() - t0
+                if r.status != 200:
+                    return Outcome(False, f"metaserver answered {r.status}: {raw[:300].decode(errors='replace')}", waited)
+                try:
+                    _response_decoder.decode(raw)
+                except msgspec.DecodeError as e:
+                    return Outcome(False, f"metaserver answered 200 with an unexpected body ({e})", waited)
+                return Outcome(True, "ok", waited)
+        except asyncio.TimeoutError:
+            return Outcome(False, f"no metaserver answer within {self.timeout_s:g} s", time.monotonic() - t0)
+        except aiohttp.ClientError as e:
+            return Outcome(False, f"metaserver {url} unreachable: {e!r}", time.monotonic() - t0)

@@ -1,0 +1,59 @@
+"""A metaserver stand-in on 127.0.0.1 (aiohttp, its own loop thread) for the decoder-side tests."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+
+from aiohttp import web
+
+from pd_servers import free_port
+
+
+class FakeMetaserver:
+    """``mode``: "ok" (200), "error" (502 with a JSON error), "silent" (holds the POST forever),
+    "bad-body" (200 with a body that is not the wire struct)."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.bodies: list[dict] = []
+        self.cancelled = 0
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1/metaserver"
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10), "fake metaserver did not start"
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        self.bodies.append(json.loads(await request.read()))
+        if self.mode == "ok":
+            return web.json_response({"status": "ok"})
+        if self.mode == "bad-body":
+            return web.json_response({"status": "maybe"})
+        if self.mode == "error":
+            return web.json_response({"error": {"message": "prefill failed", "type": "upstream_error",
+                                                "param": None, "code": 502}}, status=502)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        raise AssertionError("unreachable")
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/metaserver", self._handle)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        self._loop.run_until_complete(self._runner.setup())
+        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def close(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

@@ -136,20 +136,38 @@ def test_metaservice_killed_fails_fast_and_restart_is_picked_up(pool, make_clien
     r.ok("release", keys=fresh)
 
 
-def test_full_pool_refuses_what_does_not_fit_then_evicts(pool, make_client):
-    c = make_client(pool.extra_config)  # the only client: the pool is its 64 MiB
-    n = 256 << 10  # 1 MiB objects
+def _offer_100_mib(c, n) -> int:
     refused = 0
-    for rnd in range(10):  # 100 MiB offered
+    for rnd in range(10):
         keys = _keys(f"full{rnd}", 10)
         ok = c.ok("reserve", keys=keys, layers=L, layer_nbytes=n)
         got = [k for k, o in zip(keys, ok) if o]
         refused += len(keys) - len(got)
         c.ok("write_layers", keys=got, layers=list(range(L)), layer_nbytes=n)
         c.ok("commit", keys=got)
-    assert refused > 0, "100 MiB fitted in a 64 MiB pool"
+    return refused
+
+
+def test_full_pool_refuses_what_does_not_fit_then_evicts(pool, make_client):
+    # full_wait_s=0: reserve answers at once, so a full pool refuses until eviction ran.
+    c = make_client(pool.extra_config, full_wait_s=0)  # the only client: the pool is its 64 MiB
+    n = 256 << 10  # 1 MiB objects
+    assert _offer_100_mib(c, n) > 0, "100 MiB fitted in a 64 MiB pool"
     # The MetaService's periodic eviction makes room: new objects fit again, old ones are gone.
     fresh = _keys("full-after", 5)
     assert _save_eventually(c, fresh, n, 15), "no room made within 15 s"
     assert c.ok("lookup", keys=fresh) == 5
     assert sum(c.ok("lookup", keys=_keys(f"full{rnd}", 10)[:1]) for rnd in range(10)) < 10
+
+
+def test_full_pool_reserve_waits_for_eviction(pool, make_client):
+    # By default reserve waits (boundedly) for the periodic eviction, as a store that evicts
+    # inline would: every save of 100 MiB into 64 MiB succeeds, the oldest objects are gone.
+    c = make_client(pool.extra_config)
+    n = 256 << 10
+    t0 = time.monotonic()
+    assert _offer_100_mib(c, n) == 0
+    assert time.monotonic() - t0 < 10 * 2.5  # never more than full_wait_s (2 s) per reserve
+    assert c.ok("lookup", keys=_keys("full9", 10)) == 10
+    assert sum(c.ok("lookup", keys=_keys(f"full{rnd}", 10)[:1]) for rnd in range(10)) < 10
+    assert c.ok("stats")["reserve_skipped"] == 0

@@ -221,3 +221,28 @@ def test_copy_rejects_out_of_range_and_readonly():
     with pytest.raises(BackendError, match="not a reservation"):
         b.write([mb.MemcacheHandle("other", 4096, 1, True)], [0], [bytes(16)])
     assert b._store.copies == []
+
+
+def test_copy_passes_each_buffers_own_address_on_every_path():
+    # The per-layer hot path takes ndarray addresses through ctypes; read-only, non-contiguous and
+    # non-numpy buffers take the general path. Both must hand the store the same addresses.
+    b = _bare_backend()
+    b._store.batch_copy = lambda g, p, n, d, f: b._store.copies.append((d, list(g), list(p), list(n))) or 0
+    h = mb.MemcacheHandle("k", 1 << 16, 0x1000_0000, True)
+    b._writing["k"] = h
+    staging = np.arange(4096, dtype=np.uint8)
+    ro = staging[1024:2048].copy()
+    ro.flags.writeable = False
+    ba = bytearray(100)
+    srcs = [staging[:1024], staging[2048:3072], ro, ba]
+    b.write([h] * 4, [0, 1024, 2048, 3072], srcs)
+    (d, gvas, ptrs, sizes), = b._store.copies
+    assert d == mb.H2G and gvas == [h.gva, h.gva + 1024, h.gva + 2048, h.gva + 3072]
+    assert ptrs == [staging.ctypes.data, staging.ctypes.data + 2048, ro.ctypes.data, np.frombuffer(ba, np.uint8).ctypes.data]
+    assert sizes == [1024, 1024, 1024, 100]
+    with pytest.raises(ValueError, match="read-only"):
+        b.read([h], [0], [ro])
+    with pytest.raises(ValueError, match="C-contiguous"):
+        b.read([h], [0], [staging.reshape(64, 64)[:, :8]])
+    b.read([h], [0], [np.zeros(0, np.uint8)])  # nothing to copy: no call
+    assert len(b._store.copies) == 1

@@ -20,6 +20,7 @@ Copy direction comes from where the memory lives: host buffers use H2G/G2H; devi
 from __future__ import annotations
 
 import atexit
+import ctypes
 import logging
 import os
 import signal
@@ -43,9 +44,11 @@ log = logging.getLogger(__name__)
 # Copy directions (memcache_hybrid's BmCopyType values; AUTO is rejected by batch_copy).
 L2G, G2L, G2H, H2G = 0, 1, 2, 3
 MEDIA_DRAM = 1
+_FULL_RETRY_S = 0.2  # between allocation attempts while a full pool waits for its eviction check
 # batch_get_key_info flags: 1 = readable objects only, 0 = also objects still being written.
 _INFO_READABLE, _INFO_ANY = 1, 0
 
+_addressof, _from_buffer = ctypes.addressof, ctypes.c_char.from_buffer
 _open_in_process: weakref.WeakSet[MemcacheBackend] = weakref.WeakSet()
 
 
@@ -110,6 +113,7 @@ class MemcacheBackend:
         write_lease_ms: int = 30_000,
         connect_timeout_s: float = 3.0,
         restore_signals: bool = True,
+        full_wait_s: float = 2.0,
     ) -> None:
         if protocol not in PROTOCOLS:
             raise BackendError(f"kv_connector_extra_config.memcache_protocol={protocol!r}; accepted: {', '.join(PROTOCOLS)}")
@@ -135,6 +139,8 @@ class MemcacheBackend:
         for name, v in (("read_lease_ms", read_lease_ms), ("write_lease_ms", write_lease_ms)):
             if v <= 0:
                 raise BackendError(f"{name}={v!r} must be > 0 (milliseconds)")
+        if not (0 <= full_wait_s < float("inf")):
+            raise BackendError(f"full_wait_s={full_wait_s!r} must be >= 0 seconds (0: a full pool refuses at once)")
         if any(not b._closed for b in _open_in_process):
             raise BackendError("a memcache client is already open in this process: close it first (one per process)")
 
@@ -149,6 +155,7 @@ class MemcacheBackend:
             )
         self.config_path = config_path
         self.protocol = protocol
+        self._full_wait_s = full_wait_s
         self._read_lease_ms = read_lease_ms
         self._write_lease_ms = write_lease_ms
         self._lock = threading.Lock()
@@ -188,9 +195,12 @@ class MemcacheBackend:
 
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> MemcacheBackend:
-        """Build from a ``lw_core.config.PoolConfig``; lease lengths default from its timeouts."""
+        """Build from a ``lw_core.config.PoolConfig``; lease lengths and the wait for room in a
+        full pool default from its timeouts."""
         kwargs.setdefault("write_lease_ms", max(10_000, int(cfg.save_timeout_s * 2000)))
         kwargs.setdefault("read_lease_ms", max(10_000, int(cfg.layer_wait_timeout_s * 4000)))
+        # A save waiting for room must leave most of its deadline to the copies.
+        kwargs.setdefault("full_wait_s", min(2.0, cfg.save_timeout_s / 4))
         return cls(cfg.memcache_config_path, protocol=cfg.memcache_protocol, **kwargs)
 
     # ----- helpers -----
@@ -263,25 +273,52 @@ class MemcacheBackend:
         if not (len(handles) == len(offsets) == len(bufs)):
             raise ValueError(f"{len(handles)} handles, {len(offsets)} offsets, {len(bufs)} buffers: lengths differ")
         store = self._live()
-        groups: dict[int, tuple[list[int], list[int], list[int]]] = {}
-        total = 0
         what = "write" if to_store else "read"
+        host_dir, dev_dir = (H2G, L2G) if to_store else (G2H, G2L)
+        check_regions = bool(self._device_regions)
+        gvas: list[int] = []
+        ptrs: list[int] = []
+        sizes: list[int] = []
+        dirs: list[int] = []
+        total = 0
         for h, off, buf in zip(handles, offsets, bufs):
-            ptr, n, dev = _memory(buf, writable=not to_store, what=f"{what} of {h.key}")
+            # Per layer this loop runs once per block of a step: it is the backend's own cost on
+            # top of the copy. ctypes' from_buffer takes a writable contiguous array's address
+            # about 5x faster than ndarray.ctypes.data; anything else takes the general path.
+            dev = False
+            if type(buf) is np.ndarray:
+                try:
+                    ptr, n = _addressof(_from_buffer(buf)), buf.nbytes
+                except (TypeError, ValueError):  # read-only, non-contiguous or empty
+                    ptr, n, dev = _memory(buf, writable=not to_store, what=f"{what} of {h.key}")
+            else:
+                ptr, n, dev = _memory(buf, writable=not to_store, what=f"{what} of {h.key}")
             if off < 0 or off + n > h.nbytes:
                 raise ValueError(f"{what} of {h.key}: range [{off}, {off + n}) outside the object's {h.nbytes} bytes")
             if n == 0:
                 continue
-            dev = self._on_device(ptr, n, dev)
-            direction = (L2G if dev else H2G) if to_store else (G2L if dev else G2H)
-            gvas, ptrs, sizes = groups.setdefault(direction, ([], [], []))
+            if check_regions:
+                dev = self._on_device(ptr, n, dev)
             gvas.append(h.gva + off)
             ptrs.append(ptr)
             sizes.append(n)
+            dirs.append(dev_dir if dev else host_dir)
             total += n
-        for direction, (gvas, ptrs, sizes) in groups.items():
-            self._check(store.batch_copy(gvas, ptrs, sizes, direction, 0), f"batch_copy ({what}, {len(gvas)} ranges)")
-        self._count(copy_calls=len(groups), **{"bytes_written" if to_store else "bytes_read": total})
+        calls = 0
+        if gvas:
+            if dirs.count(dirs[0]) == len(dirs):
+                groups = {dirs[0]: (gvas, ptrs, sizes)}
+            else:  # host and device memory in one call: one batch per direction
+                groups = {}
+                for d, g, p, n in zip(dirs, gvas, ptrs, sizes):
+                    lg, lp, ln = groups.setdefault(d, ([], [], []))
+                    lg.append(g)
+                    lp.append(p)
+                    ln.append(n)
+            for direction, (g, p, n) in groups.items():
+                self._check(store.batch_copy(g, p, n, direction, 0), f"batch_copy ({what}, {len(g)} ranges)")
+                calls += 1
+        self._count(copy_calls=calls, **{"bytes_written" if to_store else "bytes_read": total})
 
     # ----- Backend protocol -----
 
@@ -307,42 +344,66 @@ class MemcacheBackend:
         out: list[MemcacheHandle | None] = [None] * len(keys)
         if not keys:
             return out
+        # batch_alloc hands out the existing space of a key that is committed or being written
+        # (it would overwrite it), so keys in use are found first. info(flag=0) sees both; only
+        # for those does batch_is_exist tell committed from unfinished: new keys cost one call.
         infos = store.batch_get_key_info(list(keys), _INFO_ANY)
-        readable = store.batch_is_exist(list(keys))
-        bad = [r for r in readable if r not in (0, 1)]
-        if bad:  # the MetaService is down (-3014) or failing: say so instead of "no room"
-            self._fail(bad[0], "reserve (batch_is_exist)")
+        if len(infos) != len(keys):
+            # It answers nothing when the MetaService is down; batch_is_exist says why (-3014).
+            for r in store.batch_is_exist(list(keys)):
+                if r not in (0, 1):
+                    self._fail(r, "reserve (batch_is_exist)")
+            self._fail(-1, f"reserve (batch_get_key_info answered {len(infos)} of {len(keys)} keys)")
+        taken = [i for i, info in enumerate(infos) if info.size() > 0]
+        readable = dict.fromkeys(taken, 0)
+        if taken:
+            res = store.batch_is_exist([keys[i] for i in taken])
+            bad = [r for r in res if r not in (0, 1)]
+            if bad:  # the MetaService is down (-3014) or failing: say so instead of "no room"
+                self._fail(bad[0], "reserve (batch_is_exist)")
+            readable = dict(zip(taken, res))
         now = time.monotonic()
         todo: list[int] = []
         seen: set[str] = set()
-        for i, (k, info, r) in enumerate(zip(keys, infos, readable)):
-            if k in seen or k in self._writing or r == 1:
-                continue  # committed, reserved here already, or repeated in this batch
-            if info.size() > 0 and not self._orphaned(k, now):
-                continue  # being written by another writer, within its write lease
+        for i, k in enumerate(keys):
+            if k in seen or k in self._writing:
+                continue  # reserved here already, or repeated in this batch
+            if i in readable and (readable[i] == 1 or not self._orphaned(k, now)):
+                continue  # committed, or being written by another writer within its write lease
             seen.add(k)
             todo.append(i)
-        if todo:
-            gvas = store.batch_alloc([keys[i] for i in todo], [nbytes] * len(todo), MEDIA_DRAM, self._write_lease_ms)
-            if gvas and all(errors.is_unavailable(g) for g in gvas):
-                self._fail(gvas[0], "reserve (batch_alloc)")
-            failed = []
-            with self._lock:
-                for i, gva in zip(todo, gvas):
-                    if gva > 0:
-                        h = MemcacheHandle(keys[i], nbytes, gva, True)
-                        self._writing[h.key] = h
-                        out[i] = h
-                    else:
-                        failed.append(keys[i])
-            if failed:
-                # A refused allocation (pool full: 0) can still leave the key half-created at the
-                # MetaService, "being written" to everyone for good: remove it (write-finish with
-                # a failure does not; remove does).
-                store.remove_batch(failed)
+        deadline = now + self._full_wait_s
+        while todo:
+            todo = self._alloc(store, keys, todo, nbytes, out)
+            # Allocation never evicts: the MetaService's periodic check (every second in the
+            # configs we write) makes room. Wait for it, boundedly, as other stores evict inline.
+            if not todo or time.monotonic() + _FULL_RETRY_S > deadline:
+                break
+            time.sleep(_FULL_RETRY_S)
         n_ok = sum(h is not None for h in out)
         self._count(reserved=n_ok, reserve_skipped=len(keys) - n_ok)
         return out
+
+    def _alloc(self, store: Any, keys: Sequence[str], todo: list[int], nbytes: int, out: list) -> list[int]:
+        """batch_alloc ``keys[todo]``; fills ``out``, returns the indices refused for lack of room."""
+        gvas = store.batch_alloc([keys[i] for i in todo], [nbytes] * len(todo), MEDIA_DRAM, self._write_lease_ms)
+        if gvas and all(errors.is_unavailable(g) for g in gvas):
+            self._fail(gvas[0], "reserve (batch_alloc)")
+        failed = []
+        with self._lock:
+            for i, gva in zip(todo, gvas):
+                if gva > 0:
+                    h = MemcacheHandle(keys[i], nbytes, gva, True)
+                    self._writing[h.key] = h
+                    out[i] = h
+                else:
+                    failed.append(i)
+        if failed:
+            # A refused allocation (pool full: 0) can still leave the key half-created at the
+            # MetaService, "being written" to everyone for good: remove it (write-finish with
+            # a failure does not; remove does).
+            store.remove_batch([keys[i] for i in failed])
+        return failed
 
     def write(self, handles: Sequence[MemcacheHandle], offsets: Sequence[int], srcs: Sequence[Any]) -> None:
         for h in handles:

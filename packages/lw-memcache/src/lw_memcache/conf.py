@@ -73,6 +73,7 @@ def write_meta_conf(
     evict_threshold_low: int = 80,
     evict_check_interval_s: int = 1,
     lease_ttl_ms: int | None = None,
+    lru_shard_count: int = 1,
 ) -> Path:
     """``mmc-meta.conf`` for a MetaService listening on the three given addresses."""
     _check_url(meta_url, "meta_url", ("tcp",))
@@ -87,6 +88,8 @@ def write_meta_conf(
             f"evict_threshold_low={evict_threshold_low!r}, evict_threshold_high={evict_threshold_high!r}: "
             "need 0 < low < high <= 100 (percent of the pool)"
         )
+    if lru_shard_count < 1:
+        raise ConfError(f"lru_shard_count={lru_shard_count!r} must be >= 1")
     if evict_check_interval_s < 1:
         raise ConfError(f"evict_check_interval_s={evict_check_interval_s!r} must be >= 1 (seconds)")
     items: dict[str, object] = {
@@ -100,6 +103,9 @@ def write_meta_conf(
         # Allocation does not evict: a full pool refuses new objects until this periodic check
         # (library default 5 s) has made room, so check often.
         "ock.mmc.evict_check_interval_seconds": evict_check_interval_s,
+        # Eviction takes each LRU shard's oldest: with several shards it also drops objects
+        # just written (seen: a batch committed a moment ago gone). One shard is exact LRU.
+        "ock.mmc.meta_service.lru_shard_count": lru_shard_count,
     }
     if log_path:
         items["ock.mmc.log_path"] = log_path

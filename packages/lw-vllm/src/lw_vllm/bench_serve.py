@@ -156,8 +156,9 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "pool_capacity_bytes": max(64 << 20, 2 * saved_tokens * kv_per_token),
         "headline_depth": 2 if 2 in depths else depths[0],
         "max_model_len": (max_len + BLOCK_SIZE) // BLOCK_SIZE * BLOCK_SIZE,
-        # Room for a few of the longest prompts: the second request needs the first one's blocks.
-        "kv_cache_memory_bytes": max(64 << 20, 4 * (max_len + BLOCK_SIZE) * kv_per_token),
+        # Room for a whole sweep (one prefix per length) twice over: a second request needs its
+        # first request's blocks still in vLLM's prefix cache.
+        "kv_cache_memory_bytes": max(64 << 20, 2 * (sum(lengths) + len(lengths) * 2 * BLOCK_SIZE) * kv_per_token),
     }
 
 
@@ -179,14 +180,18 @@ def _prompts(cfg: dict[str, Any]) -> dict[tuple[str, int, int], list[int]]:
 
 def _items(cfg: dict[str, Any], prompts: dict, *, second: bool) -> list[dict[str, Any]]:
     # Warm-ups first, then the measured prefixes rep-major, so drifts in the machine's load spread
-    # over every length instead of landing on one.
-    order = [("warm", L, 0) for L in cfg["lengths"]]
-    order += [("meas", L, i) for i in range(cfg["reps"]) for L in cfg["lengths"]]
+    # over every length instead of landing on one. Within a sweep, every first request runs before
+    # the second requests, so that (but for one) a second request follows another light one, not
+    # a multi-second prefill whose after-effects would be billed to the prefix-cache hit.
+    sweeps = [[("warm", L, 0) for L in cfg["lengths"]]]
+    sweeps += [[("meas", L, i) for L in cfg["lengths"]] for i in range(cfg["reps"])]
     items = []
-    for kind, L, i in order:
-        prefix, t0, t1 = prompts[(kind, L, i)]
-        items.append({"id": f"{kind}/{L}/{i}/first", "tokens": prefix + t0})
-        if second:
+    for sweep in sweeps:
+        for kind, L, i in sweep:
+            prefix, t0, _ = prompts[(kind, L, i)]
+            items.append({"id": f"{kind}/{L}/{i}/first", "tokens": prefix + t0})
+        for kind, L, i in sweep if second else ():
+            prefix, _, t1 = prompts[(kind, L, i)]
             items.append({"id": f"{kind}/{L}/{i}/second", "tokens": prefix + t1})
     return items
 
@@ -350,7 +355,7 @@ def summarize(cfg: dict[str, Any], modes: list[str], records: dict[str, list[dic
         "modes": modes,
         "ttft_s": ttft,
         "local_ttft_s": local,
-        "pool_hit_tokens": {m: {L: _median(hits[m][L]) for L in lengths} for m in modes},
+        "pool_hit_tokens": {m: {L: statistics.median_low(hits[m][L]) if hits[m][L] else None for L in lengths} for m in modes},
         "pool_load_s": load,
         "samples": samples,
         "ratios": ratios,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import needs_memcache, wait_until
+from conftest import expected, needs_memcache, wait_until
 
 from lw_memcache.local import LocalMemcache, LocalMemcacheError, free_ports, meta_lock_holder
 
@@ -47,3 +47,32 @@ def test_cli_meta_binds_the_given_address_and_stops_on_sigterm(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_hold_refuses_a_config_that_lends_no_memory(tmp_path):
+    from lw_memcache.conf import write_local_conf
+
+    conf = write_local_conf(tmp_path / "c.conf", meta_url="tcp://127.0.0.1:1", config_store_url="tcp://127.0.0.1:2", dram_size=0)
+    r = subprocess.run([sys.executable, "-m", "lw_memcache.cli", "hold", "--config", str(conf)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "dram.size is 0" in r.stderr
+
+
+@pytest.mark.slow
+def test_holder_keeps_objects_after_their_writer_is_killed(tmp_path, make_client):
+    # Objects live in the memory of the client they are placed on: with a holder lending the
+    # pool's DRAM and writers lending none, a writer's death loses nothing it committed.
+    with LocalMemcache(dram_size="64MB", holder=True, workdir=tmp_path / "pool", stop_timeout_s=3) as extra:
+        assert "dram.size = 0" in open(extra["memcache_config_path"]).read()
+        keys = [f"lw1/test/held/{i}" for i in range(16)]
+        w = make_client(extra)
+        assert all(w.ok("reserve", keys=keys, layers=2, layer_nbytes=32 << 10))
+        w.ok("write_layers", keys=keys, layers=[0, 1], layer_nbytes=32 << 10)
+        w.ok("commit", keys=keys)
+        w.kill()
+        r = make_client(extra)
+        assert wait_until(lambda: r.ok("lookup", keys=keys) == 16, 3)
+        assert all(r.ok("open", keys=keys))
+        assert r.read([(k, 32 << 10, 32 << 10) for k in keys]) == [expected(k, 1, 32 << 10) for k in keys]
+        r.ok("release", keys=keys)
+        r.close()

@@ -239,7 +239,9 @@ class Stack:
 
 def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout_s: float) -> Stack:
     """Start prefiller and decoder at once (start-up is mostly imports), warm both up with a chat
-    and a completion straight at them (first requests import lazily and are slow), then the proxy."""
+    and a completion straight at them, then the proxy. First uses are slow (lazy imports; the
+    first request asking for log-probs took ~5 s on the CPU build), so warm-ups use every feature
+    the tests use."""
     from lw_vllm.testing import models
 
     mla = model == "mla"
@@ -256,8 +258,9 @@ def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout
                             block_size=block, mla=mla)
         wait_ready([prefill.proc, decode.proc], "/health", SERVER_START_TIMEOUT_S)
         for s in (prefill, decode):
-            for path, body in (("/v1/completions", {"prompt": "warm up"}),
-                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "warm up"}]})):
+            for path, body in (("/v1/completions", {"prompt": "warm up", "logprobs": 2}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "warm up"}],
+                                                         "logprobs": True, "top_logprobs": 2})):
                 status, out = post_json(s.url + path, {"model": "tiny", "max_tokens": 2, **body})
                 assert status == 200, f"warm-up {path} on {s.proc.name}: {status} {out}"
         proxy = start_proxy("proxy", prefill.url, decode.url, log_dir,
@@ -265,7 +268,7 @@ def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout
         # One PD round trip of several chunks: the first save, load and metaserver call pay
         # one-time costs (threads, imports, connections) that tests should not time.
         status, out = post_json(proxy.url + "/v1/completions",
-                                {"model": "tiny", "prompt": "ka lo mi ne ru " * 30, "max_tokens": 2})
+                                {"model": "tiny", "prompt": "ka lo mi ne ru " * 30, "max_tokens": 2, "logprobs": 2})
         assert status == 200, f"PD warm-up through the proxy: {status} {out}"
     except BaseException:
         for p in (proxy, prefill.proc, decode.proc if decode is not None else None):

@@ -106,7 +106,9 @@ def test_not_ready_while_the_metaserver_holds_then_timeout_and_lookup(meta, pool
         _publish(side, req, 5)  # the prefiller commits while the decoder waits
         for _ in range(20):
             assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+            assert side.last_call_looked_up is False  # "not ready" is no lookup (metrics)
         n, slowest = _ask(side, req)  # the 2 s deadline passes
+        assert side.last_call_looked_up is True
         assert side.reqs["r-hold"].remote.detail == "no metaserver answer within 2 s"
         # Recompute path, yet committed objects are valid KV: the lookup still uses them.
         assert n == 5 * BLOCK and slowest < 0.1
@@ -149,6 +151,7 @@ def test_plain_request_to_a_consumer_neither_posts_nor_loads(meta, pool_dir) -> 
         req = _req("r-plain", 4 * BLOCK, None)
         _publish(side, req, 3)
         assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert side.last_call_looked_up is False
         assert side.metaserver is not None and meta.bodies == []
         # consumer_is_to_load=true: plain requests load too.
         side2 = _side(pool_dir, consumer_is_to_load=True)
@@ -218,5 +221,41 @@ def test_idle_wait_is_bounded_and_only_after_an_empty_step(meta, pool_dir) -> No
         t = time.perf_counter()
         assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # same pass: no second wait
         assert time.perf_counter() - t < 0.01
+    finally:
+        side.shutdown()
+
+
+def _step(req_id: str, block_ids: list[int], n_tokens: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=req_id, block_ids=(block_ids,), num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]),
+        num_scheduled_tokens={req_id: n_tokens}, total_num_scheduled_tokens=n_tokens)
+
+
+def test_prefiller_saves_what_the_pool_lacks_and_reports_it_with_the_answer(pool_dir, tmp_path, monkeypatch) -> None:
+    from lw_vllm.meta import LayerwiseWorkerMeta
+
+    stats = tmp_path / "stats.jsonl"
+    monkeypatch.setenv(scheduler_side.STATS_ENV, str(stats))
+    cfg = parse_config({"embedded_path": pool_dir, "embedded_capacity_bytes": 4 << 20})
+    vc, kc = _configs()
+    side = SchedulerSide(vc, kc, cfg, "kv_producer")
+    try:
+        assert side.metaserver is None  # a prefiller never calls the metaserver
+        req = _req("p-1", 3 * BLOCK + 5, None)
+        _publish(side, req, 2)  # an earlier prefill of the same prefix
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # a producer never loads
+        meta = side.build_connector_meta(_step("p-1", [10, 11, 12, 13], 3 * BLOCK + 5))
+        assert meta.loads == [] and len(meta.saves) == 1
+        (x,) = meta.saves
+        assert x.block_ids == [12] and x.hashes == side._hashes(side._state(req))[2:3]  # only chunk 2
+        # max_tokens=1: vLLM finishes the request before handing over that step's worker report.
+        side.request_finished(req, [10, 11, 12, 13])
+        assert not stats.exists() or stats.read_text() == ""
+        side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=LayerwiseWorkerMeta(saved={"p-1": 1})))
+        import json
+
+        (rec,) = [json.loads(line) for line in stats.read_text().splitlines()]
+        assert rec["req_id"] == "p-1" and rec["saved_chunks"] == 1 and "remote_prefill" not in rec
     finally:
         side.shutdown()

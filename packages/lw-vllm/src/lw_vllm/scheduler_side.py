@@ -19,9 +19,16 @@ then it is looked up and loaded as usual. Such a request loads even when ``consu
 is false: loading the remote prefill is what a decoder is for; that flag governs only plain
 requests sent straight to a decoder. On a metaserver error or after ``metaserver_timeout_s`` the
 request still looks the pool up (committed objects are always valid KV) and vLLM computes the rest.
-Prefiller (kv_producer): every full prompt chunk is saved in the step that computes it and
-committed in that step's ``wait_for_save``, i.e. before vLLM turns the step's output into a
+A prompt with no full chunk to load posts (its siblings' prefill waits for every child) but does
+not wait. While requests wait and nothing else runs, one scheduling pass per step may wait up to
+``IDLE_WAIT_S`` for an answer, to keep vLLM's empty steps from spinning a CPU core.
+Prefiller (kv_producer): every full prompt chunk the pool lacks is saved in the step that computes
+it and committed in that step's ``wait_for_save``, i.e. before vLLM turns the step's output into a
 response, so a ``max_tokens: 1`` prefill is answered only after its objects are visible.
+
+Stats (``LW_VLLM_STATS_FILE``, one JSON line per finished request) are written once the worker
+report of the request's last step has arrived, so a prefill's ``saved_chunks`` counts what was
+committed before its answer.
 """
 
 from __future__ import annotations
@@ -104,6 +111,9 @@ class SchedulerSide:
         # written when it does, so saved/loaded counts include the final step.
         self._finishing: dict[str, _Req] = {}
         self.metrics: Any = None  # lw_vllm.metrics.Collector, set by the connector
+        # Whether the last get_num_new_matched_tokens call looked the pool up (for lookup metrics:
+        # "not ready yet" answers and plain requests on a non-loading role are not lookups).
+        self.last_call_looked_up = False
 
     # --- helpers ---
     def _state(self, req: Any) -> _Req:
@@ -126,6 +136,19 @@ class SchedulerSide:
                 break
             n = min(n, self.backend.lookup(self.keyspace.keys(tag, hashes[:n])))
         return n
+
+    def _skip_published(self, st: _Req) -> None:
+        """A saver that does not load (kv_producer) still skips chunks the pool already holds:
+        re-saving them would only be refused by the pool (and report nothing for the request)."""
+        n = min(st.prompt_len, len(st.req.all_token_ids)) // self.block_size
+        if n <= st.saved_upto:
+            return
+        try:
+            hit = self._lookup(self._hashes(st)[:n])
+        except Exception as e:
+            log.warning("lw-vllm: lookup failed for %s, saving every chunk: %s", st.req.request_id, e)
+            return
+        st.saved_upto = max(st.saved_upto, hit)
 
     def _remote_prefill(self, st: _Req, max_chunks: int) -> bool | None:
         """PD decoder: ``None`` while the metaserver has not answered, else whether this request is
@@ -166,17 +189,21 @@ class SchedulerSide:
 
     # --- vLLM hooks ---
     def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        self.last_call_looked_up = False
         st = self._state(req)
         max_chunks = (len(req.all_token_ids) - 1) // self.block_size  # leave one token to compute
         remote = self._remote_prefill(st, max_chunks)
         if remote is None:
             return None, False  # vLLM asks again next step
         if not (self.can_load or remote):
+            if self.can_save:
+                self._skip_published(st)
             return 0, False
         st.local_computed = num_computed_tokens
         hashes = self._hashes(st)
         if max_chunks <= 0:
             return 0, False
+        self.last_call_looked_up = True
         try:
             hit = self._lookup(hashes[:max_chunks])
         except Exception as e:  # a pool that cannot answer is a miss, never a failed request

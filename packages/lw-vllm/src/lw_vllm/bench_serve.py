@@ -429,6 +429,9 @@ def _plot(r: dict[str, Any], out: str) -> None:
     lengths = [str(L) for L in xs]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
     style = {"save": ("#999", ":"), "recompute": ("#c44", "-"), "bulk": ("#e90", "-")}
+    blues = ["#7ab8e8", "#2f7cc0", "#1b3f73", "#0b1d38"]
+    for i, d in enumerate(c["depths"]):
+        style[f"layerwise_d{d}"] = (blues[min(i, len(blues) - 1)], "-")
     for m in r["modes"]:
         color, ls = style.get(m, (None, "-"))
         ys = [r["ttft_s"][m][L] for L in lengths]

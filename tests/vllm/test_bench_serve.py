@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from lw_vllm import bench_serve
 
 

@@ -168,7 +168,9 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
 def _prompts(cfg: dict[str, Any]) -> dict[tuple[str, int, int], list[int]]:
     """``(kind, L, i) -> tokens``: kind ``warm``/``meas`` prefixes and their two tails."""
     rng = random.Random(20261130)
-    toks = lambda n: [rng.randrange(3, 500) for _ in range(n)]  # noqa: E731 -- 0..2 are special tokens
+
+    def toks(n: int) -> list[int]:
+        return [rng.randrange(3, 500) for _ in range(n)]  # ids 0..2 are the special tokens
     out = {}
     for L in cfg["lengths"]:
         for kind, n in (("warm", 1), ("meas", cfg["reps"])):
@@ -393,7 +395,9 @@ def print_table(r: dict[str, Any]) -> None:
     for L in lengths:
         print(f"  {L:>6} " + "".join(f"{_ms(r['pool_load_s'][m][L]):>{w}}" for m in r["pool_load_s"]))
     h = r["headline"]
-    fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
     print(
         f"at {h['length']} tokens, layerwise depth {c['headline_depth']}: "
         f"pool hit / recompute {fmt(h['hit_vs_recompute'])} (target <= {h['targets']['hit_vs_recompute']}), "

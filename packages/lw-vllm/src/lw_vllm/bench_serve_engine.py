@@ -61,18 +61,18 @@ def run(job: dict[str, Any]) -> None:
     os.environ["LW_VLLM_STATS_FILE"] = stats_path
     from vllm import LLM, SamplingParams
 
-    kw: dict[str, Any] = dict(
-        model=job["model"],
-        dtype=job["dtype"],
-        enforce_eager=True,
-        block_size=job["block_size"],
-        max_model_len=job["max_model_len"],
+    kw: dict[str, Any] = {
+        "model": job["model"],
+        "dtype": job["dtype"],
+        "enforce_eager": True,
+        "block_size": job["block_size"],
+        "max_model_len": job["max_model_len"],
         # One prompt is one prefill step: TTFT then holds exactly one load (or one recompute).
-        max_num_batched_tokens=job["max_model_len"],
-        kv_cache_memory_bytes=job["kv_cache_memory_bytes"],
-        enable_prefix_caching=job["prefix_caching"],
-        seed=0,
-    )
+        "max_num_batched_tokens": job["max_model_len"],
+        "kv_cache_memory_bytes": job["kv_cache_memory_bytes"],
+        "enable_prefix_caching": job["prefix_caching"],
+        "seed": 0,
+    }
     if job.get("extra") is not None:
         kw["kv_transfer_config"] = {
             "kv_connector": "LayerwiseStoreConnector",

@@ -11,7 +11,8 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lw_vllm.bench_serve_engine import DONE, ITEM, STARTED
 

@@ -51,6 +51,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     embedded_path: str = msgspec.field(default_factory=default_embedded_path)
     embedded_capacity_bytes: int = 4 << 30
     layer_wait_timeout_s: float = 5.0
+    lookup_timeout_s: float = 1.0
     save_timeout_s: float = 10.0
     metaserver_timeout_s: float = 30.0
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
@@ -72,7 +73,7 @@ _NON_NEGATIVE_INT = (
     "h2d_stagger_us",
     "embedded_capacity_bytes",
 )
-_POSITIVE_FLOAT = ("layer_wait_timeout_s", "save_timeout_s", "metaserver_timeout_s")
+_POSITIVE_FLOAT = ("layer_wait_timeout_s", "lookup_timeout_s", "save_timeout_s", "metaserver_timeout_s")
 
 
 def _validate(cfg: PoolConfig) -> None:

@@ -128,7 +128,7 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self._sched is not None
         n, is_async = self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
-        if getattr(self._sched, "can_load", True):
+        if self._sched.last_call_looked_up:  # "not ready yet" answers are not lookups
             self.stats.add(lookups=1, lookup_tokens=len(request.prompt_token_ids or ()), hit_tokens=n or 0)
         return n, is_async
 

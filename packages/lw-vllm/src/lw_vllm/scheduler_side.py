@@ -37,9 +37,12 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Any
 
+from lw_core.backend import BackendUnavailable
 from lw_core.keys import HashExtra, chunk_hashes
+from lw_core.pipeline_pool import DeadlineCall, WorkerPool
 
 from lw_vllm import pool
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
@@ -54,6 +57,9 @@ STATS_ENV = "LW_VLLM_STATS_FILE"
 # scheduling pass waits up to this long for a metaserver answer (waking at once on one); a new
 # request arriving meanwhile is scheduled at most this much later.
 IDLE_WAIT_S = 0.02
+# After a lookup timeout, lookups are skipped (misses) for this long: a wedged store then costs
+# one deadline every few seconds instead of one per request.
+LOOKUP_BACKOFF_S = 5.0
 
 
 class _Req:
@@ -98,6 +104,8 @@ class SchedulerSide:
         self.can_load = role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load)
         self.can_save = role in ("kv_both", "kv_producer") or (role == "kv_consumer" and cfg.consumer_is_to_put)
         self.backend = pool.acquire_backend(cfg)
+        self._lookup_pool = WorkerPool("lw-lookup", size=1)
+        self._lookup_paused_until = 0.0
         self.reqs: dict[str, _Req] = {}
         self.stats_path = os.environ.get(STATS_ENV) or None
         self._stats_lock = threading.Lock()
@@ -130,12 +138,35 @@ class SchedulerSide:
         return st.hashes
 
     def _lookup(self, hashes: list[bytes]) -> int:
-        n = len(hashes)
-        for tag in self.tags:
-            if n == 0:
-                break
-            n = min(n, self.backend.lookup(self.keyspace.keys(tag, hashes[:n])))
-        return n
+        """Leading chunks every needed rank has. Runs under ``lookup_timeout_s``: this is vLLM's
+        scheduler loop, and a stalled store must cost a miss, not a stalled engine. After a
+        timeout, lookups pause for ``LOOKUP_BACKOFF_S`` (misses at once) instead of paying the
+        deadline again for every request."""
+        if not hashes:
+            return 0
+        if time.monotonic() < self._lookup_paused_until:
+            raise BackendUnavailable("pool lookups paused after a lookup timeout")
+
+        def run() -> int:
+            n = len(hashes)
+            for tag in self.tags:
+                if n == 0:
+                    break
+                n = min(n, self.backend.lookup(self.keyspace.keys(tag, hashes[:n])))
+            return n
+
+        call = DeadlineCall(self._lookup_pool, run)
+        if not call.wait(self.cfg.lookup_timeout_s):
+            self._lookup_paused_until = time.monotonic() + LOOKUP_BACKOFF_S
+            if self.metrics is not None:
+                self.metrics.add(lookup_errors=1)
+            raise BackendUnavailable(
+                f"pool lookup took longer than lookup_timeout_s={self.cfg.lookup_timeout_s}s; "
+                f"lookups paused for {LOOKUP_BACKOFF_S}s"
+            )
+        if call.error is not None:
+            raise call.error
+        return call.value
 
     def _skip_published(self, st: _Req) -> None:
         """A saver that does not load (kv_producer) still skips chunks the pool already holds:
@@ -338,4 +369,5 @@ class SchedulerSide:
             self._flush_finishing()
         if self.metaserver is not None:
             self.metaserver.close()
+        self._lookup_pool.close(timeout_s=1.0)
         pool.release_backend(self.cfg, self.backend)

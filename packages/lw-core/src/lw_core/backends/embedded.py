@@ -10,8 +10,10 @@ Layout of the pool directory (``embedded_path``; put it on tmpfs, e.g. ``/dev/sh
   Every call that changes metadata is ONE write transaction for the whole batch.
 * ``leases`` -- read leases, one slot per arena page (embedded_leases.py): ``open`` is an LMDB
   read plus a few stores there, ``release`` touches no index at all.
-* ``writer.lock`` / ``attach.lock`` -- ``flock`` files: a bounded writer lock in front of LMDB's,
-  and a shared lock every attached process holds, so a process can tell it is alone.
+* ``writer.lock`` / ``attach.lock`` / ``create.lock`` -- ``flock`` files: a bounded writer lock in
+  front of LMDB's, a shared lock every attached process holds, so a process can tell it is alone,
+  and one that openers take in turn, so one of them builds a new pool while the others wait for it
+  (with a deadline that grows with the capacity) instead of for the writer lock.
 
 Why this design (measured on the project's 2-core machine, see
 shared/design/embedded-store-facts.md and ``lw-bench backend``):
@@ -27,7 +29,9 @@ shared/design/embedded-store-facts.md and ``lw-bench backend``):
   fixed ``map_size`` computed from the capacity (never resized, so no ``MapResizedError``),
   ``reader_check()`` when the map fills (a killed reader pins pages).
 * The arena is ``posix_fallocate``'d at creation and mapped with ``MAP_POPULATE``: first-touch page
-  faults on tmpfs ran at ~2.8 GB/s against ~11 GB/s for mapped pages.
+  faults on tmpfs ran at ~2.8 GB/s against ~11 GB/s for mapped pages. Neither holds the writer
+  lock (creating holds ``create.lock``, mapping holds no lock), so processes starting together
+  do not fail on the writer lock's short ``lock_timeout_s``.
 * Copies of >= 1 MiB go through numpy (it releases the GIL, so a transfer thread does not stall
   the engine); smaller ones through memoryview slice assignment (less per-call overhead).
 * Measured with ``lw-bench backend`` (ratio to a numpy memcpy of the same bytes, same run):
@@ -93,6 +97,9 @@ PAGE = mmap.PAGESIZE
 _NP_COPY_MIN = 1 << 20  # numpy copies release the GIL (worth it for long copies); memoryview costs less per call
 _MAX_KEY_BYTES = 500  # LMDB's default key limit is 511
 _SWEEP_INTERVAL_S = 5.0
+# Assumed pace of creating an arena, for how long openers wait on a creator: far below tmpfs's
+# ~10 GB/s posix_fallocate, so only a stopped or stuck creator runs past it.
+_CREATE_BYTES_PER_S = 128 << 20
 
 _BE = struct.Struct(">Q")
 _CAP = struct.Struct("<QQ")  # capacity, page size
@@ -273,23 +280,42 @@ class EmbeddedBackend:
             os.makedirs(self.path, mode=0o700, exist_ok=True)
             self._lock_fd = os.open(os.path.join(self.path, "writer.lock"), os.O_RDWR | os.O_CREAT, 0o600)
             self._attach_fd = os.open(os.path.join(self.path, "attach.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            self._create_fd = os.open(os.path.join(self.path, "create.lock"), os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as e:
             raise BackendError(f"embedded pool: cannot use embedded_path={self.path!r}: {e}") from e
+        arena_fd = None
         try:
-            with self._locked():
-                try:
-                    fcntl.flock(self._attach_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    alone = True
-                except BlockingIOError:
-                    alone = False
-                self._open_or_create(alone, populate)
-                # Every attacher holds this shared until it closes or dies; taken under the writer
-                # lock, so the EX->SH conversion cannot race another attacher's check.
-                fcntl.flock(self._attach_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                self._write_unlocked(self._sweep)
+            # Openers take turns on create.lock, so only one of them can build the pool; the slow
+            # part of building (allocating the arena) and mapping it run without the writer lock,
+            # whose short lock_timeout_s would otherwise fail everyone who opens at the same time.
+            with self._create_locked():
+                with self._locked():
+                    try:
+                        fcntl.flock(self._attach_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        alone = True
+                    except BlockingIOError:
+                        alone = False
+                    reason = self._check_existing(alone)
+                if reason:
+                    # Nobody is attached (alone, or the files are gone) and other openers wait on
+                    # create.lock; the index gets its format mark last, so a creator killed here
+                    # leaves a pool the next opener rebuilds.
+                    self._create(*self._files())
+                with self._locked():
+                    arena_fd = self._attach_files()
+                    # Every attacher holds this shared until it closes or dies; taken under the
+                    # create lock, so the EX->SH conversion cannot race another attacher's check.
+                    fcntl.flock(self._attach_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    self._write_unlocked(self._sweep)
+            # Pre-faulting the mapping takes ~1 s per few GiB: done holding no lock. The shared
+            # attach lock keeps anyone from rebuilding the arena meanwhile.
+            self._map_arena(arena_fd, populate)
         except BaseException:
             self._teardown()
             raise
+        finally:
+            if arena_fd is not None:
+                os.close(arena_fd)
 
     # ----------------------------------------------------------------- setup
 
@@ -333,24 +359,26 @@ class EmbeddedBackend:
             return "it was created before the last reboot"
         return None
 
-    def _open_or_create(self, alone: bool, populate: bool) -> None:
+    def _check_existing(self, alone: bool) -> str | None:
+        """Open the existing pool's index; why it must be (re)built, or None when it can be used."""
         idx, arena, leases = self._files()
-        reason = None
-        if all(map(os.path.exists, (idx, arena, leases))):
-            try:
-                self._open_env(idx)
-                reason = self._mismatch()
-            except (lmdb.Error, struct.error, TypeError) as e:
-                reason = f"its index is unreadable ({e})"
-            if reason and not alone:
-                raise BackendError(
-                    f"embedded pool at {self.path!r} does not match: {reason}; other processes use it, so it "
-                    "cannot be rebuilt now: use the same embedded_capacity_bytes or another embedded_path"
-                )
-        else:
-            reason = "new"
-        if reason:
-            self._create(idx, arena, leases)
+        if not all(map(os.path.exists, (idx, arena, leases))):
+            return "new"
+        try:
+            self._open_env(idx)
+            reason = self._mismatch()
+        except (lmdb.Error, struct.error, TypeError) as e:
+            reason = f"its index is unreadable ({e})"
+        if reason and not alone:
+            raise BackendError(
+                f"embedded pool at {self.path!r} does not match: {reason}; other processes use it, so it "
+                "cannot be rebuilt now: use the same embedded_capacity_bytes or another embedded_path"
+            )
+        return reason
+
+    def _attach_files(self) -> int:
+        """Open the arena (its fd, to map later) and map the lease table."""
+        _, arena, leases = self._files()
         try:
             fd = os.open(arena, os.O_RDWR)
         except OSError as e:
@@ -358,16 +386,20 @@ class EmbeddedBackend:
         try:
             if os.fstat(fd).st_size != self.capacity:
                 raise BackendError(f"embedded pool: {arena!r} has {os.fstat(fd).st_size} bytes, expected {self.capacity}")
-            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-            self._mm = mmap.mmap(fd, self.capacity, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        self._mv = memoryview(self._mm)
-        self._np = np.frombuffer(self._mm, dtype=np.uint8)
-        try:
             self._leases = LeaseTable(leases, self.capacity // PAGE)
         except (OSError, ValueError) as e:
+            os.close(fd)
             raise BackendError(f"embedded pool: cannot map the lease table: {e}") from e
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _map_arena(self, fd: int, populate: bool) -> None:
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        self._mm = mmap.mmap(fd, self.capacity, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._mv = memoryview(self._mm)
+        self._np = np.frombuffer(self._mm, dtype=np.uint8)
 
     def _create(self, idx: str, arena: str, leases: str) -> None:
         if self._env is not None:
@@ -417,25 +449,36 @@ class EmbeddedBackend:
         if not self._tlock.acquire(timeout=self.lock_timeout_s):
             raise BackendUnavailable(f"embedded pool {self.path!r}: writer lock busy in this process for {self.lock_timeout_s}s")
         try:
-            delay = 20e-6
-            while True:
-                try:
-                    fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except BlockingIOError:
-                    if time.monotonic() > deadline:
-                        raise BackendUnavailable(
-                            f"embedded pool {self.path!r}: another process held the index writer lock for more "
-                            f"than lock_timeout_s={self.lock_timeout_s}s (stopped or stuck?)"
-                        ) from None
-                    time.sleep(delay)
-                    delay = min(delay * 2, 2e-3)
+            _flock_by(
+                self._lock_fd,
+                deadline,
+                lambda: f"embedded pool {self.path!r}: another process held the index writer lock for more "
+                f"than lock_timeout_s={self.lock_timeout_s}s (stopped or stuck?)",
+            )
             try:
                 yield
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
         finally:
             self._tlock.release()
+
+    @contextmanager
+    def _create_locked(self) -> Iterator[None]:
+        """Held while opening: another opener may be building the pool, which takes time that
+        grows with the arena, so the wait is lock_timeout_s plus a generous allowance for it."""
+        wait_s = self.lock_timeout_s + self.capacity / _CREATE_BYTES_PER_S
+        lock = os.path.join(self.path, "create.lock")
+        _flock_by(
+            self._create_fd,
+            time.monotonic() + wait_s,
+            lambda: f"embedded pool {self.path!r}: another process held {lock!r} for more than {wait_s:.1f}s "
+            f"(lock_timeout_s={self.lock_timeout_s} plus time to create {self.capacity} bytes); it is "
+            "stopped or stuck while creating or opening the pool",
+        )
+        try:
+            yield
+        finally:
+            fcntl.flock(self._create_fd, fcntl.LOCK_UN)
 
     def _write(self, fn: Callable[[_Tx], T]) -> T:
         self._usable()
@@ -860,7 +903,7 @@ class EmbeddedBackend:
         if self._env is not None:
             _release_env(self._env)
             self._env = None
-        for name in ("_lock_fd", "_attach_fd"):
+        for name in ("_lock_fd", "_attach_fd", "_create_fd"):
             fd = getattr(self, name, None)
             if fd is not None:
                 os.close(fd)  # also drops our flocks
@@ -911,6 +954,20 @@ def _release_env(env: Any) -> None:
                     del _ENVS[key]
                     env.close()
                 return
+
+
+def _flock_by(fd: int, deadline: float, message: Callable[[], str]) -> None:
+    """Take an exclusive flock, polling until ``deadline`` (flock itself has no timeout)."""
+    delay = 20e-6
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise BackendUnavailable(message()) from None
+            time.sleep(delay)
+            delay = min(delay * 2, 2e-3)
 
 
 def _boot_id() -> bytes:

@@ -19,6 +19,9 @@ class FakeMetaserver:
         self.mode = "ok"
         self.bodies: list[dict] = []
         self.cancelled = 0
+        # Which requests' POSTs were cancelled: a module-scoped server still holds POSTs of earlier
+        # tests whose cancellations can arrive late, so tests check their own request ids.
+        self.cancelled_ids: list[str] = []
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1/metaserver"
         self._loop = asyncio.new_event_loop()
@@ -28,7 +31,8 @@ class FakeMetaserver:
         assert self._ready.wait(10), "fake metaserver did not start"
 
     async def _handle(self, request: web.Request) -> web.Response:
-        self.bodies.append(json.loads(await request.read()))
+        body = json.loads(await request.read())
+        self.bodies.append(body)
         if self.mode == "ok":
             return web.json_response({"status": "ok"})
         if self.mode == "bad-body":
@@ -40,6 +44,7 @@ class FakeMetaserver:
             await asyncio.sleep(3600)
         except asyncio.CancelledError:
             self.cancelled += 1
+            self.cancelled_ids.append(body.get("request_id"))
             raise
         raise AssertionError("unreachable")
 

@@ -4,6 +4,9 @@ prefiller's chunks; and the failure paths (prefiller down, decoder down, metaser
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 
 import pytest
@@ -11,7 +14,7 @@ import pytest
 from pd_fakes import FakeMetaserver
 from pd_flow import assert_remote_prefill_used, baseline, text, through
 from pd_oracle import SAMPLING, assert_same, by_index, chat_choice, completion_choice, completion_stream
-from pd_servers import Stack, free_port, post_json
+from pd_servers import Stack, free_port, http, post_json
 
 pytestmark = pytest.mark.slow
 
@@ -120,3 +123,20 @@ def test_metaserver_never_answers_decoder_recomputes_after_timeout(gqa_stack: St
     assert rec["remote_prefill"] == f"no metaserver answer within {timeout_s:g} s", rec
     assert rec["loaded_tokens"] == 0 and rec["metaserver_wait_s"] >= timeout_s, rec
     assert fake.bodies == [{"lw_parent_id": "parent-silent", "request_id": rec["req_id"]}]
+
+
+def test_killed_decoder_behind_the_proxy_is_a_clear_error(gqa_stack: Stack) -> None:
+    """A real vLLM decoder dies (SIGKILL of its whole process group): the proxy answers a clear 502
+    naming the decoder -- never a 200 with an empty body -- and reports it out of rotation.
+    Kept LAST in this module: it kills the module's decoder."""
+    proc = gqa_stack.decode.proc
+    os.killpg(proc.popen.pid, signal.SIGKILL)
+    proc.popen.wait(30)
+    t0 = time.monotonic()
+    status, out = post_json(gqa_stack.proxy.url + "/v1/completions", _completion(text(10, 40)), timeout=60)
+    assert time.monotonic() - t0 < 30, "the proxy took too long to give up on a killed decoder"
+    assert status == 502, (status, out)
+    assert "decoder" in out["error"]["message"].lower(), out
+    status, health = http("GET", gqa_stack.proxy.url + "/healthcheck", timeout=30)
+    body = json.loads(health)
+    assert status == 503 and body["healthy_decode_instances"] == 0, body

@@ -74,21 +74,7 @@ def _mock_main(conn: Any) -> None:
             await request.read()
             return web.Response(body=_ANSWER, content_type="application/json")
 
-        async def health(request: web.Request) -> web.Response:
-            return web.Response()
-
-        ports = []
-        runners = []
-        for handler in (decoder, prefiller):
-            app = web.Application()
-            app.router.add_post("/v1/completions", handler)
-            app.router.add_get("/health", health)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
-            await site.start()
-            ports.append(site._server.sockets[0].getsockname()[1])
-            runners.append(runner)
+        ports, runners = await serve_mocks((decoder, prefiller))
         conn.send(ports)
         # Run until the parent closes its end of the pipe.
         loop = asyncio.get_running_loop()
@@ -98,6 +84,27 @@ def _mock_main(conn: Any) -> None:
             await r.cleanup()
 
     asyncio.run(main())
+
+
+async def serve_mocks(handlers) -> tuple[list[int], list]:
+    """One mock vLLM server per handler on 127.0.0.1 (free ports): POST /v1/completions, GET /health."""
+    from aiohttp import web
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    ports, runners = [], []
+    for handler in handlers:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
+        await site.start()
+        ports.append(site._server.sockets[0].getsockname()[1])
+        runners.append(runner)
+    return ports, runners
 
 
 def _wait_closed(conn: Any) -> None:

@@ -60,22 +60,10 @@ def _mock_main(conn: Any, fail_rate: float, seed: int) -> None:
                 return web.json_response({"error": {"message": "mock prefill failure", "code": 500}}, status=500)
             return web.json_response({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
 
-        async def health(request: web.Request) -> web.Response:
-            return web.Response()
+        from .bench import _wait_closed, serve_mocks
 
-        ports, runners = [], []
-        for handler in (decoder, decoder, prefiller):
-            app = web.Application()
-            app.router.add_post("/v1/completions", handler)
-            app.router.add_get("/health", health)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
-            await site.start()
-            ports.append(site._server.sockets[0].getsockname()[1])
-            runners.append(runner)
+        ports, runners = await serve_mocks((decoder, decoder, prefiller))
         conn.send(ports)
-        from .bench import _wait_closed
 
         await asyncio.get_running_loop().run_in_executor(None, _wait_closed, conn)
         await session.close()

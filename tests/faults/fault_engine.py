@@ -20,7 +20,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +59,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     from faulty_backend import FaultyBackend
     from lw_core import backend as core_backend
     from lw_vllm import pool
-    from lw_vllm.testing.engine import _model_path, _stats_for
+    from lw_vllm.testing.engine import _model_path, generate_phase
 
     wrappers: list[FaultyBackend] = []
 
@@ -93,22 +92,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             fb.inner = core_backend.open_backend(cfg)
         fb.phase = i
         fb.set_rules(ph.get("rules", []))
-        open(stats_path, "w").close()
-        t = time.perf_counter()
-        outs = llm.generate([_prompt(p) for p in ph["prompts"]], sp, use_tqdm=False)
-        wall = time.perf_counter() - t
-        stats = {}
-        with open(stats_path) as f:
-            for line in f:
-                rec = json.loads(line)
-                stats[rec["req_id"]] = rec
-        res = []
-        for o in outs:
-            c = o.outputs[0]
-            top2 = [sorted(((tid, lp.logprob) for tid, lp in d.items()), key=lambda x: -x[1])[:2]
-                    for d in (c.logprobs or [])]
-            res.append({"tokens": list(c.token_ids), "top2": top2, "finish_reason": c.finish_reason,
-                        "stats": _stats_for(stats, o.request_id)})
+        res, wall = generate_phase(llm, [_prompt(p) for p in ph["prompts"]], sp, stats_path)
         phases.append({"outputs": res, "wall_s": wall, "rule_hits": list(fb.hits), "metrics": _metrics(llm),
                        "pool_objects": fb.inner.stats().get("objects")})
     os.unlink(stats_path)

@@ -11,14 +11,13 @@ Engines, tiny models and the greedy oracle are lw_vllm.testing's, as in tests/vl
 
 from __future__ import annotations
 
-import random
 
 import pytest
 from conftest import needs_memcache
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
-from lw_vllm.testing.harness import assert_same_greedy, run_engine  # noqa: E402
+from lw_vllm.testing.harness import assert_same_greedy, random_tokens, run_engine  # noqa: E402
 
 pytestmark = [needs_memcache, pytest.mark.slow]
 
@@ -26,9 +25,7 @@ MAX_TOKENS = 8
 BLOCK = {"gqa": 32, "mla": 16}  # vLLM's CPU MLA forces block 16
 
 
-def _toks(seed: int, n: int) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(3, 500) for _ in range(n)]
+_toks = random_tokens
 
 
 P1 = _toks(11, 167)  # several full chunks and a partial tail

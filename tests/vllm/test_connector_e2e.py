@@ -9,11 +9,10 @@ prefix cache, so the pool is the only source of hits there).
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
-from lw_vllm.testing.harness import EngineFailed, assert_same_greedy, run_engine
+from lw_vllm.testing.harness import EngineFailed, assert_same_greedy, random_tokens, run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -21,9 +20,7 @@ MAX_TOKENS = 8
 BLOCK = {"gqa": 32, "mla": 16}
 
 
-def _toks(seed: int, n: int) -> list[int]:
-    r = random.Random(seed)
-    return [r.randrange(3, 500) for _ in range(n)]
+_toks = random_tokens
 
 
 P1 = _toks(1, 167)  # several full chunks and a partial tail

@@ -64,28 +64,37 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     sp = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=2, ignore_eos=True)
     phases = []
     for prompts in job["phases"]:
-        open(stats_path, "w").close()
-        t = time.perf_counter()
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        wall = time.perf_counter() - t
-        stats = {}
-        with open(stats_path) as f:
-            for line in f:
-                rec = json.loads(line)
-                stats[rec["req_id"]] = rec
-        res = []
-        for o in outs:
-            c = o.outputs[0]
-            top2 = [sorted(((tid, lp.logprob) for tid, lp in d.items()), key=lambda x: -x[1])[:2] for d in c.logprobs]
-            res.append({
-                "tokens": list(c.token_ids),
-                "top2": top2,
-                "num_cached_tokens": o.num_cached_tokens,
-                "stats": _stats_for(stats, o.request_id),
-            })
+        res, wall = generate_phase(llm, [{"prompt_token_ids": p} for p in prompts], sp, stats_path)
         phases.append({"outputs": res, "wall_s": wall})
     os.unlink(stats_path)
     return {"start_s": start_s, "phases": phases}
+
+
+def generate_phase(llm: Any, prompts: list[Any], sp: Any, stats_path: str) -> tuple[list[dict[str, Any]], float]:
+    """Generate ``prompts`` on ``llm``; per prompt the tokens, the top-2 (token, logprob) pairs per
+    position, the finish reason, vLLM's cached-token count and the connector's stats line for it
+    (``stats_path`` is the connector's LW_VLLM_STATS_FILE, emptied first). Also the wall time."""
+    open(stats_path, "w").close()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    stats: dict[str, Any] = {}
+    with open(stats_path) as f:
+        for line in f:
+            rec = json.loads(line)
+            stats[rec["req_id"]] = rec
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        top2 = [sorted(((tid, lp.logprob) for tid, lp in d.items()), key=lambda x: -x[1])[:2] for d in (c.logprobs or [])]
+        res.append({
+            "tokens": list(c.token_ids),
+            "top2": top2,
+            "finish_reason": c.finish_reason,
+            "num_cached_tokens": o.num_cached_tokens,
+            "stats": _stats_for(stats, o.request_id),
+        })
+    return res, wall
 
 
 def _stats_for(stats: dict[str, Any], request_id: str) -> Any:

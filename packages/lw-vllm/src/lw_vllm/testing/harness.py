@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from typing import Any
@@ -17,6 +18,12 @@ class EngineFailed(RuntimeError):
     def __init__(self, rc: int, output: str):
         super().__init__(f"engine exited with {rc}:\n{output[-4000:]}")
         self.output = output
+
+
+def random_tokens(seed: int, n: int) -> list[int]:
+    """``n`` reproducible token ids inside the tiny models' vocabulary (ids < 3 are special)."""
+    r = random.Random(seed)
+    return [r.randrange(3, 500) for _ in range(n)]
 
 
 def run_engine(job: dict[str, Any], *, env: dict[str, str] | None = None) -> dict[str, Any]:

@@ -4,7 +4,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lw_core.config import BACKENDS, ConfigError, PoolConfig, parse_config
+from lw_core.backends.registry import backend_names
+from lw_core.config import ConfigError, known_keys, parse_config
 
 
 def test_defaults_follow_the_seed_table():
@@ -45,8 +46,8 @@ def test_rpc_port_alias_and_int():
         ({"layerwise_max_transfer_blocks": -1}, ["layerwise_max_transfer_blocks"]),
         ({"layerwise_prefetch_layers": 0}, ["layerwise_prefetch_layers", "0", ">= 1"]),
         ({"use_layerwise": "true"}, ["use_layerwise", "bool"]),
-        ({"backend": "redis"}, ["backend", "'redis'", "'embedded'", "'memcache'"]),
-        ({"backend": "mooncake", "use_layerwise": True}, ["backend", "mooncake", "layerwise", "'embedded'"]),
+        ({"backend": "redis"}, ["backend", "'redis'", "unknown", "'embedded'"]),
+        ({"backend": "yuanrong", "use_layerwise": True}, ["backend", "yuanrong", "layerwise", "'embedded'"]),
         ({"kv_load_failure_policy": "retry"}, ["kv_load_failure_policy", "'retry'", "'recompute'", "'fail'"]),
         ({"layer_wait_timeout_s": 0}, ["layer_wait_timeout_s", "> 0"]),
         ({"metaserver_timeout_s": math.inf}, ["metaserver_timeout_s"]),
@@ -68,7 +69,7 @@ _scalars = st.one_of(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from(sorted(PoolConfig.__struct_fields__) + ["bogus"]), _scalars, max_size=4))
+@given(st.dictionaries(st.sampled_from(known_keys() + ["bogus", "backend_keys"]), _scalars, max_size=4))
 def test_random_values_parse_or_fail_with_config_error(extra):
     # never any other exception type: vLLM start-up shows our message, not a traceback of ours
     try:
@@ -76,6 +77,49 @@ def test_random_values_parse_or_fail_with_config_error(extra):
     except ConfigError as e:
         assert "kv_connector_extra_config" in str(e)
         return
-    assert cfg.backend in BACKENDS
+    assert cfg.backend in backend_names() and cfg.backend_keys is not None
     assert cfg.layerwise_prefetch_layers >= 1
-    assert cfg.layerwise_max_transfer_bytes >= 0 and cfg.layerwise_max_transfer_blocks >= 0
+    assert 0 <= cfg.layerwise_max_transfer_bytes <= 1 << 40 and 0 <= cfg.layerwise_max_transfer_blocks <= 1 << 20
+    assert cfg.layerwise_prefetch_layers <= 1024 and 0 < cfg.lookup_timeout_s <= 86400
+
+
+@pytest.mark.parametrize(
+    "key, value, accepted",
+    [
+        # issue 9 item 12: values that parsed, then broke later
+        ("layerwise_prefetch_layers", 2**70, "<= 1024"),
+        ("layerwise_prefetch_layers", 1025, "<= 1024"),
+        ("embedded_capacity_bytes", 2**64, "<= 17592186044416 (1 MiB to 16 TiB)"),
+        ("layerwise_max_transfer_bytes", 2**41, "<= 1099511627776"),
+        ("layerwise_max_transfer_blocks", 2**21, "<= 1048576"),
+        ("h2d_stagger_us", 10**7, "<= 1000000"),
+        ("layer_wait_timeout_s", 1e300, "<= 86400"),
+        ("lookup_timeout_s", 86400.5, "<= 86400"),
+        ("save_timeout_s", math.nan, "> 0"),
+        ("metaserver_timeout_s", -1.0, "> 0"),
+    ],
+)
+def test_numbers_are_bounded_and_the_error_names_the_range(key, value, accepted):
+    with pytest.raises(ConfigError) as ei:
+        parse_config({key: value})
+    msg = str(ei.value)
+    assert f"kv_connector_extra_config.{key}={value!r}" in msg and accepted in msg, msg
+
+
+def test_upper_bounds_themselves_are_accepted():
+    cfg = parse_config(
+        {
+            "layerwise_prefetch_layers": 1024,
+            "embedded_capacity_bytes": 16 << 40,
+            "layerwise_max_transfer_bytes": 1 << 40,
+            "h2d_stagger_us": 1_000_000,
+            "layer_wait_timeout_s": 86400,
+        }
+    )
+    assert cfg.layerwise_prefetch_layers == 1024 and cfg.layer_wait_timeout_s == 86400.0
+
+
+@pytest.mark.parametrize("path", ["", "/dev/shm/a\0b"])
+def test_embedded_path_must_be_a_path(path):
+    with pytest.raises(ConfigError, match="embedded_path"):
+        parse_config({"embedded_path": path})

@@ -229,7 +229,8 @@ def test_out_of_range_and_bad_arguments(pool):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"capacity_bytes": 1000}, "capacity_bytes"),
+        ({"capacity_bytes": 1000}, "capacity_bytes=1000 is not accepted; accepted: an integer >= 1048576"),
+        ({"capacity_bytes": True}, "capacity_bytes=True"),
         ({"capacity_bytes": 4 * MiB, "lease_ttl_s": 0}, "lease_ttl_s"),
         ({"capacity_bytes": 4 * MiB, "lock_timeout_s": float("inf")}, "lock_timeout_s"),
         ({"capacity_bytes": 4 * MiB, "reservation_timeout_s": -1}, "reservation_timeout_s"),

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
-from lw_core.bench.cli import main
+import pytest
+
+from lw_bench.cli import main
 
 ROW_KEYS = {"case", "op", "process", "object_bytes", "objects", "bytes", "gbps", "memcpy_gbps", "ratio", "ms_per_call"}
 
@@ -26,13 +28,22 @@ def test_backend_bench_quick_json(capsys, tmp_path):
     assert out["stats"]["objects"] > 0 and out["stats"]["capacity_bytes"] > 0
 
 
-def test_backend_bench_memcache_without_package_fails_clearly(capsys, monkeypatch):
+def test_backend_bench_memcache_without_its_store_fails_clearly(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "lw_memcache.local", None)  # import fails like a missing package
-    try:
+    with pytest.raises(SystemExit) as ei:
         main(["backend", "--quick", "--backend", "memcache"])
-    except SystemExit as e:
-        assert "LocalMemcache" in str(e.code)
-    else:
-        raise AssertionError("expected a clear failure without lw_memcache.local")
+    assert "--backend memcache" in str(ei.value.code) and "lw_memcache.local" in str(ei.value.code)
+
+
+def test_backend_bench_without_the_backend_plugin_names_the_package(monkeypatch):
+    from lw_core.backends import registry
+
+    real = registry._entry_points
+    monkeypatch.setattr(registry, "_entry_points", lambda: {k: v for k, v in real().items() if k != "memcache"})
+    monkeypatch.setattr(registry, "_loaded", {})
+    with pytest.raises(SystemExit) as ei:
+        main(["backend", "--quick", "--backend", "memcache"])
+    msg = str(ei.value.code)
+    assert "pip install 'lw-memcache[store]'" in msg and "'embedded'" in msg, msg

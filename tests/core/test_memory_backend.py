@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from lw_core.backend import Backend, ObjectMissing
 from lw_core.backends.embedded import EmbeddedBackend
 from lw_core.backends.memory import MemoryBackend
+from lw_dev.backend_contract import check_protocol, check_write_once_and_abort
 
 MiB = 1 << 20
 
@@ -26,7 +26,7 @@ def backend(request, tmp_path):
 
 
 def test_protocol(backend):
-    assert isinstance(backend, Backend)
+    check_protocol(backend)
 
 
 def test_round_trip_layerwise(backend):
@@ -50,15 +50,7 @@ def test_round_trip_layerwise(backend):
 
 
 def test_write_once_and_abort(backend):
-    (h,) = backend.reserve(["k"], 100)
-    assert backend.reserve(["k"], 100) == [None]
-    backend.abort([h])
-    assert backend.lookup(["k"]) == 0
-    with pytest.raises(ObjectMissing):
-        backend.commit([h])
-    (h,) = backend.reserve(["k"], 100)
-    backend.commit([h])
-    assert backend.reserve(["k"], 100) == [None]
+    check_write_once_and_abort(backend)
 
 
 def test_lru_eviction_spares_leases(backend):

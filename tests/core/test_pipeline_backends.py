@@ -1,4 +1,5 @@
-"""The pipeline over the real backends: in-process MemoryBackend and the multi-process embedded pool."""
+"""The pipeline over the real backends: in-process MemoryBackend and the multi-process embedded pool.
+The contract checks are lw_dev.backend_contract's (tests/mooncake runs the same ones on Mooncake)."""
 
 from __future__ import annotations
 
@@ -7,84 +8,35 @@ import time
 
 import numpy as np
 import pytest
-from lw_core.host_copier import HostCopier
+from lw_core.backends import embedded, memory
 from lw_core.pipeline import LayerPipeline
-from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
+from lw_core.plan import ReqLoad, ReqSave
+from lw_dev.backend_contract import (LAYOUT, SAVES, check_loads_use_zero_copy_views,
+                                     check_missing_key_fails_only_its_block, check_round_trip_exact_bytes, load_all,
+                                     save_all, seeded_kv)
 from test_pipeline_support import make_layout
-
-LAYOUT = make_layout(4, [4096, 8192, 4096, 12288])
-SAVES = [ReqSave("r0", ["a", "b", "c"], [2, 5, 7]), ReqSave("r1", ["d"], [0])]
-
-
-def seeded_kv(layout: ObjectLayout, seed: int, num_blocks: int = 8) -> HostCopier:
-    copier = HostCopier.allocate(layout.num_layers, num_blocks, list(layout.layer_nbytes), fill=None)
-    rng = np.random.default_rng(seed)
-    for a in copier.kv:
-        a[:] = rng.integers(0, 256, a.shape, dtype=np.uint8)
-    return copier
-
-
-def save_all(backend, copier, layout, saves, **kw):
-    with LayerPipeline(backend, copier, layout, **kw) as pipe:
-        pipe.start_save(saves)
-        for layer in range(layout.num_layers):
-            pipe.save_layer(layer)
-        return pipe.finish_save()
-
-
-def load_all(backend, copier, layout, loads, **kw):
-    with LayerPipeline(backend, copier, layout, **kw) as pipe:
-        pipe.start_load(loads)
-        for layer in range(layout.num_layers):
-            pipe.wait_layer(layer)
-        return pipe.finish_load()
-
 
 @pytest.fixture(params=["memory", "embedded"])
 def backend(request, tmp_path):
     if request.param == "memory":
-        mod = pytest.importorskip("lw_core.backends.memory")
-        b = mod.MemoryBackend(capacity_bytes=64 << 20)
+        b = memory.MemoryBackend(capacity_bytes=64 << 20)
     else:
-        mod = pytest.importorskip("lw_core.backends.embedded")
-        b = mod.EmbeddedBackend(str(tmp_path / "pool"), capacity_bytes=16 << 20)
+        b = embedded.EmbeddedBackend(str(tmp_path / "pool"), capacity_bytes=16 << 20)
     yield b
     b.close()
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_round_trip_exact_bytes(backend, layerwise):
-    src, dst = seeded_kv(LAYOUT, 1), seeded_kv(LAYOUT, 2)
-    res = save_all(backend, src, LAYOUT, SAVES, layerwise=layerwise, max_transfer_blocks=2)
-    assert res.ok and sorted(res.committed_keys) == ["a", "b", "c", "d"]
-    assert backend.lookup(["a", "b", "c", "d"]) == 4
-    again = save_all(backend, src, LAYOUT, SAVES, layerwise=layerwise)
-    assert again.committed_keys == [] and sorted(again.skipped_keys) == ["a", "b", "c", "d"]
-    loads = [ReqLoad("x", ["d", "b"], [1, 3]), ReqLoad("y", ["c", "a"], [6, 4])]
-    res = load_all(backend, dst, LAYOUT, loads, layerwise=layerwise, prefetch_depth=3, max_transfer_bytes=10000)
-    assert res.ok, res
-    for layer in range(LAYOUT.num_layers):
-        for s, d in ((0, 1), (5, 3), (7, 6), (2, 4)):
-            assert np.array_equal(dst.kv[layer][d], src.kv[layer][s])
+    check_round_trip_exact_bytes(backend, layerwise)
 
 
 def test_loads_use_zero_copy_views(backend):
-    src, dst = seeded_kv(LAYOUT, 3), seeded_kv(LAYOUT, 4)
-    assert save_all(backend, src, LAYOUT, SAVES).ok
-    read = backend.read
-    backend.read = lambda *a: (_ for _ in ()).throw(AssertionError("read() used although view() works"))
-    try:
-        assert load_all(backend, dst, LAYOUT, [ReqLoad("x", ["a"], [0])]).ok
-    finally:
-        backend.read = read
-    assert np.array_equal(dst.kv[3][0], src.kv[3][2])
+    check_loads_use_zero_copy_views(backend)
 
 
 def test_missing_key_fails_only_its_block(backend):
-    src, dst = seeded_kv(LAYOUT, 5), seeded_kv(LAYOUT, 6)
-    assert save_all(backend, src, LAYOUT, SAVES[:1]).ok
-    res = load_all(backend, dst, LAYOUT, [ReqLoad("x", ["a", "zz"], [0, 1]), ReqLoad("y", ["b"], [2])])
-    assert res.failed_block_ids == [1] and res.failed_req_ids == ["x"] and res.loaded_objects == 2
+    check_missing_key_fails_only_its_block(backend)
 
 
 def _save_in_child(path: str, ready) -> None:
@@ -96,7 +48,6 @@ def _save_in_child(path: str, ready) -> None:
 
 
 def test_objects_saved_by_another_process_load_exactly(tmp_path):
-    embedded = pytest.importorskip("lw_core.backends.embedded")
     path = str(tmp_path / "pool")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -118,7 +69,6 @@ def test_objects_saved_by_another_process_load_exactly(tmp_path):
 
 def test_prefetched_layers_land_before_they_are_waited_for(tmp_path):
     """Layers inside the prefetch window load in the background, before any wait_layer call."""
-    embedded = pytest.importorskip("lw_core.backends.embedded")
     layout = make_layout(6, 1 << 16)
     keys = [f"k{i}" for i in range(16)]
     with embedded.EmbeddedBackend(str(tmp_path / "pool"), capacity_bytes=32 << 20) as b:

@@ -6,7 +6,7 @@ import importlib.util
 import json
 
 import pytest
-from lw_core.bench.cli import main
+from lw_bench.cli import main
 
 KEYS = {
     "config", "t_compute_s", "t_transfer_s", "t_bulk_s", "t_layerwise_s", "hidden_fraction",
@@ -17,8 +17,6 @@ KEYS = {
 
 @pytest.mark.parametrize("backend", ["embedded", "memory"])
 def test_quick_run_reports_every_key_and_loads_exact_bytes(backend, capsys, tmp_path):
-    if backend == "memory" and importlib.util.find_spec("lw_core.backends.memory") is None:
-        pytest.skip("MemoryBackend not available")
     argv = ["pipeline", "--quick", "--json", "--backend", backend]
     if backend == "embedded":
         argv += ["--pool-path", str(tmp_path / "pool")]
@@ -38,7 +36,7 @@ def test_plot_needs_matplotlib_or_writes_a_png(tmp_path, capsys):
     out = tmp_path / "p.png"
     argv = ["pipeline", "--quick", "--json", "--plot", str(out), "--pool-path", str(tmp_path / "pool")]
     if importlib.util.find_spec("matplotlib") is None:
-        with pytest.raises(SystemExit, match=r"--plot needs matplotlib: pip install 'lw-core\[plot\]'"):
+        with pytest.raises(SystemExit, match=r"--plot needs matplotlib: pip install 'lw-bench\[plot\]'"):
             main(argv)
     else:
         assert main(argv) == 0

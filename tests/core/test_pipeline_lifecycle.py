@@ -64,12 +64,15 @@ def test_close_with_open_steps_releases_and_aborts():
 @pytest.mark.parametrize(
     "kw,match",
     [
-        ({"prefetch_depth": 0}, "prefetch_depth=0 must be an int >= 1"),
+        ({"prefetch_depth": 0}, r"prefetch_depth=0 is not accepted; accepted: an integer >= 1 and <= 1024 \(typical: 1-4\)"),
+        ({"prefetch_depth": 1025}, r"prefetch_depth=1025 .*<= 1024"),  # the config key's bound, written once
         ({"max_transfer_blocks": -1}, "max_transfer_blocks=-1"),
-        ({"max_transfer_bytes": 1.5}, "max_transfer_bytes=1.5"),
+        ({"max_transfer_bytes": 1.5}, "max_transfer_bytes=1.5 .* an integer"),
         ({"tp_rank": 2, "tp_size": 2}, "tp_rank=2 must be < tp_size=2"),
-        ({"layer_timeout_s": 0}, "layer_timeout_s=0 must be a finite number"),
+        ({"tp_size": True}, "tp_size=True"),
+        ({"layer_timeout_s": 0}, "layer_timeout_s=0 is not accepted; accepted: a finite number > 0"),
         ({"save_timeout_s": float("inf")}, "save_timeout_s=inf"),
+        ({"load_threds": 2}, "load_threds"),
     ],
 )
 def test_bad_arguments_name_the_field(kw, match):

@@ -122,8 +122,8 @@ def test_stagger_sleeps_per_rank_and_layer_before_the_copy():
     fill_pool(backend, layout, ["a"])
     log: list = []
     copier = kv_for(layout, log=log)
-    with LayerPipeline(backend, copier, layout, prefetch_depth=2, h2d_stagger_us=700, tp_rank=1, tp_size=3) as pipe:
-        pipe.sleep = lambda s: log.append(("sleep", round(s * 1e6)))
+    sleep = lambda s: log.append(("sleep", round(s * 1e6)))  # noqa: E731
+    with LayerPipeline(backend, copier, layout, prefetch_depth=2, h2d_stagger_us=700, tp_rank=1, tp_size=3, sleep=sleep) as pipe:
         res = run_step(pipe, [ReqLoad("r", ["a"], [2])])
     assert res.ok
     seq = [e for e in log if e[0] in ("sleep", "to_kv")]

@@ -146,6 +146,36 @@ def test_stuck_write_is_bounded_and_aborted():
         pipe.close()
 
 
+def test_stuck_write_that_started_late_is_replaced_too():
+    """The job that made a layer miss its deadline may have started well after the wait began (it queued
+    behind a slow but healthy job): it must be replaced all the same, or the next step's saves, and the
+    aborts of this one, queue behind it until the stall ends (CI: a commit fault that never fired)."""
+    layout = make_layout(2, 16)
+    backend = DictBackend()
+    release = threading.Event()
+
+    def hook(hs, offs):
+        if offs[0] == layout.offsets[0]:
+            time.sleep(0.25)  # slow, not stuck: most of the 0.3 s deadline
+        elif offs[0] == layout.offsets[1]:
+            release.wait(30)
+
+    backend.write_hook = hook
+    pipe = LayerPipeline(backend, random_kv(layout), layout, save_timeout_s=0.3)
+    try:
+        res = save_step(pipe, SAVES)
+        assert res.committed_keys == [] and res.deadline_misses == [1]
+        backend.write_hook = None
+        t0 = time.perf_counter()
+        res = save_step(pipe, [ReqSave("r2", ["x"], [5])])
+        assert res.ok and res.committed_keys == ["x"], res
+        assert time.perf_counter() - t0 < 1.0
+        assert wait_until(lambda: not backend.reserved)  # the first step's aborts ran, stall or not
+    finally:
+        release.set()
+        pipe.close()
+
+
 def test_reserve_failure_fails_the_step_cleanly():
     layout = make_layout(2, 16)
     backend = DictBackend()

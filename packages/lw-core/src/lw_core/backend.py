@@ -11,6 +11,29 @@ ranged read or write at a fixed offset. Rules every backend keeps:
 * Calls are batched (one call per layer for a whole step, never one per block).
 * Failures raise ``BackendError`` subclasses with a clear message; they never hang: a backend that
   talks to a server bounds every call.
+
+Optional extension, streaming (``StreamingBackend``; ``supports_streaming(backend)`` tells): a
+writer makes a *prefix* of a reserved object readable before ``commit``, so a reader can pull
+layer i while the writer still computes layer i+1 (an object is layer-major, so layers 0..i are
+the bytes ``[0, (i+1) * layer_nbytes)``; ``publish_layers``/``wait_layers`` below convert). Rules:
+
+* ``publish(handles, upto)``: bytes ``[0, upto)`` of each reservation are final; the writer never
+  writes them again. The published prefix only grows (a smaller ``upto`` is a no-op). Publishing
+  is not committing: ``lookup`` and ``open`` still do not see the object until ``commit``.
+* ``open_streaming(keys)``: a handle on the reservation (or the committed object) that holds each
+  key now, ``None`` where there is neither. The handle is tied to that very reservation: if it is
+  aborted, its writer dies, or it is evicted after commit, the handle fails; it never reads a later
+  reservation of the same key (abort, then reserve again).
+* ``wait_published(handles, upto, timeout_s) -> list[bool]``: blocks until ``[0, upto)`` of each
+  handle is published (or the object committed), at most ``timeout_s``. ``False`` where it is not
+  readable: the deadline passed, or (answered promptly, not at the deadline) the reservation was
+  aborted or reclaimed, or its writer is dead.
+* ``read`` on streaming handles copies only published bytes of their own reservation, and raises
+  ``ObjectMissing`` otherwise (range beyond the published prefix, reservation gone). ``view`` is
+  not offered for them (no lease pins the space); ``release`` ends them (a no-op where nothing is
+  held).
+* An abandoned reservation (aborted, writer dead) never becomes committed or visible to
+  ``lookup``/``open``: only ``commit`` by its writer publishes the whole object.
 """
 
 from __future__ import annotations
@@ -76,27 +99,63 @@ class Backend(Protocol):
         """A zero-copy window into an object (writable for reserved handles), or ``None`` when the
         store is not host-addressable; callers then use ``read``/``write``."""
 
+    # Optional: ``intact(handles) -> list[bool]``, whether each leased object still holds its own
+    # bytes (not evicted, its space not reused). A backend whose ``view`` windows can outlive the
+    # object (a lease that expired) provides it; the pipeline calls it after copying from views and
+    # fails the objects that went meanwhile, so their blocks are recomputed.
+
     def stats(self) -> dict[str, int]:
         """Counters (objects, bytes, evictions, ...) for metrics."""
 
     def close(self) -> None: ...
 
 
-def open_backend(cfg: Any, **kwargs: Any) -> Backend:
-    """Build the backend ``cfg.backend`` names (a ``PoolConfig``). Imports lazily so that
-    memcache_hybrid is only needed when selected."""
-    if cfg.backend == "embedded":
-        from lw_core.backends.embedded import EmbeddedBackend
+@runtime_checkable
+class StreamingBackend(Backend, Protocol):
+    """A backend with the optional streaming extension (the rules are in the module docstring)."""
 
-        return EmbeddedBackend(cfg.embedded_path, capacity_bytes=cfg.embedded_capacity_bytes, **kwargs)
-    if cfg.backend == "memcache":
-        try:
-            from lw_memcache import MemcacheBackend  # type: ignore[import-not-found]
-        except ImportError as e:
-            raise BackendError(
-                'kv_connector_extra_config.backend="memcache" needs the lw-memcache package and '
-                "memcache_hybrid: pip install 'lw-memcache[store]' "
-                f"({e})"
-            ) from e
-        return MemcacheBackend.from_config(cfg, **kwargs)
-    raise BackendError(f"unknown backend {cfg.backend!r}")
+    def publish(self, handles: Sequence[Handle], upto: int) -> None:
+        """Make bytes ``[0, upto)`` of each reserved object readable by streaming readers."""
+
+    def open_streaming(self, keys: Sequence[str]) -> list[Handle | None]:
+        """Handles on the reservation or committed object holding each key; ``None`` where none."""
+
+    def wait_published(self, handles: Sequence[Handle], upto: int, timeout_s: float) -> list[bool]:
+        """Whether ``[0, upto)`` of each handle became readable within ``timeout_s``; ``False``
+        (promptly) for aborted reservations and dead writers, at the deadline otherwise."""
+
+
+STREAMING_METHODS = ("publish", "open_streaming", "wait_published")
+
+
+def supports_streaming(backend: Any) -> bool:
+    """Whether ``backend`` offers the optional streaming extension."""
+    return all(callable(getattr(backend, m, None)) for m in STREAMING_METHODS)
+
+
+def _layer_bytes(upto_layer: int, layer_nbytes: int) -> int:
+    if isinstance(upto_layer, bool) or not isinstance(upto_layer, int) or upto_layer < 0:
+        raise ValueError(f"upto_layer={upto_layer!r} must be an int >= 0")
+    if isinstance(layer_nbytes, bool) or not isinstance(layer_nbytes, int) or layer_nbytes <= 0:
+        raise ValueError(f"layer_nbytes={layer_nbytes!r} must be an int > 0")
+    return (upto_layer + 1) * layer_nbytes
+
+
+def publish_layers(backend: StreamingBackend, handles: Sequence[Handle], upto_layer: int, layer_nbytes: int) -> None:
+    """Publish layers ``0..upto_layer`` of layer-major objects of ``layer_nbytes`` per layer."""
+    backend.publish(handles, _layer_bytes(upto_layer, layer_nbytes))
+
+
+def wait_layers(
+    backend: StreamingBackend, handles: Sequence[Handle], layer: int, layer_nbytes: int, timeout_s: float
+) -> list[bool]:
+    """Wait (at most ``timeout_s``) until layers ``0..layer`` of each handle are readable."""
+    return backend.wait_published(handles, _layer_bytes(layer, layer_nbytes), timeout_s)
+
+
+def open_backend(cfg: Any, **kwargs: Any) -> Backend:
+    """Build the backend ``cfg.backend`` names (a parsed ``PoolConfig``) through its plugin
+    (``lw_core.backends.registry``); the store's own modules are imported only now."""
+    from lw_core.backends.registry import get_backend
+
+    return get_backend(cfg.backend).open(cfg, **kwargs)

@@ -1,26 +1,26 @@
 """The connector's ``kv_connector_extra_config``, parsed strictly.
 
-One msgspec Struct holds every key of the seed's parameter table (with the seed's defaults) plus
-our own options. Parsing is strict: an unknown key, a wrong type or an out-of-range value raises
-``ConfigError`` naming the key, the value given and what is accepted, so a typo fails vLLM at
-start-up instead of being silently ignored.
+``PoolConfig`` holds every key of the seed's parameter table (with the seed's defaults) plus our
+own options; each backend plugin (``lw_core.backends.registry``) brings a Struct of its own keys
+(``embedded_*``, ``memcache_*``), given at the same top level and parsed into
+``PoolConfig.backend_keys``. Parsing is strict: an unknown key, a wrong type or an out-of-range
+value raises ``ConfigError`` naming the key, the value given and what is accepted (read from the
+fields' types and ``Meta`` with ``msgspec.inspect``), so a typo fails vLLM at start-up instead of
+being silently ignored.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
+
+from lw_core.backends import registry
+from lw_core.backends.builtin import MAX_CAPACITY_BYTES, default_embedded_path
+from lw_core.validation import convert_strict
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
-BACKENDS = ("embedded", "memcache")
-# Backends the seed documents but this product does not ship: named so the error can say why.
-_UNSUPPORTED_BACKENDS = {
-    "mooncake": "Mooncake Store is not supported by this connector (and cannot run layerwise)",
-    "yuanrong": "Yuanrong is not supported by this connector (and cannot run layerwise)",
-}
 LOAD_FAILURE_POLICIES = ("recompute", "fail")
 
 
@@ -28,10 +28,36 @@ class ConfigError(ValueError):
     """A bad ``kv_connector_extra_config``; the message names the key and the accepted values."""
 
 
-def default_embedded_path() -> str:
-    """Per-user pool directory: tmpfs when present (the pool is a cache of DRAM, not a disk store)."""
-    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    return os.path.join(base, f"lw-pool-{os.getuid()}")
+# Upper bounds: far above any real deployment, low enough that nothing later overflows, sleeps
+# for ages or allocates absurd amounts. Written once, on the fields: msgspec enforces them and
+# ``lw_core.validation`` names the key, the value and the accepted range (read from the ``Meta``).
+MAX_TIMEOUT_S = 86400.0  # one day
+MAX_PREFETCH_LAYERS = 1024  # more layers than any model has
+MAX_TRANSFER_BLOCKS = 1 << 20
+MAX_TRANSFER_BYTES = 1 << 40  # 1 TiB
+MAX_STAGGER_US = 1_000_000  # 1 s per rank step
+MAX_STREAM_RECV_THREADS = 256
+
+# Field types shared with LayerPipeline's arguments (lw_core.pipeline_context.PipelineLimits).
+Seconds = Annotated[float, Meta(gt=0, le=MAX_TIMEOUT_S)]
+PrefetchLayers = Annotated[int, Meta(ge=1, le=MAX_PREFETCH_LAYERS)]
+TransferBlocks = Annotated[int, Meta(ge=0, le=MAX_TRANSFER_BLOCKS)]
+TransferBytes = Annotated[int, Meta(ge=0, le=MAX_TRANSFER_BYTES)]
+StaggerUs = Annotated[int, Meta(ge=0, le=MAX_STAGGER_US)]
+RecvThreads = Annotated[int, Meta(ge=1, le=MAX_STREAM_RECV_THREADS)]
+# An operator's name for the model's identity in pool keys (lw_vllm.model_identity).
+ModelId = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")]
+
+# Said after the accepted range in error messages.
+_NOTES = {
+    "layerwise_max_transfer_blocks": "0 = unlimited",
+    "layerwise_max_transfer_bytes": "0 = unlimited",
+    "h2d_stagger_us": "0 = off",
+    "layerwise_prefetch_layers": "typical: 1-4",
+    "stream_recv_threads": "typical: 2-8",
+    "model_id": "1-200 characters: letters, digits and . _ : / @ + -, starting with a letter or digit",
+}
+__all__ = ["ConfigError", "PoolConfig", "default_embedded_path", "known_keys", "parse_config", "MAX_CAPACITY_BYTES"]
 
 
 class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -39,24 +65,33 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     use_layerwise: bool = False
     backend: str = "embedded"
     mooncake_rpc_port: str = "0"
-    layerwise_prefetch_layers: int = 1
-    layerwise_max_transfer_blocks: int = 0
-    layerwise_max_transfer_bytes: int = 0
-    h2d_stagger_us: int = 0
+    layerwise_prefetch_layers: PrefetchLayers = 1
+    layerwise_max_transfer_blocks: TransferBlocks = 0
+    layerwise_max_transfer_bytes: TransferBytes = 0
+    h2d_stagger_us: StaggerUs = 0
     # None = the seed's mode-dependent default: true in bulk mode, false in layerwise mode.
     discard_partial_chunks: bool | None = None
     consumer_is_to_put: bool = False
     consumer_is_to_load: bool = False
+    # A kv_producer (PD prefiller) looks pool prefixes up and loads them instead of recomputing.
+    producer_is_to_load: bool = True
     # --- ours ---
-    embedded_path: str = msgspec.field(default_factory=default_embedded_path)
-    embedded_capacity_bytes: int = 4 << 30
-    layer_wait_timeout_s: float = 5.0
-    lookup_timeout_s: float = 1.0
-    save_timeout_s: float = 10.0
-    metaserver_timeout_s: float = 30.0
+    layer_wait_timeout_s: Seconds = 5.0
+    lookup_timeout_s: Seconds = 1.0
+    save_timeout_s: Seconds = 10.0
+    metaserver_timeout_s: Seconds = 30.0
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
-    memcache_config_path: str = ""
-    memcache_protocol: Literal["host_shm", "host_tcp", "device_rdma", "device_sdma", "host_rdma"] = "host_shm"
+    # Streaming PD (docs/streaming-pd.md): the prefiller publishes each layer of its reservations
+    # as it is saved, the decoder pulls layers as they are published instead of waiting for the
+    # whole prompt. Needs a backend with the streaming extension (lw_core.backend).
+    pd_streaming: bool = False
+    # Streaming PD decoder: worker threads pulling the parked requests' layers (lw_vllm.stream_recv).
+    # More receives than threads take turns, one wait slice each; their deadlines keep counting.
+    stream_recv_threads: RecvThreads = 4
+    # None: the model's identity is its config and weights' content (lw_vllm.model_identity).
+    model_id: ModelId | None = None
+    # The selected backend plugin's keys (its ``keys`` Struct), set by ``parse_config``; not a key.
+    backend_keys: Any = None
 
     def __post_init__(self) -> None:
         if self.discard_partial_chunks is None:
@@ -67,43 +102,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         return self.layerwise_prefetch_layers
 
 
-_NON_NEGATIVE_INT = (
-    "layerwise_max_transfer_blocks",
-    "layerwise_max_transfer_bytes",
-    "h2d_stagger_us",
-    "embedded_capacity_bytes",
-)
-_POSITIVE_FLOAT = ("layer_wait_timeout_s", "lookup_timeout_s", "save_timeout_s", "metaserver_timeout_s")
-
-
 def _validate(cfg: PoolConfig) -> None:
-    if cfg.backend in _UNSUPPORTED_BACKENDS:
-        raise ConfigError(
-            f"kv_connector_extra_config.backend={cfg.backend!r}: {_UNSUPPORTED_BACKENDS[cfg.backend]}; "
-            f"accepted: {', '.join(map(repr, BACKENDS))}"
-        )
-    if cfg.backend not in BACKENDS:
-        raise ConfigError(
-            f"kv_connector_extra_config.backend={cfg.backend!r} is unknown; accepted: {', '.join(map(repr, BACKENDS))}"
-        )
-    for key in _NON_NEGATIVE_INT:
-        v = getattr(cfg, key)
-        if v < 0:
-            raise ConfigError(f"kv_connector_extra_config.{key}={v!r} must be >= 0 (0 = unlimited/off)")
-    if cfg.layerwise_prefetch_layers < 1:
-        raise ConfigError(
-            f"kv_connector_extra_config.layerwise_prefetch_layers={cfg.layerwise_prefetch_layers!r} "
-            "must be >= 1 (typical: 1-4)"
-        )
-    for key in _POSITIVE_FLOAT:
-        v = getattr(cfg, key)
-        if not (v > 0) or v == float("inf"):
-            raise ConfigError(f"kv_connector_extra_config.{key}={v!r} must be a finite number of seconds > 0")
-    if cfg.backend == "embedded" and cfg.embedded_capacity_bytes < (1 << 20):
-        raise ConfigError(
-            f"kv_connector_extra_config.embedded_capacity_bytes={cfg.embedded_capacity_bytes!r} "
-            "must be at least 1048576 (1 MiB)"
-        )
     if not cfg.mooncake_rpc_port.isdigit() or int(cfg.mooncake_rpc_port) > 65535:
         raise ConfigError(
             f"kv_connector_extra_config.mooncake_rpc_port={cfg.mooncake_rpc_port!r} must be a port "
@@ -112,6 +111,19 @@ def _validate(cfg: PoolConfig) -> None:
 
 
 _ALIASES = {"lookup_rpc_port": "mooncake_rpc_port"}
+_NOT_KEYS = frozenset({"backend_keys"})
+
+
+def _core_keys() -> frozenset[str]:
+    return frozenset(PoolConfig.__struct_fields__) - _NOT_KEYS
+
+
+def known_keys() -> list[str]:
+    """Every accepted key: the core ones, the aliases and the keys of each installed backend."""
+    keys = set(_core_keys()) | set(_ALIASES)
+    for p in registry.plugins():
+        keys |= set(p.keys.__struct_fields__)
+    return sorted(keys)
 
 
 def parse_config(extra: dict[str, Any] | None) -> PoolConfig:
@@ -128,31 +140,36 @@ def parse_config(extra: dict[str, Any] | None) -> PoolConfig:
     # The seed writes the rpc port as a string, users often write a number: accept both.
     if isinstance(raw.get("mooncake_rpc_port"), int) and not isinstance(raw["mooncake_rpc_port"], bool):
         raw["mooncake_rpc_port"] = str(raw["mooncake_rpc_port"])
-    known = set(PoolConfig.__struct_fields__)
-    unknown = sorted(k for k in raw if k not in known)
+    core = _core_keys()
+    plugins = {p.name: p for p in registry.plugins()}
+    owned = {k for p in plugins.values() for k in p.keys.__struct_fields__}
+    unknown = sorted(k for k in raw if k not in core and k not in owned)
     if unknown:
         raise ConfigError(
             f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"known keys: {', '.join(sorted(known | set(_ALIASES)))}"
+            f"known keys: {', '.join(known_keys())}"
         )
+    cfg = _convert({k: v for k, v in raw.items() if k in core}, PoolConfig, _NOTES)
     try:
-        cfg = msgspec.convert(raw, PoolConfig, strict=True)
-    except msgspec.ValidationError as e:
-        raise ConfigError(_explain(e, raw)) from None
+        plugin = registry.get_backend(cfg.backend)
+    except registry.UnknownBackend as e:
+        raise ConfigError(f"kv_connector_extra_config.{e}") from None
+    # Keys of other installed backends are checked too (a typo fails), and have no effect.
+    for other in plugins.values():
+        if other is not plugin and any(k in other.keys.__struct_fields__ for k in raw):
+            _plugin_keys(other, raw)
+    cfg.backend_keys = _plugin_keys(plugin, raw)
     _validate(cfg)
     return cfg
 
 
-def _explain(e: msgspec.ValidationError, raw: dict[str, Any]) -> str:
-    # msgspec says e.g. "Expected `int`, got `str` - at `$.h2d_stagger_us`": restate it with the key.
-    msg = str(e)
-    key = None
-    if "$." in msg:
-        key = msg.rsplit("$.", 1)[1].split("`")[0].split("[")[0]
-    if key is not None:
-        ann = PoolConfig.__annotations__.get(key, "")
-        if "Literal" in str(ann):
-            accepted = str(ann).split("Literal[", 1)[1].rstrip("]")
-            return f"kv_connector_extra_config.{key}={raw.get(key)!r} is not accepted; accepted: {accepted}"
-        return f"kv_connector_extra_config.{key}={raw.get(key)!r}: {msg.split(' - at ')[0]}"
-    return f"kv_connector_extra_config: {msg}"
+def _plugin_keys(plugin: registry.BackendPlugin, raw: dict[str, Any]) -> Any:
+    keys = _convert({k: v for k, v in raw.items() if k in plugin.keys.__struct_fields__}, plugin.keys, plugin.notes)
+    problem = plugin.check(keys) if plugin.check is not None else None
+    if problem:
+        raise ConfigError(f"kv_connector_extra_config.{problem}")
+    return keys
+
+
+def _convert(part: dict[str, Any], typ: type, notes: Any) -> Any:
+    return convert_strict(part, typ, prefix="kv_connector_extra_config.", notes=notes, error=ConfigError)

@@ -4,6 +4,14 @@ lw-core knows nothing of torch; lw-vllm implements this with torch's device-agno
 API (cpu, cuda, npu). The pipeline calls it from its transfer threads. On a device the copies run
 on a side stream and return an event; on the CPU they run in the calling thread (the big memcpy
 releases the GIL) and return an already-completed token.
+
+Two optional methods (looked up with ``getattr``; a copier without them works as before):
+
+* ``begin_load() -> None``: called by ``LayerPipeline.start_load`` on the forward thread before any
+  load of the step is submitted. A device copier orders the step's host->KV copies after the
+  compute stream's work so far (a block's previous owner, vLLM zeroing it).
+* ``host_buffer(nbytes) -> buffer``: host memory for the pipeline's staging buffers (pinned memory
+  on a device, so the pool reads straight into what the DMA reads).
 """
 
 from __future__ import annotations

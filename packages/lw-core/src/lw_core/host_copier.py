@@ -11,20 +11,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from lw_core.buffers import PAGE, aligned_empty
 from lw_core.copier import Buffer, Token
 
-PAGE = 4096
-
-
-def aligned_empty(nbytes: int, align: int = PAGE) -> np.ndarray:
-    """Uninitialised uint8 buffer whose first byte is ``align``-aligned.
-
-    Copies between buffers whose addresses differ by a few bytes mod 4 KiB run up to 2.5x slower on
-    this machine kind (embedded-store-facts.md); page-aligning KV and staging keeps them congruent.
-    """
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start : start + nbytes]
+__all__ = ["PAGE", "HostCopier", "aligned_empty"]  # aligned_empty lives in lw_core.buffers
 
 
 class HostCopier:

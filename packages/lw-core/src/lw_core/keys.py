@@ -59,13 +59,17 @@ def chunk_hashes(tokens: Sequence[int], chunk_size: int, extra: HashExtra | None
     return out
 
 
-def partial_chunk_hash(tokens: Sequence[int], chunk_size: int, request_id: str, extra: HashExtra | None = None) -> bytes | None:
-    """Hash for the trailing partial chunk, scoped to one request so no other lookup can match it."""
+def partial_chunk_hash(tokens: Sequence[int], chunk_size: int, request_id: str, extra: HashExtra | None = None,
+                       full_hashes: Sequence[bytes] | None = None) -> bytes | None:
+    """Hash for the trailing partial chunk, scoped to one request so no other lookup can match it.
+    ``full_hashes``: ``chunk_hashes(tokens, chunk_size, extra)`` when the caller has them already."""
     n_full = len(tokens) // chunk_size
     tail = tokens[n_full * chunk_size :]
     if not tail:
         return None
-    prev = chunk_hashes(tokens[: n_full * chunk_size], chunk_size, extra)[-1] if n_full else _ROOT
+    if full_hashes is None or len(full_hashes) < n_full:
+        full_hashes = chunk_hashes(tokens[: n_full * chunk_size], chunk_size, extra)
+    prev = full_hashes[n_full - 1] if n_full else _ROOT
     h = hashlib.blake2b(digest_size=16)
     h.update(prev)
     h.update(b"partial:" + request_id.encode())

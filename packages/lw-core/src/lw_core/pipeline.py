@@ -25,25 +25,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lw_core.backend import Backend, BackendError
+from lw_core.backend import Backend
 from lw_core.copier import Copier
+from lw_core.pipeline_context import LIMIT_NOTES, PipelineLimits, StepContext
 from lw_core.pipeline_load import LoadStep
-from lw_core.pipeline_pool import DeadlineCall, ErrorLog, StagingPool, WorkerPool, describe, log
+from lw_core.pipeline_pool import StagingPool, WorkerPool, describe, log
 from lw_core.pipeline_results import LoadResult, SaveResult
 from lw_core.pipeline_save import SaveStep
-from lw_core.plan import ObjectLayout, ReqLoad, ReqSave, split_batches
+from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
+from lw_core.validation import convert_strict
 
 __all__ = ["LayerPipeline", "LoadResult", "SaveResult"]
-
-
-def _check_int(name: str, v: Any, lo: int, hint: str = "") -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"LayerPipeline: {name}={v!r} must be an int >= {lo}{hint}")
-
-
-def _check_seconds(name: str, v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (0 < v < float("inf")):
-        raise ValueError(f"LayerPipeline: {name}={v!r} must be a finite number of seconds > 0")
 
 
 class LayerPipeline:
@@ -54,31 +46,16 @@ class LayerPipeline:
         layout: ObjectLayout,
         *,
         layerwise: bool = True,
-        prefetch_depth: int = 1,
-        max_transfer_blocks: int = 0,
-        max_transfer_bytes: int = 0,
-        h2d_stagger_us: int = 0,
-        tp_rank: int = 0,
-        tp_size: int = 1,
-        layer_timeout_s: float = 5.0,
-        save_timeout_s: float = 10.0,
-        load_threads: int = 1,
-        save_threads: int = 1,
-        max_stuck_threads: int = 4,
+        sleep: Callable[[float], None] = time.sleep,
+        **limits: Any,
     ):
-        _check_int("prefetch_depth", prefetch_depth, 1, " (typical: 1-4)")
-        _check_int("max_transfer_blocks", max_transfer_blocks, 0, " (0 = unlimited)")
-        _check_int("max_transfer_bytes", max_transfer_bytes, 0, " (0 = unlimited)")
-        _check_int("h2d_stagger_us", h2d_stagger_us, 0, " (0 = off)")
-        _check_int("tp_size", tp_size, 1)
-        _check_int("tp_rank", tp_rank, 0)
-        if tp_rank >= tp_size:
-            raise ValueError(f"LayerPipeline: tp_rank={tp_rank} must be < tp_size={tp_size}")
-        _check_seconds("layer_timeout_s", layer_timeout_s)
-        _check_seconds("save_timeout_s", save_timeout_s)
-        _check_int("load_threads", load_threads, 1)
-        _check_int("save_threads", save_threads, 1)
-        _check_int("max_stuck_threads", max_stuck_threads, 0)
+        """``limits``: the fields of ``PipelineLimits`` (prefetch_depth, max_transfer_blocks,
+        max_transfer_bytes, h2d_stagger_us, tp_rank, tp_size, layer_timeout_s, save_timeout_s,
+        load_threads, save_threads, max_stuck_threads), checked once against the same field types
+        as the config keys they come from. ``sleep``: the stagger's clock (tests record it)."""
+        lim = convert_strict(limits, PipelineLimits, prefix="LayerPipeline: ", notes=LIMIT_NOTES)
+        if lim.tp_rank >= lim.tp_size:
+            raise ValueError(f"LayerPipeline: tp_rank={lim.tp_rank} must be < tp_size={lim.tp_size}")
         for layer, n in enumerate(layout.layer_nbytes):
             got = copier.block_nbytes(layer)
             if got != n:
@@ -86,60 +63,36 @@ class LayerPipeline:
                     f"LayerPipeline: layout.layer_nbytes[{layer}]={n} but the KV cache's block of layer "
                     f"{layer} has {got} bytes; the object layout must match the KV cache"
                 )
-        self.backend, self.copier, self.layout = backend, copier, layout
-        self.layerwise = bool(layerwise)
-        self.prefetch_depth = prefetch_depth
-        self.max_transfer_blocks, self.max_transfer_bytes = max_transfer_blocks, max_transfer_bytes
-        self.h2d_stagger_us, self.tp_rank, self.tp_size = h2d_stagger_us, tp_rank, tp_size
-        self.layer_timeout_s, self.save_timeout_s = float(layer_timeout_s), float(save_timeout_s)
-        self.load_pool = WorkerPool("lw-load", load_threads, max_stuck_threads)
-        self.save_pool = WorkerPool("lw-save", save_threads, max_stuck_threads)
-        self.staging = StagingPool(copier.wait)
-        self.sleep: Callable[[float], None] = time.sleep  # the stagger's clock (tests record it)
-        # Flipped off the first time a backend answers view() with None for a whole batch.
-        self.load_views_ok = True
-        self.save_views_ok = True
-        self._deferred = ErrorLog()
-        self._deferred_lock = threading.Lock()
+        self.layerwise = bool(layerwise)  # the connector switches it for one step (bulk loads)
+        self.ctx = StepContext(
+            backend=backend,
+            copier=copier,
+            layout=layout,
+            limits=lim,
+            load_pool=WorkerPool("lw-load", lim.load_threads, lim.max_stuck_threads),
+            save_pool=WorkerPool("lw-save", lim.save_threads, lim.max_stuck_threads),
+            staging=StagingPool(copier.wait, alloc=getattr(copier, "host_buffer", None)),
+            sleep=sleep,
+        )
         self._load: LoadStep | None = None
         self._save: SaveStep | None = None
         self._closed = False
 
-    # --- helpers the steps use ---
-    def split(self, n_items: int) -> list[list[range]]:
-        cache: dict[int, list[range]] = {}
-        out = []
-        for nbytes in self.layout.layer_nbytes:
-            if nbytes not in cache:
-                cache[nbytes] = split_batches(n_items, nbytes, self.max_transfer_blocks, self.max_transfer_bytes)
-            out.append(cache[nbytes])
-        return out
+    @property
+    def backend(self) -> Backend:
+        return self.ctx.backend
 
-    def call(self, pool: WorkerPool, fn: Callable[[], Any], on_late: Callable[[Any], None] | None = None) -> DeadlineCall:
-        return DeadlineCall(pool, fn, on_late)
+    @property
+    def copier(self) -> Copier:
+        return self.ctx.copier
 
-    def in_background(self, pool: WorkerPool, what: str, fn: Callable[[], None]) -> None:
-        """Fire-and-forget (release, abort); a failure shows up in the next step's result."""
+    @property
+    def layout(self) -> ObjectLayout:
+        return self.ctx.layout
 
-        def job() -> None:
-            try:
-                fn()
-            except Exception as e:
-                if not isinstance(e, BackendError):
-                    log.exception("background %s failed", what)
-                with self._deferred_lock:
-                    self._deferred.add(f"backend.{what} (previous step): {describe(e)}")
-
-        pool.submit(job)
-
-    def release_later(self, pool: WorkerPool, handles: list[Any]) -> None:
-        self.in_background(pool, "release", lambda: self.backend.release(handles))
-
-    def _take_deferred(self) -> list[str]:
-        with self._deferred_lock:
-            out = self._deferred.out()
-            self._deferred = ErrorLog()
-        return out
+    @property
+    def limits(self) -> PipelineLimits:
+        return self.ctx.limits
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -157,17 +110,25 @@ class LayerPipeline:
         self._check_open("start_load")
         if self._load is not None:
             raise RuntimeError("LayerPipeline.start_load: the previous step's loads were not finished (call finish_load)")
-        step = LoadStep(self, loads)
+        step = LoadStep(self.ctx, loads)
         if not step.n:
             return
         self._load = step
+        begin = getattr(self.copier, "begin_load", None)  # device: order loads after compute so far
+        if begin is not None:
+            try:
+                begin()
+            except Exception as e:
+                log.exception("copier.begin_load failed")
+                step._fail(range(step.n), f"copier.begin_load: {describe(e)}")
+                return
         step.open()
         if self.layerwise:
-            step.submit_upto(self.prefetch_depth - 1)
+            step.submit_upto(self.limits.prefetch_depth - 1)
         else:
             step.submit_upto(self.layout.num_layers - 1)
             for layer in range(self.layout.num_layers):
-                step.wait(layer, self.layer_timeout_s)
+                step.wait(layer, self.limits.layer_timeout_s)
 
     def wait_layer(self, layer: int) -> None:
         """Layerwise: submit layers ``layer..layer+depth-1`` and wait for ``layer`` (deadline
@@ -177,16 +138,16 @@ class LayerPipeline:
         step = self._load
         if step is None or not self.layerwise or step.waited[layer]:
             return
-        step.submit_upto(layer + self.prefetch_depth - 1)
-        step.wait(layer, self.layer_timeout_s)
+        step.submit_upto(layer + self.limits.prefetch_depth - 1)
+        step.wait(layer, self.limits.layer_timeout_s)
 
     def finish_load(self) -> LoadResult:
         """End the step's loads: nothing lands in the KV after this; leases are released."""
         step, self._load = self._load, None
         if step is None:
-            return LoadResult(layer_wait_s=[0.0] * self.layout.num_layers, errors=self._take_deferred())
+            return LoadResult(layer_wait_s=[0.0] * self.layout.num_layers, errors=self.ctx.background.take())
         res = step.finish(self.layerwise)
-        res.errors += self._take_deferred()
+        res.errors += self.ctx.background.take()
         return res
 
     # --- saves ---
@@ -195,7 +156,7 @@ class LayerPipeline:
         self._check_open("start_save")
         if self._save is not None:
             raise RuntimeError("LayerPipeline.start_save: the previous step's saves were not finished (call finish_save)")
-        step = SaveStep(self, saves)
+        step = SaveStep(self.ctx, saves)
         self._save = step
         step.reserve()
 
@@ -226,12 +187,12 @@ class LayerPipeline:
         rest. Bulk mode copies every layer here."""
         step, self._save = self._save, None
         if step is None:
-            return SaveResult(errors=self._take_deferred())
+            return SaveResult(errors=self.ctx.background.take())
         if not self.layerwise and step.n:
             for layer in range(self.layout.num_layers):
                 self._submit_save(step, layer)
         res = step.finish()
-        res.errors += self._take_deferred()
+        res.errors += self.ctx.background.take()
         return res
 
     # --- lifecycle ---
@@ -250,13 +211,13 @@ class LayerPipeline:
             except Exception:
                 log.exception("close: finishing an open step failed")
         self._closed = True
-        stuck = self.load_pool.close(timeout_s) + self.save_pool.close(timeout_s)
+        stuck = self.ctx.load_pool.close(timeout_s) + self.ctx.save_pool.close(timeout_s)
         if stuck:
             log.warning("close: %d worker threads are stuck in backend calls: %s", len(stuck), [t.name for t in stuck])
 
     def threads(self) -> list[threading.Thread]:
         """Live worker threads (for tests and metrics)."""
-        return [t for t in self.load_pool.threads() + self.save_pool.threads() if t.is_alive()]
+        return [t for t in self.ctx.load_pool.threads() + self.ctx.save_pool.threads() if t.is_alive()]
 
     def __enter__(self) -> LayerPipeline:
         return self

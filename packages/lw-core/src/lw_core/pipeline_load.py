@@ -16,28 +16,30 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from lw_core.backend import BackendError
+from lw_core.pipeline_context import StepContext
 from lw_core.pipeline_pool import ErrorLog, describe, log
 from lw_core.pipeline_results import LoadResult
 from lw_core.plan import ReqLoad, flatten, stagger_delay_us
-
-if TYPE_CHECKING:
-    from lw_core.pipeline import LayerPipeline
+from lw_core.tp_split import HeadSplit
 
 
 class LoadStep:
-    def __init__(self, pipe: LayerPipeline, loads: Sequence[ReqLoad]):
-        self.pipe = pipe
+    def __init__(self, ctx: StepContext, loads: Sequence[ReqLoad]):
+        self.ctx = ctx
         keys, blocks, owners = flatten(loads)
         if len(set(blocks)) != len(blocks):
             dup = sorted({b for b in blocks if blocks.count(b) > 1})
             raise ValueError(f"start_load: block ids {dup[:8]} appear more than once in the step's loads")
-        nl = pipe.layout.num_layers
+        nl = ctx.layout.num_layers
         self.keys, self.blocks, self.owners = keys, blocks, owners
+        # Items saved at another TP size: their head split and every source object's key.
+        self.splits: list[HeadSplit | None] = [r.split for r in loads for _ in r.keys]
+        self.sources: list[list[str]] = [r.sources(i) for r in loads for i in range(len(r.keys))]
         self.n = len(keys)
         self.lock = threading.Lock()
         self.cancelled = False
@@ -52,19 +54,21 @@ class LoadStep:
         self.misses: list[int] = []
         self.errors = ErrorLog()
         self.item_handle: list[Any] = [None] * self.n
+        self.item_sources: list[list[Any]] = [[] for _ in range(self.n)]  # handles, split items only
+        self.viewed = np.zeros(self.n, dtype=bool)  # items copied into the KV straight from a view()
         self.handles: list[Any] = []
-        self.batches = pipe.split(self.n)  # per layer, computed once per step
+        self.batches = ctx.split(self.n)  # per layer, computed once per step
 
     # --- caller side ---
     def open(self) -> None:
         """Lease every distinct object once; items whose object is missing fail now."""
         if not self.n:
             return
-        pipe = self.pipe
-        uniq = list(dict.fromkeys(self.keys))
-        call = pipe.call(pipe.load_pool, lambda: pipe.backend.open(uniq), on_late=self._release_late)
-        if not call.wait(pipe.layer_timeout_s):
-            self._fail(range(self.n), f"backend.open of {len(uniq)} objects missed its {pipe.layer_timeout_s}s deadline")
+        ctx = self.ctx
+        uniq = list(dict.fromkeys(k for src in self.sources for k in src))
+        call = ctx.call(ctx.load_pool, lambda: ctx.backend.open(uniq), on_late=self._release_late)
+        if not call.wait(ctx.limits.layer_timeout_s):
+            self._fail(range(self.n), f"backend.open of {len(uniq)} objects missed its {ctx.limits.layer_timeout_s}s deadline")
             return
         if call.error is not None:
             self._fail(range(self.n), f"backend.open: {describe(call.error)}")
@@ -76,23 +80,26 @@ class LoadStep:
             return
         by_key = dict(zip(uniq, handles))
         self.handles = [h for h in handles if h is not None]
-        missing = [i for i, k in enumerate(self.keys) if by_key[k] is None]
-        for i, k in enumerate(self.keys):
-            self.item_handle[i] = by_key[k]
+        missing = [i for i, src in enumerate(self.sources) if any(by_key[k] is None for k in src)]
+        for i, src in enumerate(self.sources):
+            self.item_handle[i] = by_key[src[0]]
+            if self.splits[i] is not None:
+                self.item_sources[i] = [by_key[k] for k in src]
         if missing:
-            self._fail(missing, f"{len(missing)} objects to load are missing from the pool (e.g. {self.keys[missing[0]]})")
+            gone = next(k for k in self.sources[missing[0]] if by_key[k] is None)
+            self._fail(missing, f"{len(missing)} objects to load are missing from the pool (e.g. {gone})")
 
     def _release_late(self, handles: Any) -> None:
         hs = [h for h in handles or () if h is not None]
         if hs:
-            self.pipe.backend.release(hs)
+            self.ctx.backend.release(hs)
 
     def submit_upto(self, last: int) -> None:
         last = min(last, len(self.events) - 1)
         while self.next_submit <= last:
             layer = self.next_submit
             self.next_submit += 1
-            self.pipe.load_pool.submit(lambda layer=layer: self.run_layer(layer))
+            self.ctx.load_pool.submit(lambda layer=layer: self.run_layer(layer))
 
     def wait(self, layer: int, timeout_s: float) -> None:
         """Wait for ``layer`` (submitting it if needed); on timeout cancel it and fail its blocks."""
@@ -108,7 +115,7 @@ class LoadStep:
             tokens = list(self.tokens[layer])
         for tok in tokens:
             try:
-                self.pipe.copier.make_visible(tok)
+                self.ctx.copier.make_visible(tok)
             except Exception as e:
                 log.exception("make_visible failed")
                 with self.lock:
@@ -122,7 +129,7 @@ class LoadStep:
             late = np.flatnonzero(~self.done[layer] & ~self.failed)
             self._fail_locked(late, f"layer {layer}: load missed its {timeout_s}s deadline ({len(late)} blocks)")
             self.misses.append(layer)
-        self.pipe.load_pool.unstick(timeout_s)
+        self.ctx.load_pool.unstick()
 
     def finish(self, layerwise: bool) -> LoadResult:
         with self.lock:
@@ -133,22 +140,50 @@ class LoadStep:
                         todo = np.flatnonzero(~self.failed)
                         if len(todo):
                             self._fail_locked(todo, f"layer {layer} was never waited for (wait_layer not called); its blocks are not loaded")
+            self._fail_stale_views_locked()
             incomplete = np.flatnonzero(~self.failed & ~self.done.all(axis=0))
             if len(incomplete):
                 self._fail_locked(incomplete, f"{len(incomplete)} blocks did not get every layer")
             failed = np.flatnonzero(self.failed)
+            # Copies already enqueued for layers nobody waited for: order them before whatever the
+            # compute stream does next with these blocks (a waited layer's were, in ``wait``).
+            unfenced = [t for layer, w in enumerate(self.waited) if not w for t in self.tokens[layer] if t is not None]
+        for tok in unfenced:
+            try:
+                self.ctx.copier.make_visible(tok)
+            except Exception:
+                log.exception("make_visible of an unwaited layer's copy failed")
         if self.handles:
-            self.pipe.release_later(self.pipe.load_pool, self.handles)
+            self.ctx.release_later(self.ctx.load_pool, self.handles)
         ok = self.n - len(failed)
         return LoadResult(
             failed_block_ids=[self.blocks[i] for i in failed],
             failed_req_ids=list(dict.fromkeys(self.owners[i] for i in failed)),
             loaded_objects=ok,
-            loaded_bytes=ok * self.pipe.layout.nbytes,
+            loaded_bytes=ok * self.ctx.layout.nbytes,
             layer_wait_s=list(self.wait_s),
             deadline_misses=list(self.misses),
             errors=self.errors.out(),
         )
+
+    def _fail_stale_views_locked(self) -> None:
+        """Fail items whose bytes came through ``view()`` from an object that was evicted or reused
+        meanwhile (a reader stalled past its lease): those KV blocks may hold another object's bytes,
+        so vLLM must recompute them. Runs after ``cancelled`` is set, so no copy is in flight."""
+        intact = getattr(self.ctx.backend, "intact", None)
+        idx = np.flatnonzero(self.viewed & ~self.failed)
+        if intact is None or not len(idx):
+            return
+        try:
+            ok = intact([self.item_handle[i] for i in idx])
+        except Exception as e:
+            ok = [False] * len(idx)
+            log.exception("backend.intact failed")
+            self.errors.add(f"backend.intact: {describe(e)}")
+        bad = [int(i) for i, good in zip(idx, ok) if not good]
+        if bad:
+            self._fail_locked(bad, f"{len(bad)} objects were evicted or reused while their view was being copied "
+                                   f"(a reader ran past its lease, e.g. {self.keys[bad[0]]}); their blocks are recomputed")
 
     def _fail(self, idx: Any, msg: str) -> None:
         with self.lock:
@@ -175,7 +210,7 @@ class LoadStep:
             self.events[layer].set()
 
     def _copy_layer(self, layer: int) -> None:
-        pipe = self.pipe
+        ctx = self.ctx
         staggered = False
         for rng in self.batches[layer]:
             with self.lock:
@@ -189,43 +224,75 @@ class LoadStep:
                 continue
             if not staggered:
                 staggered = True
-                delay = stagger_delay_us(pipe.h2d_stagger_us, pipe.tp_rank, pipe.tp_size, layer)
+                delay = stagger_delay_us(ctx.limits.h2d_stagger_us, ctx.limits.tp_rank, ctx.limits.tp_size, layer)
                 if delay:
-                    pipe.sleep(delay / 1e6)
+                    ctx.sleep(delay / 1e6)
             token = None
             try:
                 with self.lock:
                     if self.cancelled or self.layer_cancelled[layer]:
                         return  # too late: the data must not reach the KV
                     try:
-                        token = pipe.copier.to_kv(layer, [self.blocks[i] for i in idx], srcs)
+                        token = ctx.copier.to_kv(layer, [self.blocks[i] for i in idx], srcs)
                     except Exception as e:
                         log.exception("to_kv of layer %d failed", layer)
                         self._fail_locked(idx, f"layer {layer}: copy into the KV cache: {describe(e)}")
                         continue
                     self.done[layer, idx] = True
+                    if not bufs:
+                        self.viewed[idx] = True
                     self.tokens[layer].append(token)
             finally:
                 for b in bufs:
-                    pipe.staging.put(b, token)
+                    ctx.staging.put(b, token)
 
     def _fetch(self, layer: int, idx: list[int]) -> tuple[list[Any], list[np.ndarray]]:
         """Host sources of one batch: zero-copy views when the backend has them, else a staging read."""
-        pipe = self.pipe
-        off, n = pipe.layout.offsets[layer], pipe.layout.layer_nbytes[layer]
+        ctx = self.ctx
+        off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
+        if any(self.splits[i] is not None for i in idx):
+            return self._fetch_split(layer, idx)
         hs = [self.item_handle[i] for i in idx]
-        if pipe.load_views_ok:
-            views = [pipe.backend.view(h, off, n) for h in hs]
+        if ctx.views.load:
+            views = [ctx.backend.view(h, off, n) for h in hs]
             if all(v is not None for v in views):
                 return views, []
             if all(v is None for v in views):
-                pipe.load_views_ok = False  # not host-addressable: stop asking
-        buf = pipe.staging.get(len(idx) * n)
+                ctx.views.load = False  # not host-addressable: stop asking
+        buf = ctx.staging.get(len(idx) * n)
         dsts = [buf[j * n : (j + 1) * n] for j in range(len(idx))]
         try:
-            pipe.backend.read(hs, [off] * len(hs), dsts)
+            ctx.backend.read(hs, [off] * len(hs), dsts)
         except BaseException:
-            pipe.staging.put(buf)
+            ctx.staging.put(buf)
+            raise
+        return dsts, [buf]
+
+    def _fetch_split(self, layer: int, idx: list[int]) -> tuple[list[Any], list[np.ndarray]]:
+        """A staging read of a batch with items saved at another TP size: each such block's layer
+        is put together from ranged reads of its source objects (one ``read`` call for the batch)."""
+        ctx = self.ctx
+        off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
+        buf = ctx.staging.get(len(idx) * n)
+        dsts = [buf[j * n : (j + 1) * n] for j in range(len(idx))]
+        hs: list[Any] = []
+        offs: list[int] = []
+        parts: list[Any] = []
+        for j, i in enumerate(idx):
+            split = self.splits[i]
+            if split is None:
+                hs.append(self.item_handle[i])
+                offs.append(off)
+                parts.append(dsts[j])
+                continue
+            for src, src_off, dst_off, nbytes in split.layer_reads(n, off):
+                hs.append(self.item_sources[i][src])
+                offs.append(src_off)
+                parts.append(dsts[j][dst_off : dst_off + nbytes])
+        try:
+            ctx.backend.read(hs, offs, parts)
+        except BaseException:
+            ctx.staging.put(buf)
             raise
         return dsts, [buf]
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from lw_core.host_copier import aligned_empty
+from lw_core.backend import BackendError
+from lw_core.buffers import aligned_empty
 
 log = logging.getLogger("lw_core.pipeline")
 
@@ -73,10 +74,14 @@ class WorkerPool:
             raise RuntimeError(f"{self.name}: pool is closed")
         self._q.put(job)
 
-    def unstick(self, older_than_s: float) -> int:
+    def unstick(self, older_than_s: float = 0.0) -> int:
         """Replace every worker busy in one job for ``older_than_s`` or more (a stalled backend
         call: whichever job it is, it holds up the queue). Returns how many were replaced; fewer
-        than that once ``max_stuck`` threads are already abandoned."""
+        than that once ``max_stuck`` threads are already abandoned.
+
+        Callers that just missed a deadline pass nothing (every busy worker): the job that made them
+        miss may have started long after their wait began (it queued behind a slow, healthy job), so
+        its age says nothing. A healthy worker replaced by mistake finishes its job and exits."""
         now = time.monotonic()
         replaced = []
         with self._lock:
@@ -151,7 +156,7 @@ class DeadlineCall:
             if self._done.is_set():
                 return True
             self._late = True
-        self._pool.unstick(timeout_s)
+        self._pool.unstick()
         return False
 
 
@@ -162,8 +167,10 @@ class StagingPool:
     the copy is done; fresh large allocations would page-fault on every step.
     """
 
-    def __init__(self, wait_token: Callable[[Any, float], bool], max_free_bytes: int = 256 << 20):
+    def __init__(self, wait_token: Callable[[Any, float], bool], max_free_bytes: int = 256 << 20,
+                 alloc: Callable[[int], np.ndarray] | None = None):
         self._wait_token = wait_token
+        self._alloc = alloc or aligned_empty  # a device copier's pinned memory (Copier.host_buffer)
         self._max_free = max_free_bytes
         self._lock = threading.Lock()
         self._free: dict[int, list[np.ndarray]] = {}
@@ -177,7 +184,7 @@ class StagingPool:
             if lst:
                 self._free_bytes -= nbytes
                 return lst.pop()
-        return aligned_empty(nbytes)
+        return self._alloc(nbytes)
 
     def put(self, buf: np.ndarray | None, token: Any = None) -> None:
         if buf is None:
@@ -239,7 +246,5 @@ class ErrorLog:
 
 
 def describe(e: BaseException) -> str:
-    from lw_core.backend import BackendError
-
     kind = type(e).__name__ if isinstance(e, BackendError) else f"unexpected {type(e).__name__}"
     return f"{kind}: {e}"

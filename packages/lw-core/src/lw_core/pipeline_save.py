@@ -12,22 +12,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from lw_core.backend import BackendError
+from lw_core.pipeline_context import StepContext
 from lw_core.pipeline_pool import ErrorLog, describe, log
 from lw_core.pipeline_results import SaveResult
 from lw_core.plan import ReqSave, flatten
 
-if TYPE_CHECKING:
-    from lw_core.pipeline import LayerPipeline
 
 
 class SaveStep:
-    def __init__(self, pipe: LayerPipeline, saves: Sequence[ReqSave]):
-        self.pipe = pipe
+    def __init__(self, ctx: StepContext, saves: Sequence[ReqSave]):
+        self.ctx = ctx
         keys, blocks, owners = flatten(saves)
         first: dict[str, int] = {}
         self.owners_of: dict[str, list[str]] = {}
@@ -38,7 +37,7 @@ class SaveStep:
                 self.owners_of[k].append(o)
         self.all_keys = list(first)
         self.first_block = first
-        nl = pipe.layout.num_layers
+        nl = ctx.layout.num_layers
         self.lock = threading.Lock()
         self.cancelled = False
         self.errors = ErrorLog()
@@ -55,16 +54,21 @@ class SaveStep:
         self.failed = np.zeros(0, dtype=bool)
         self.done = np.zeros((nl, 0), dtype=bool)
         self.batches: list[list[range]] = []
+        # Streaming (limits.stream_publish): layers whose saves ended, and how many leading layers
+        # were published; under pub_lock, so a prefix is published in layer order.
+        self.pub_lock = threading.Lock()
+        self.layer_ended = [False] * nl
+        self.published = 0
 
     # --- caller side ---
     def reserve(self) -> None:
         if not self.all_keys:
             return
-        pipe, keys = self.pipe, self.all_keys
-        call = pipe.call(pipe.save_pool, lambda: pipe.backend.reserve(keys, pipe.layout.nbytes), on_late=self._abort_late)
-        if not call.wait(pipe.save_timeout_s):
+        ctx, keys = self.ctx, self.all_keys
+        call = ctx.call(ctx.save_pool, lambda: ctx.backend.reserve(keys, ctx.layout.nbytes), on_late=self._abort_late)
+        if not call.wait(ctx.limits.save_timeout_s):
             self.failed_early = list(keys)
-            self.errors.add(f"backend.reserve of {len(keys)} objects missed its {pipe.save_timeout_s}s deadline")
+            self.errors.add(f"backend.reserve of {len(keys)} objects missed its {ctx.limits.save_timeout_s}s deadline")
             return
         if call.error is not None:
             self.failed_early = list(keys)
@@ -84,21 +88,21 @@ class SaveStep:
                 self.blocks.append(self.first_block[k])
                 self.handles.append(h)
         self.n = len(self.keys)
-        nl = pipe.layout.num_layers
+        nl = ctx.layout.num_layers
         self.failed = np.zeros(self.n, dtype=bool)
         self.done = np.zeros((nl, self.n), dtype=bool)
-        self.batches = pipe.split(self.n)
+        self.batches = ctx.split(self.n)
 
     def _abort_late(self, handles: Any) -> None:
         hs = [h for h in handles or () if h is not None]
         if hs:
-            self.pipe.backend.abort(hs)
+            self.ctx.backend.abort(hs)
 
     def submit(self, layer: int, token: Any) -> None:
         if self.submitted[layer] or not self.n:
             return
         self.submitted[layer] = True
-        self.pipe.save_pool.submit(lambda: self.run_layer(layer, token))
+        self.ctx.save_pool.submit(lambda: self.run_layer(layer, token))
 
     def fail_all(self, msg: str) -> None:
         with self.lock:
@@ -106,13 +110,13 @@ class SaveStep:
             self.errors.add(msg)
 
     def finish(self) -> SaveResult:
-        pipe = self.pipe
-        deadline = time.monotonic() + pipe.save_timeout_s
+        ctx = self.ctx
+        deadline = time.monotonic() + ctx.limits.save_timeout_s
         for layer, sub in enumerate(self.submitted):
             if sub and not self.events[layer].wait(max(0.0, deadline - time.monotonic())):
                 self.misses.append(layer)
         if self.misses:
-            pipe.save_pool.unstick(pipe.save_timeout_s)
+            ctx.save_pool.unstick()
         with self.lock:
             self.cancelled = True  # nothing more goes into the objects' memory
             if self.n:
@@ -121,12 +125,12 @@ class SaveStep:
                         self.errors.add(f"layer {layer} was never saved (save_layer not called); its objects are aborted")
                 for layer in self.misses:
                     late = int((~self.done[layer] & ~self.failed).sum())
-                    self.errors.add(f"layer {layer}: save missed its {pipe.save_timeout_s}s deadline ({late} objects)")
+                    self.errors.add(f"layer {layer}: save missed its {ctx.limits.save_timeout_s}s deadline ({late} objects)")
             complete = np.flatnonzero(~self.failed & self.done.all(axis=0)) if self.n else np.zeros(0, dtype=np.intp)
         committed = self._commit([int(i) for i in complete])
         to_abort = [self.handles[i] for i in range(self.n) if i not in committed and i not in self.commit_unknown]
         if to_abort:
-            pipe.in_background(pipe.save_pool, "abort", lambda: pipe.backend.abort(to_abort))
+            ctx.background.run(ctx.save_pool, "abort", lambda: ctx.backend.abort(to_abort))
         committed_keys = [self.keys[i] for i in range(self.n) if i in committed]
         failed_keys = [*self.failed_early, *(self.keys[i] for i in range(self.n) if i not in committed)]
         failed_req = list(dict.fromkeys(o for k in failed_keys for o in self.owners_of[k]))
@@ -135,7 +139,7 @@ class SaveStep:
             failed_keys=failed_keys,
             skipped_keys=list(self.skipped),
             failed_req_ids=failed_req,
-            saved_bytes=len(committed_keys) * pipe.layout.nbytes,
+            saved_bytes=len(committed_keys) * ctx.layout.nbytes,
             deadline_misses=list(self.misses),
             errors=self.errors.out(),
         )
@@ -144,8 +148,8 @@ class SaveStep:
         """Commit complete objects; on a batch error retry one by one to find the bad ones."""
         if not idx:
             return set()
-        pipe = self.pipe
-        backend = pipe.backend
+        ctx = self.ctx
+        backend = ctx.backend
 
         def commit() -> tuple[set[int], list[str]]:
             try:
@@ -163,11 +167,11 @@ class SaveStep:
                     errs.append(f"commit of {self.keys[i]}: {describe(e)}")
             return ok, errs
 
-        call = pipe.call(pipe.save_pool, commit)
-        if not call.wait(pipe.save_timeout_s):
+        call = ctx.call(ctx.save_pool, commit)
+        if not call.wait(ctx.limits.save_timeout_s):
             # It may still land (the data is complete, so that is harmless); aborting would race it.
             self.commit_unknown = set(idx)
-            self.errors.add(f"backend.commit of {len(idx)} objects missed its {pipe.save_timeout_s}s deadline (state unknown)")
+            self.errors.add(f"backend.commit of {len(idx)} objects missed its {ctx.limits.save_timeout_s}s deadline (state unknown)")
             return set()
         if call.error is not None:
             if not isinstance(call.error, BackendError):
@@ -195,7 +199,31 @@ class SaveStep:
                 self.failed[bad] = True
                 self.errors.add(f"layer {layer}: {describe(e)}")
         finally:
+            if self.ctx.limits.stream_publish:
+                self._publish_ready(layer)
             self.events[layer].set()
+
+    def _publish_ready(self, layer: int) -> None:
+        """Streaming: publish the longest run of leading layers whose saves ended, for the objects
+        with every layer of it written. Runs before the layer's event is set, so every publish is
+        over before ``finish`` commits; a failed publish only costs the reader a recompute."""
+        ctx = self.ctx
+        with self.pub_lock:
+            self.layer_ended[layer] = True
+            while self.published < len(self.layer_ended) and self.layer_ended[self.published]:
+                top = self.published
+                self.published += 1
+                with self.lock:
+                    if self.cancelled or not self.n:
+                        return
+                    ok = np.flatnonzero(~self.failed & self.done[: top + 1].all(axis=0))
+                if not len(ok):
+                    continue
+                upto = ctx.layout.offsets[top] + ctx.layout.layer_nbytes[top]
+                try:
+                    ctx.backend.publish([self.handles[int(i)] for i in ok], upto)  # type: ignore[attr-defined]
+                except BackendError as e:
+                    self.errors.add(f"layer {top}: publish of {len(ok)} objects: {describe(e)}")
 
     def _fail(self, idx: list[int], msg: str) -> None:
         with self.lock:
@@ -218,16 +246,16 @@ class SaveStep:
                 self._fail([i], f"layer {layer}: save of {self.keys[i]}: {describe(e)}")
 
     def _store(self, layer: int, idx: list[int], token: Any) -> None:
-        pipe = self.pipe
-        copier, backend = pipe.copier, pipe.backend
-        off, n = pipe.layout.offsets[layer], pipe.layout.layer_nbytes[layer]
+        ctx = self.ctx
+        copier, backend = ctx.copier, ctx.backend
+        off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
         hs = [self.handles[i] for i in idx]
         blocks = [self.blocks[i] for i in idx]
         views = None
-        if pipe.save_views_ok:
+        if ctx.views.save:
             views = [backend.view(h, off, n) for h in hs]
             if all(v is None for v in views):
-                pipe.save_views_ok = False
+                ctx.views.save = False
             if any(v is None for v in views):
                 views = None
         if views is not None:
@@ -235,38 +263,38 @@ class SaveStep:
                 if self.cancelled:
                     return
                 tok = copier.from_kv(layer, blocks, views, after=token)
-            if not copier.wait(tok, pipe.save_timeout_s):
-                self._fail(idx, f"layer {layer}: copy out of the KV cache did not finish in {pipe.save_timeout_s}s")
+            if not copier.wait(tok, ctx.limits.save_timeout_s):
+                self._fail(idx, f"layer {layer}: copy out of the KV cache did not finish in {ctx.limits.save_timeout_s}s")
                 return
             ok = idx
         else:
             buf = None
             srcs = copier.kv_views(layer, blocks)
             if srcs is not None:  # host KV: the store copies straight out of it
-                if not copier.wait(token, pipe.save_timeout_s):
-                    self._fail(idx, f"layer {layer}: compute did not reach the save point in {pipe.save_timeout_s}s")
+                if not copier.wait(token, ctx.limits.save_timeout_s):
+                    self._fail(idx, f"layer {layer}: compute did not reach the save point in {ctx.limits.save_timeout_s}s")
                     return
             else:
-                buf = pipe.staging.get(len(idx) * n)
+                buf = ctx.staging.get(len(idx) * n)
                 srcs = [buf[j * n : (j + 1) * n] for j in range(len(idx))]
                 tok = copier.from_kv(layer, blocks, srcs, after=token)
-                if not copier.wait(tok, pipe.save_timeout_s):
+                if not copier.wait(tok, ctx.limits.save_timeout_s):
                     # the device may still write into buf: drop it rather than reuse it
-                    self._fail(idx, f"layer {layer}: copy out of the KV cache did not finish in {pipe.save_timeout_s}s")
+                    self._fail(idx, f"layer {layer}: copy out of the KV cache did not finish in {ctx.limits.save_timeout_s}s")
                     return
             with self.lock:
                 if self.cancelled:
-                    pipe.staging.put(buf)
+                    ctx.staging.put(buf)
                     return
             try:
                 ok = self._write_isolating(layer, idx, hs, off, srcs)
             finally:
-                pipe.staging.put(buf)
+                ctx.staging.put(buf)
         with self.lock:
             self.done[layer, ok] = True
 
     def _write_isolating(self, layer: int, idx: list[int], hs: list[Any], off: int, srcs: list[Any]) -> list[int]:
-        backend = self.pipe.backend
+        backend = self.ctx.backend
         try:
             backend.write(hs, [off] * len(hs), srcs)
             return idx

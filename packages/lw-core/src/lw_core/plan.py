@@ -12,6 +12,8 @@ from itertools import accumulate
 
 import msgspec
 
+from lw_core.tp_split import HeadSplit
+
 
 class ObjectLayout(msgspec.Struct, frozen=True):
     """Byte layout of one pool object: one block of every layer, layer-major."""
@@ -37,11 +39,27 @@ class ObjectLayout(msgspec.Struct, frozen=True):
 
 
 class ReqLoad(msgspec.Struct, frozen=True):
-    """Load ``keys[i]`` into KV block ``block_ids[i]`` for request ``req_id``."""
+    """Load ``keys[i]`` into KV block ``block_ids[i]`` for request ``req_id``.
+
+    KV saved at another TP size (``split``, see ``lw_core.tp_split``): block ``i`` is put together
+    by ranged reads from ``keys[i]``, the object of saver rank ``split.src_ranks[0]``, and from
+    ``more_keys[j][i]``, that of saver rank ``split.src_ranks[j + 1]``."""
 
     req_id: str
     keys: list[str]
     block_ids: list[int]
+    split: HeadSplit | None = None
+    more_keys: list[list[str]] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        want = len(self.split.src_ranks) - 1 if self.split is not None else 0
+        if len(self.more_keys) != want or any(len(k) != len(self.keys) for k in self.more_keys):
+            raise ValueError(f"request {self.req_id}: more_keys must be {want} lists of {len(self.keys)} keys "
+                             f"(one per further saver rank of split), got {[len(k) for k in self.more_keys]}")
+
+    def sources(self, i: int) -> list[str]:
+        """Every object block ``i`` reads from, in ``split.src_ranks`` order."""
+        return [self.keys[i], *(k[i] for k in self.more_keys)]
 
 
 class ReqSave(msgspec.Struct, frozen=True):

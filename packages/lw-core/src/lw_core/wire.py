@@ -32,6 +32,9 @@ class DecodeTransferParams(msgspec.Struct, kw_only=True):
     metaserver: str  # "http://<proxy host>:<port>/v1/metaserver"
     lw_parent_id: Id
     lw_children: Children = 1
+    # Per-parent secret: the decoder sends it back on its metaserver POSTs as ``Authorization: Bearer``
+    # (the proxy requires it when it has an API key). None from a proxy that issues none.
+    lw_token: Id | None = None
 
 
 class PrefillTransferParams(msgspec.Struct, kw_only=True):
@@ -51,6 +54,12 @@ class MetaserverRequest(msgspec.Struct, kw_only=True):
 
     lw_parent_id: Id
     request_id: Id
+    # Optional (an older decoder omits it; ``None`` = unknown, dispatch the prefill as before).
+    # ``False``: this decoder's local prefix cache plus the pool already hold every full chunk of the
+    # request's prompt, it does not wait for this POST's answer and needs no prefill; the proxy may
+    # skip the parent's prefill when every child says ``False`` (and must still answer the POSTs).
+    # ``True``: the decoder waits for the prefill.
+    needs_prefill: bool | None = None
 
 
 class MetaserverResponse(msgspec.Struct, kw_only=True):

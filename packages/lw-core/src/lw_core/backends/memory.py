@@ -2,7 +2,9 @@
 
 Same rules as the real backends (only committed objects visible, write-once, leases pin objects,
 LRU eviction of unleased objects within ``capacity_bytes``), no sharing between processes and no
-fault handling: it is a fake to test pipelines against, not a store.
+fault handling: it is a fake to test pipelines against, not a store. It offers the optional
+streaming extension (``lw_core.backend``: ``publish``, ``open_streaming``, ``wait_published``) as
+the in-process reference of its rules.
 """
 
 from __future__ import annotations
@@ -16,17 +18,24 @@ from lw_core.backend import BackendError, Buffer, ObjectMissing
 
 
 class MemoryHandle:
-    __slots__ = ("key", "nbytes", "_buf", "_writable", "_leased")
+    __slots__ = ("key", "nbytes", "_buf", "_writable", "_leased", "_published", "_src")
 
-    def __init__(self, key: str, buf: bytearray, writable: bool) -> None:
+    def __init__(self, key: str, buf: bytearray, writable: bool, src: MemoryHandle | None = None, stream: bool = False) -> None:
         self.key = key
         self.nbytes = len(buf)
         self._buf = buf
         self._writable = writable
-        self._leased = not writable
+        self._leased = not writable and not stream
+        self._published = 0  # reservations: bytes [0, _published) are readable by streaming readers
+        # Streaming handles: the reservation they follow (None: opened on a committed object);
+        # ``self`` marks them apart from leases.
+        self._src: MemoryHandle | None = src if stream else None
+        if stream and src is None:
+            self._src = self
 
     def __repr__(self) -> str:
-        return f"MemoryHandle({self.key!r}, nbytes={self.nbytes}, {'reserved' if self._writable else 'leased'})"
+        kind = "reserved" if self._writable else "streaming" if self._src is not None else "leased"
+        return f"MemoryHandle({self.key!r}, nbytes={self.nbytes}, {kind})"
 
 
 class _Entry:
@@ -54,6 +63,7 @@ class MemoryBackend:
         self.capacity = capacity_bytes
         self.lease_ttl_s = lease_ttl_s
         self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)  # notified on publish, commit, abort
         self._objects: OrderedDict[str, _Entry] = OrderedDict()  # committed, oldest use first
         self._reserved: dict[str, MemoryHandle] = {}
         self._used = 0
@@ -129,6 +139,7 @@ class MemoryBackend:
                 elif not (h.key in self._objects and self._objects[h.key].buf is h._buf):
                     lost.append(h.key)
                 h._writable = False
+            self._cv.notify_all()
         if lost:
             raise ObjectMissing(f"memory backend: not published (aborted before?): {lost[:3]}")
 
@@ -141,6 +152,7 @@ class MemoryBackend:
                     self._counts["aborts"] += 1
                 if h is not None:
                     h._writable = False
+            self._cv.notify_all()
 
     def open(self, keys: Sequence[str]) -> list[MemoryHandle | None]:
         out: list[MemoryHandle | None] = []
@@ -164,6 +176,12 @@ class MemoryBackend:
             m = _bytes(dst)
             if off < 0 or off + m.nbytes > h.nbytes:
                 raise ValueError(f"memory backend: read of {m.nbytes} bytes at {off} outside {h.key!r} ({h.nbytes} bytes)")
+            if h._src is not None:
+                with self._lock:
+                    ready = self._ready(h)
+                if ready < off + m.nbytes:
+                    why = "its reservation is gone (aborted)" if ready < 0 else f"only {ready} bytes are published"
+                    raise ObjectMissing(f"memory backend: streaming read of {h.key!r} up to {off + m.nbytes}: {why}")
             m[:] = h._buf[off : off + m.nbytes]
 
     def release(self, handles: Sequence[MemoryHandle]) -> None:
@@ -176,7 +194,80 @@ class MemoryBackend:
                 if e is not None and e.buf is h._buf and e.leases > 0:
                     e.leases -= 1
 
-    def view(self, handle: MemoryHandle, offset: int, nbytes: int) -> memoryview:
+    def intact(self, handles: Sequence[MemoryHandle]) -> list[bool]:
+        """A leased handle keeps its own buffer alive, so its view bytes are always its own."""
+        return [True] * len(handles)
+
+    # ----------------------------------------------------------------- streaming extension
+
+    def _ready(self, h: MemoryHandle) -> int:
+        """Readable prefix of a streaming handle's own object, -1 when that object is gone (lock held)."""
+        src = h._src
+        e = self._objects.get(h.key)
+        if src is h:  # opened on a committed object
+            return h.nbytes if e is not None and e.buf is h._buf else -1
+        assert src is not None
+        if self._reserved.get(h.key) is src:
+            return src._published
+        return h.nbytes if e is not None and e.buf is src._buf else -1
+
+    def publish(self, handles: Sequence[MemoryHandle], upto: int) -> None:
+        lost = []
+        with self._lock:
+            self._check()
+            for h in handles:
+                if not isinstance(h, MemoryHandle) or h._src is not None or h._leased:
+                    raise BackendError(f"memory backend: publish needs handles from reserve, got {h!r}")
+                if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= h.nbytes:
+                    raise ValueError(f"memory backend: publish upto={upto!r} must be an int in [0, {h.nbytes}] for {h.key!r}")
+                e = self._objects.get(h.key)
+                if self._reserved.get(h.key) is h:
+                    h._published = max(h._published, upto)
+                elif e is None or e.buf is not h._buf:  # committed already: all of it is readable
+                    lost.append(h.key)
+            self._cv.notify_all()
+        if lost:
+            raise ObjectMissing(f"memory backend: publish of reservations that are gone (aborted or committed): {lost[:3]}")
+
+    def open_streaming(self, keys: Sequence[str]) -> list[MemoryHandle | None]:
+        out: list[MemoryHandle | None] = []
+        with self._lock:
+            self._check()
+            for k in keys:
+                r = self._reserved.get(k)
+                e = self._objects.get(k)
+                if r is not None:
+                    out.append(MemoryHandle(k, r._buf, False, src=r, stream=True))
+                elif e is not None:
+                    out.append(MemoryHandle(k, e.buf, False, stream=True))
+                else:
+                    out.append(None)
+        return out
+
+    def wait_published(self, handles: Sequence[MemoryHandle], upto: int, timeout_s: float) -> list[bool]:
+        for h in handles:
+            if not isinstance(h, MemoryHandle) or h._src is None:
+                raise BackendError(f"memory backend: wait_published needs handles from open_streaming, got {h!r}")
+            if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= h.nbytes:
+                raise ValueError(f"memory backend: wait_published upto={upto!r} must be an int in [0, {h.nbytes}] for {h.key!r}")
+        if not timeout_s >= 0:
+            raise ValueError(f"memory backend: wait_published timeout_s={timeout_s!r} must be >= 0")
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while True:
+                self._check()
+                got = [self._ready(h) for h in handles]
+                if all(g < 0 or g >= upto for g in got):
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+        return [g >= upto for g in got]
+
+    def view(self, handle: MemoryHandle, offset: int, nbytes: int) -> memoryview | None:
+        if handle._src is not None:
+            return None  # streaming handles hold no lease: read() checks each copy
         if offset < 0 or nbytes < 0 or offset + nbytes > handle.nbytes:
             raise ValueError(f"memory backend: view of {nbytes} bytes at {offset} outside {handle.key!r}")
         v = memoryview(handle._buf)[offset : offset + nbytes]
@@ -199,3 +290,4 @@ class MemoryBackend:
             self._objects.clear()
             self._reserved.clear()
             self._used = 0
+            self._cv.notify_all()  # streaming waiters end (with BackendError), not at their deadline

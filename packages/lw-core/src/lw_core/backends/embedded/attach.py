@@ -1,0 +1,238 @@
+"""Create, attach to and map the pool files (``EmbeddedBackend``'s start-up and re-attach)."""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import threading
+import time
+
+import lmdb
+import numpy as np
+
+from lw_core.backend import BackendError, BackendUnavailable
+from lw_core.backends.embedded.arena_alloc import ExtentAllocator
+from lw_core.backends.embedded import files
+from lw_core.backends.embedded.env import acquire_env, boot_id, release_env
+from lw_core.backends.embedded.leases import LeaseTable, table_bytes
+from lw_core.backends.embedded.records import CAP_REC, CIDX, COUNTERS, COUNTERS_REC, FORMAT, PAGE, POOL_CHECK_S, log
+
+
+class AttachMixin:
+    """Creating, checking and mapping the pool directory."""
+
+    def _attach(self) -> None:
+        self._lock_fd = self._attach_fd = self._create_fd = None
+        files.prepare_dir(self.path)
+        self._lock_fd = files.open_file(os.path.join(self.path, "writer.lock"), os.O_RDWR | os.O_CREAT)
+        self._attach_fd = files.open_file(os.path.join(self.path, "attach.lock"), os.O_RDWR | os.O_CREAT)
+        self._create_fd = files.open_file(os.path.join(self.path, "create.lock"), os.O_RDWR | os.O_CREAT)
+        self._ident = files.identity(self.path)
+        arena_fd = None
+        try:
+            # Openers take turns on create.lock, so only one of them can build the pool; the slow
+            # part of building (allocating the arena) and mapping it run without the writer lock,
+            # whose short lock_timeout_s would otherwise fail everyone who opens at the same time.
+            with self._create_locked():
+                with self._locked():
+                    try:
+                        fcntl.flock(self._attach_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        alone = True
+                    except BlockingIOError:
+                        alone = False
+                    reason = self._check_existing(alone)
+                if reason:
+                    # Nobody is attached (alone, or the files are gone) and other openers wait on
+                    # create.lock; the index gets its format mark last, so a creator killed here
+                    # leaves a pool the next opener rebuilds.
+                    if reason != "new":
+                        log.warning("embedded pool %r: rebuilding it: %s", self.path, reason)
+                    self._create(*self._files())
+                with self._locked():
+                    arena_fd = self._attach_files()
+                    self._leases.claim(self._me)
+                    # Every attacher holds this shared until it closes or dies; taken under the
+                    # create lock, so the EX->SH conversion cannot race another attacher's check.
+                    fcntl.flock(self._attach_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                    self._write_unlocked(self._sweep)
+            # Pre-faulting the mapping takes ~1 s per few GiB: done holding no lock. The shared
+            # attach lock keeps anyone from rebuilding the arena meanwhile.
+            self._map_arena(arena_fd, self._populate)
+        except BaseException:
+            self._teardown()
+            raise
+        finally:
+            if arena_fd is not None:
+                os.close(arena_fd)
+
+    def _check_pool(self) -> None:
+        """Notice a pool directory deleted (or replaced) under us and attach to the new one, so
+        processes never keep using two different pools at one path. At most once a second."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + POOL_CHECK_S
+        if files.identity(self.path) == self._ident:
+            return
+        if not self._tlock.acquire(timeout=self.lock_timeout_s):
+            raise BackendUnavailable(f"embedded pool {self.path!r}: busy in this process for {self.lock_timeout_s}s")
+        try:
+            if files.identity(self.path) == self._ident:
+                return
+            log.warning(
+                "embedded pool %r: the pool directory was deleted or replaced while attached; attaching to the "
+                "pool now at that path (objects of the old one are gone, handles on them fail)",
+                self.path,
+            )
+            self._teardown(keep_mappings=True)
+            self._epoch += 1
+            self._local["reattached"] += 1
+            self._tlock_owner = threading.get_ident()
+            try:
+                self._attach()
+            finally:
+                self._tlock_owner = None
+        finally:
+            self._tlock.release()
+
+    # ----------------------------------------------------------------- setup
+
+    def _files(self) -> tuple[str, str, str]:
+        return tuple(os.path.join(self.path, f) for f in ("index.lmdb", "arena", "leases"))  # type: ignore[return-value]
+
+    def _map_size(self) -> int:
+        # Worst case one object per page; ~1 KiB of index per object covers records, LRU and free
+        # lists at half-full B-tree pages. Virtual only: tmpfs allocates touched pages.
+        return max(64 << 20, self.capacity // PAGE * 1024)
+
+    def _open_env(self, idx: str) -> None:
+        # Both LMDB files are made here (0600, not through a symlink, ours) before LMDB opens them.
+        # No writemap: LMDB then writes the index with pwrite, so a full filesystem is an error
+        # (BackendError), never a SIGBUS on a sparse page; only the lock file is written through a
+        # mapping, and its space is allocated below.
+        ident = files.touch(idx)
+        files.touch(idx + "-lock")
+        self._env = acquire_env(
+            idx,
+            ident,
+            map_size=self._map_size(),
+            max_dbs=8,
+            max_readers=1024,
+            writemap=False,
+            mode=0o600,
+            sync=False,
+            metasync=False,
+            readahead=False,
+            meminit=False,
+            lock=True,
+        )
+        self._obj = self._env.open_db(b"obj")
+        self._lru = self._env.open_db(b"lru")
+        self._resv = self._env.open_db(b"resv")
+        self._meta = self._env.open_db(b"meta")
+        self._alloc = ExtentAllocator(self._env.open_db(b"free_off"), self._env.open_db(b"free_size"))
+        fd = files.open_file(idx + "-lock", os.O_RDWR)
+        try:
+            files.reserve_space(fd, os.fstat(fd).st_size, idx + "-lock")
+        finally:
+            os.close(fd)
+
+    def _mismatch(self) -> str | None:
+        """Why the existing pool does not fit this process's settings, or None when it does."""
+        with self._env.begin(db=self._meta) as txn:
+            fmt, cap, boot = txn.get(b"format"), txn.get(b"capacity"), txn.get(b"boot_id")
+        if fmt != FORMAT:
+            return f"format {fmt!r} (expected {FORMAT!r})"
+        if CAP_REC.unpack(cap) != (self.capacity, PAGE):
+            have = CAP_REC.unpack(cap)
+            return f"capacity_bytes={have[0]} page={have[1]} (this process asks capacity_bytes={self.capacity} page={PAGE})"
+        if boot != boot_id():
+            return "it was created before the last reboot"
+        _, arena, leases = self._files()
+        for p, want in ((arena, self.capacity), (leases, table_bytes(self.capacity // PAGE))):
+            have = os.stat(p, follow_symlinks=False).st_size
+            if have != want:
+                return f"{p!r} has {have} bytes, expected {want} (truncated or damaged)"
+        return None
+
+    def _check_existing(self, alone: bool) -> str | None:
+        """Open the existing pool's index; why it must be (re)built, or None when it can be used."""
+        idx, arena, leases = self._files()
+        if not all(map(os.path.exists, (idx, arena, leases))):
+            return "new"
+        try:
+            self._open_env(idx)
+            reason = self._mismatch()
+        except (lmdb.Error, struct.error, TypeError, OSError) as e:
+            reason = f"its index is unreadable ({e})"
+        if reason and not alone:
+            raise BackendError(
+                f"embedded pool at {self.path!r} does not match: {reason}; other processes use it, so it "
+                "cannot be rebuilt now: use the same embedded_capacity_bytes or another embedded_path"
+            )
+        return reason
+
+    def _attach_files(self) -> int:
+        """Open the arena (its fd, to map later) and map the lease table."""
+        _, arena, leases = self._files()
+        fd = files.open_file(arena, os.O_RDWR)
+        try:
+            if os.fstat(fd).st_size != self.capacity:
+                raise BackendError(f"embedded pool: {arena!r} has {os.fstat(fd).st_size} bytes, expected {self.capacity}")
+            self._leases = LeaseTable(leases, self.capacity // PAGE)
+        except (OSError, ValueError) as e:
+            os.close(fd)
+            raise BackendError(f"embedded pool: cannot map the lease table: {e}") from e
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _map_arena(self, fd: int, populate: bool) -> None:
+        flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+        self._mm = mmap.mmap(fd, self.capacity, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self._mv = memoryview(self._mm)
+        self._np = np.frombuffer(self._mm, dtype=np.uint8)
+
+    def _create(self, idx: str, arena: str, leases: str) -> None:
+        if self._env is not None:
+            release_env(self._env)
+            self._env = None
+        for p in (idx, idx + "-lock", arena, leases):
+            try:
+                os.unlink(p)
+            except FileNotFoundError:
+                pass
+        index_bytes = max(1 << 20, self.capacity // 64)
+        files.check_free_space(self.path, self.capacity + table_bytes(self.capacity // PAGE) + index_bytes)
+        fd = files.open_file(arena, os.O_RDWR | os.O_CREAT | os.O_EXCL)
+        try:
+            # Allocate every tmpfs page now: first-touch faults copy at a fraction of memcpy speed,
+            # and a sparse page written after the filesystem fills would be a SIGBUS.
+            files.reserve_space(fd, self.capacity, arena)
+        except BaseException:
+            os.close(fd)
+            os.unlink(arena)
+            raise
+        os.close(fd)
+        LeaseTable.create(leases, self.capacity // PAGE)
+        # Room for the index's first pages (~1 KiB per 64 KiB object), so a full filesystem does
+        # not stop the pool at once; past it, LMDB's ENOSPC is a BackendError.
+        self._open_env(idx)  # LMDB writes its meta pages first: it refuses a file of zeros
+        fd = files.open_file(idx, os.O_RDWR)
+        try:
+            files.reserve_space(fd, index_bytes, idx)
+        finally:
+            os.close(fd)
+        with self._env.begin(write=True) as txn:
+            c = [0] * len(COUNTERS)
+            c[CIDX["free_bytes"]] = self.capacity
+            txn.put(b"counters", COUNTERS_REC.pack(*c), db=self._meta)
+            txn.put(b"capacity", CAP_REC.pack(self.capacity, PAGE), db=self._meta)
+            txn.put(b"boot_id", boot_id(), db=self._meta)
+            self._alloc.init(txn, self.capacity)
+            txn.put(b"format", FORMAT, db=self._meta)  # last: a half-made pool has no format
+
+    # ----------------------------------------------------------------- locking and transactions

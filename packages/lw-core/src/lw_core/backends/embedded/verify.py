@@ -1,0 +1,67 @@
+"""Counters and the full-index consistency check of ``EmbeddedBackend``."""
+
+from __future__ import annotations
+
+
+from lw_core.backend import BackendError
+from lw_core.backends.embedded.records import (
+    ALLOC,
+    BE_U64,
+    COMMITTED,
+    COUNTERS,
+    COUNTERS_REC,
+    NBYTES,
+    OBJ_REC,
+    OFF,
+    ST,
+    STAMP,
+    unpack_resv,
+)
+
+
+class VerifyMixin:
+    """``stats`` and ``verify``."""
+
+    def stats(self) -> dict[str, int]:
+        with self._read() as txn:
+            c = COUNTERS_REC.unpack(txn.get(b"counters", db=self._meta))
+        out = {name: int(v) for name, v in zip(COUNTERS, c) if name != "next_id"}
+        out["capacity_bytes"] = self.capacity
+        out.update(self._local)  # this process's own counters
+        return out
+
+    def verify(self) -> dict[str, int]:
+        """Walk the whole index and check that objects, reservations and free extents tile the arena
+        exactly and that the counters agree; raises ``BackendError`` on any contradiction."""
+        extents: list[tuple[int, int, str]] = []
+        n_obj = n_bytes = n_resv = 0
+        with self._read() as txn:
+            for k, v in txn.cursor(db=self._obj):
+                o = OBJ_REC.unpack(v)
+                if o[ST] == COMMITTED:
+                    extents.append((o[OFF], o[ALLOC], f"object {bytes(k)!r}"))
+                    n_obj += 1
+                    n_bytes += o[NBYTES]
+                    if bytes(txn.get(BE_U64.pack(o[STAMP]), db=self._lru) or b"") != bytes(k):
+                        raise BackendError(f"embedded pool: object {bytes(k)!r} is missing from the LRU order")
+            for k, v in txn.cursor(db=self._resv):
+                r, _ = unpack_resv(v)
+                extents.append((r.off, r.alloc, f"reservation {BE_U64.unpack(k)[0]}"))
+                n_resv += 1
+            extents += [(o, s, "free") for o, s in self._alloc.extents(txn)]
+            c = dict(zip(COUNTERS, COUNTERS_REC.unpack(txn.get(b"counters", db=self._meta))))
+            n_lru = txn.stat(self._lru)["entries"]
+        pos = 0
+        for off, size, what in sorted(extents):
+            if off != pos:
+                raise BackendError(f"embedded pool: arena {'gap' if off > pos else 'overlap'} at {pos} before {what} at {off}")
+            pos = off + size
+        if pos != self.capacity:
+            raise BackendError(f"embedded pool: extents end at {pos}, capacity is {self.capacity}")
+        got = {"objects": n_obj, "bytes": n_bytes, "reserved_objects": n_resv}
+        for name, v in got.items():
+            if c[name] != v:
+                raise BackendError(f"embedded pool: counter {name}={c[name]} but the index holds {v}")
+        if n_lru != n_obj:
+            raise BackendError(f"embedded pool: {n_lru} LRU entries for {n_obj} objects")
+        return got

@@ -1,1 +1,0 @@
-"""``lw-bench``: measurements of the pool and the layer pipeline (see the root README)."""

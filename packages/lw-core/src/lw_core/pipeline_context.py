@@ -1,0 +1,114 @@
+"""What a pipeline step works with: ``StepContext``, built once per ``LayerPipeline`` and never
+changed, plus the two small things steps do change, each with one owner: ``ViewFlags`` (whether
+the backend answers ``view()``) and ``BackgroundErrors`` (fire-and-forget release/abort whose
+failures show up in the next step's result). Steps get the context, never the pipeline."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import msgspec
+from msgspec import Meta
+
+from lw_core.backend import Backend, BackendError
+from lw_core.config import PrefetchLayers, Seconds, StaggerUs, TransferBlocks, TransferBytes
+from lw_core.copier import Copier
+from lw_core.pipeline_pool import DeadlineCall, ErrorLog, StagingPool, WorkerPool, describe, log
+from lw_core.plan import ObjectLayout, split_batches
+
+
+class PipelineLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``LayerPipeline``'s numeric arguments, checked once by msgspec with the same field types as
+    the config keys they come from (``lw_core.config``)."""
+
+    prefetch_depth: PrefetchLayers = 1
+    max_transfer_blocks: TransferBlocks = 0
+    max_transfer_bytes: TransferBytes = 0
+    h2d_stagger_us: StaggerUs = 0
+    tp_rank: Annotated[int, Meta(ge=0)] = 0
+    tp_size: Annotated[int, Meta(ge=1)] = 1
+    layer_timeout_s: Seconds = 5.0
+    save_timeout_s: Seconds = 10.0
+    load_threads: Annotated[int, Meta(ge=1)] = 1
+    save_threads: Annotated[int, Meta(ge=1)] = 1
+    max_stuck_threads: Annotated[int, Meta(ge=0)] = 4
+    # Streaming PD: publish each layer's prefix of a step's reservations once it is written
+    # (the backend must offer the streaming extension).
+    stream_publish: bool = False
+
+
+LIMIT_NOTES = {
+    "prefetch_depth": "typical: 1-4",
+    "max_transfer_blocks": "0 = unlimited",
+    "max_transfer_bytes": "0 = unlimited",
+    "h2d_stagger_us": "0 = off",
+}
+
+
+class ViewFlags:
+    """Whether zero-copy ``view()`` is still worth asking for; a step turns a direction off the
+    first time the backend answers ``None`` for a whole batch (not host-addressable)."""
+
+    __slots__ = ("load", "save")
+
+    def __init__(self) -> None:
+        self.load = True
+        self.save = True
+
+
+class BackgroundErrors:
+    """Runs fire-and-forget backend calls (release, abort) and keeps their failures for the next
+    step's result."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._log = ErrorLog()
+
+    def run(self, pool: WorkerPool, what: str, fn: Callable[[], None]) -> None:
+        def job() -> None:
+            try:
+                fn()
+            except Exception as e:
+                if not isinstance(e, BackendError):
+                    log.exception("background %s failed", what)
+                with self._lock:
+                    self._log.add(f"backend.{what} (previous step): {describe(e)}")
+
+        pool.submit(job)
+
+    def take(self) -> list[str]:
+        with self._lock:
+            out, self._log = self._log.out(), ErrorLog()
+        return out
+
+
+@dataclass(frozen=True)
+class StepContext:
+    backend: Backend
+    copier: Copier
+    layout: ObjectLayout
+    limits: PipelineLimits
+    load_pool: WorkerPool
+    save_pool: WorkerPool
+    staging: StagingPool
+    sleep: Callable[[float], None]  # the stagger's clock (tests record it)
+    views: ViewFlags = field(default_factory=ViewFlags)
+    background: BackgroundErrors = field(default_factory=BackgroundErrors)
+
+    def split(self, n_items: int) -> list[list[range]]:
+        """Per layer, the transfer batches of ``n_items`` objects (``max_transfer_*`` limits)."""
+        lim, cache, out = self.limits, {}, []
+        for nbytes in self.layout.layer_nbytes:
+            if nbytes not in cache:
+                cache[nbytes] = split_batches(n_items, nbytes, lim.max_transfer_blocks, lim.max_transfer_bytes)
+            out.append(cache[nbytes])
+        return out
+
+    def call(self, pool: WorkerPool, fn: Callable[[], Any], on_late: Callable[[Any], None] | None = None) -> DeadlineCall:
+        return DeadlineCall(pool, fn, on_late)
+
+    def release_later(self, pool: WorkerPool, handles: list[Any]) -> None:
+        self.background.run(pool, "release", lambda: self.backend.release(handles))

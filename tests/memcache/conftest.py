@@ -4,29 +4,18 @@ processes driven over pipes (``tests/memcache/mc_client.py``), every exchange un
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import queue
 import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from mc_support import HAVE_MEMCACHE, needs_memcache
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-
-from mc_client import layer_bytes  # noqa: E402
-
-HAVE_MEMCACHE = importlib.util.find_spec("memcache_hybrid") is not None
-needs_memcache = pytest.mark.skipif(
-    not HAVE_MEMCACHE,
-    reason="memcache_hybrid is not installed (uv sync --inexact --all-packages --extra store); "
-    "its wheels exist only for Linux x86_64/aarch64 CPython 3.10/3.11",
-)
 
 
 class Client:
@@ -90,10 +79,6 @@ class Client:
                 self.kill()
 
 
-def expected(key: str, layer: int, n: int) -> bytes:
-    return layer_bytes(key, layer, n).tobytes()
-
-
 @pytest.fixture
 def make_client(request):
     clients: list[Client] = []
@@ -122,14 +107,5 @@ def pool(tmp_path):
     m.start()
     yield m
     m.stop()
-
-
-def wait_until(pred, timeout_s: float, interval_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v or time.monotonic() > deadline:
-            return v
-        time.sleep(interval_s)
 
 

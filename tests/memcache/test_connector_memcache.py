@@ -6,18 +6,18 @@ Engine A (one process) saves, then exits; engine B (a fresh process) looks up an
 memcache clients of one MetaService started by the fixture, lending no memory themselves: the
 pool's DRAM is lent by ``lw-memcache hold`` (``LocalMemcache(holder=True)``), as a long-lived
 client would in a deployment, since objects vanish with the client whose memory holds them.
-Engines, tiny models and the greedy oracle are lw_vllm.testing's, as in tests/vllm.
+Engines, tiny models and the greedy oracle are lw_dev's, as in tests/vllm.
 """
 
 from __future__ import annotations
 
 
 import pytest
-from conftest import needs_memcache
+from mc_support import needs_memcache
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
-from lw_vllm.testing.harness import assert_same_greedy, random_tokens, run_engine  # noqa: E402
+from lw_dev.harness import assert_same_greedy, random_tokens, run_engine  # noqa: E402
 
 pytestmark = [needs_memcache, pytest.mark.slow]
 

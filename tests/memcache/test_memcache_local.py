@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import expected, needs_memcache, wait_until
+from mc_support import expected, needs_memcache, wait_until
 
 from lw_memcache.local import LocalMemcache, LocalMemcacheError, free_ports, meta_lock_holder
 

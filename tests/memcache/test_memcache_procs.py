@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from conftest import expected, needs_memcache, wait_until
+from mc_support import expected, needs_memcache, wait_until
 
 pytestmark = [needs_memcache, pytest.mark.slow]
 

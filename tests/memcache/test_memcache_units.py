@@ -8,7 +8,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import HAVE_MEMCACHE, needs_memcache
+from mc_support import HAVE_MEMCACHE, needs_memcache
 from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 from lw_core.config import parse_config
 
@@ -91,8 +91,8 @@ def test_cli_config_writes_files_and_prints_extra_config(tmp_path):
     assert r.returncode == 0, r.stderr
     extra = json.loads(r.stdout)
     cfg = parse_config(extra)
-    assert cfg.backend == "memcache" and cfg.memcache_protocol == "host_tcp"
-    local = read_conf(cfg.memcache_config_path)
+    assert cfg.backend == "memcache" and cfg.backend_keys.memcache_protocol == "host_tcp"
+    local = read_conf(cfg.backend_keys.memcache_config_path)
     assert local["ock.mmc.meta_service_url"] == "tcp://127.0.0.1:15000"
     assert local["ock.mmc.local_service.hcom_url"] == "tcp://127.0.0.1:17000"
     assert local["ock.mmc.local_service.dram.size"] == "512MB"
@@ -139,12 +139,11 @@ def test_device_protocol_without_ascend_runtime_is_refused(monkeypatch):
 
 @needs_memcache
 def test_unreachable_metaservice_fails_fast(tmp_path):
-    import socket
     import time
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from lw_dev.ports import free_port
+
+    port = free_port()  # nobody listens on it
     path = write_local_conf(tmp_path / "l.conf", meta_url=f"tcp://127.0.0.1:{port}", config_store_url=f"tcp://127.0.0.1:{port}")
     t0 = time.monotonic()
     with pytest.raises(BackendUnavailable, match=f"127.0.0.1:{port}.*not reachable.*lw-memcache meta"):
@@ -246,3 +245,19 @@ def test_copy_passes_each_buffers_own_address_on_every_path():
         b.read([h], [0], [staging.reshape(64, 64)[:, :8]])
     b.read([h], [0], [np.zeros(0, np.uint8)])  # nothing to copy: no call
     assert len(b._store.copies) == 1
+
+
+def test_memcache_keys_belong_to_its_plugin_and_stay_top_level():
+    from lw_core.config import ConfigError
+
+    from lw_memcache.plugin import MemcacheKeys
+
+    cfg = parse_config({"backend": "memcache", "memcache_protocol": "host_tcp", "memcache_config_path": "/etc/l.conf"})
+    assert cfg.backend_keys == MemcacheKeys(memcache_config_path="/etc/l.conf", memcache_protocol="host_tcp")
+    assert parse_config({"memcache_protocol": "host_tcp"}).backend == "embedded"  # checked, no effect
+    with pytest.raises(ConfigError) as ei:
+        parse_config({"backend": "memcache", "memcache_protocol": "carrier_pigeon"})
+    assert str(ei.value) == (
+        "kv_connector_extra_config.memcache_protocol='carrier_pigeon' is not accepted; accepted: "
+        "'device_rdma', 'device_sdma', 'host_rdma', 'host_shm', 'host_tcp'"
+    )

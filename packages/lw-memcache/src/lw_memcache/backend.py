@@ -34,10 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from lw_core.backend import BackendError, BackendUnavailable
+from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 
 from lw_memcache import errors
-from lw_memcache.conf import PROTOCOLS, ConfError, local_config_fields, meta_address, read_conf
+from lw_memcache.conf import ConfError, local_config_fields, meta_address, read_conf, resolve_auto_hcom
+from lw_memcache.stream_read import StreamReadMixin
+from lw_memcache.streaming import TRAILER, MemcacheStreamHandle, StreamMixin
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +68,7 @@ class MemcacheHandle:
     nbytes: int
     gva: int
     writable: bool
+    state: int = 0  # reservations: 0 writing, 1 committed, 2 aborted
 
 
 def _memory(buf: Any, *, writable: bool, what: str) -> tuple[int, int, bool]:
@@ -100,8 +103,12 @@ def _meta_reachable(host: str, port: int, timeout_s: float) -> bool:
         return False
 
 
-class MemcacheBackend:
+class MemcacheBackend(StreamMixin, StreamReadMixin):
+    """Objects are allocated ``TRAILER`` bytes longer than asked: the streaming extension
+    (``lw_memcache.streaming``) keeps each reservation's token there; handles report the asked size."""
+
     name = "memcache"
+    _streaming = False
 
     def __init__(
         self,
@@ -114,9 +121,10 @@ class MemcacheBackend:
         connect_timeout_s: float = 3.0,
         restore_signals: bool = True,
         full_wait_s: float = 2.0,
+        streaming: bool = False,
     ) -> None:
-        if protocol not in PROTOCOLS:
-            raise BackendError(f"kv_connector_extra_config.memcache_protocol={protocol!r}; accepted: {', '.join(PROTOCOLS)}")
+        # ``protocol`` is validated with the config (lw_memcache.plugin.MemcacheKeys); a direct
+        # caller's bad value fails the agreement with the file's protocol below.
         if not config_path:
             raise BackendError(
                 "kv_connector_extra_config.memcache_config_path is empty: give the mmc-local.conf path "
@@ -134,6 +142,7 @@ class MemcacheBackend:
             )
         try:
             host, port = meta_address(conf)
+            conf = resolve_auto_hcom(conf)
         except ConfError as e:
             raise BackendError(f"{config_path}: {e}") from e
         for name, v in (("read_lease_ms", read_lease_ms), ("write_lease_ms", write_lease_ms)):
@@ -156,6 +165,8 @@ class MemcacheBackend:
         self.config_path = config_path
         self.protocol = protocol
         self._full_wait_s = full_wait_s
+        self._streaming = bool(streaming)  # writes are also staged for streaming readers
+        self._wstreams: dict = {}  # key -> streaming.WriteStream of our open reservations
         self._read_lease_ms = read_lease_ms
         self._write_lease_ms = write_lease_ms
         self._lock = threading.Lock()
@@ -169,6 +180,7 @@ class MemcacheBackend:
             0,
         )
         self._closed = True
+        self._no_room = False
         local_cfg = self._local_config(conf, config_path)
         saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
         self._store = self._mc.DistributedObjectStore()
@@ -201,7 +213,9 @@ class MemcacheBackend:
         kwargs.setdefault("read_lease_ms", max(10_000, int(cfg.layer_wait_timeout_s * 4000)))
         # A save waiting for room must leave most of its deadline to the copies.
         kwargs.setdefault("full_wait_s", min(2.0, cfg.save_timeout_s / 4))
-        return cls(cfg.memcache_config_path, protocol=cfg.memcache_protocol, **kwargs)
+        kwargs.setdefault("streaming", bool(getattr(cfg, "pd_streaming", False)))
+        keys = cfg.backend_keys  # lw_memcache.plugin.MemcacheKeys
+        return cls(keys.memcache_config_path, protocol=keys.memcache_protocol, **kwargs)
 
     # ----- helpers -----
 
@@ -380,13 +394,34 @@ class MemcacheBackend:
             if not todo or time.monotonic() + _FULL_RETRY_S > deadline:
                 break
             time.sleep(_FULL_RETRY_S)
+        try:
+            self._stream_start(out)
+        except BackendError:
+            self.abort([h for h in out if h is not None])
+            raise
         n_ok = sum(h is not None for h in out)
         self._count(reserved=n_ok, reserve_skipped=len(keys) - n_ok)
+        self._note_room(refused=len(todo), asked=len(keys), waited_s=time.monotonic() - now)
         return out
+
+    def _note_room(self, *, refused: int, asked: int, waited_s: float) -> None:
+        """Log once when the pool starts refusing objects for lack of room, and once when it takes
+        them again: a pool whose memory went away (every ``lw-memcache hold`` gone) looks like a
+        full one to the library, and the engines then quietly save nothing."""
+        if refused and not self._no_room:
+            self._no_room = True
+            log.warning(
+                "lw-memcache: the memcache pool had no room for %d of %d objects after waiting %.1f s; they are "
+                "not saved (the pool is full, or no client lends memory: is `lw-memcache hold` running?)",
+                refused, asked, waited_s,
+            )
+        elif not refused and self._no_room:
+            self._no_room = False
+            log.warning("lw-memcache: the memcache pool takes objects again")
 
     def _alloc(self, store: Any, keys: Sequence[str], todo: list[int], nbytes: int, out: list) -> list[int]:
         """batch_alloc ``keys[todo]``; fills ``out``, returns the indices refused for lack of room."""
-        gvas = store.batch_alloc([keys[i] for i in todo], [nbytes] * len(todo), MEDIA_DRAM, self._write_lease_ms)
+        gvas = store.batch_alloc([keys[i] for i in todo], [nbytes + TRAILER] * len(todo), MEDIA_DRAM, self._write_lease_ms)
         if gvas and all(errors.is_unavailable(g) for g in gvas):
             self._fail(gvas[0], "reserve (batch_alloc)")
         failed = []
@@ -410,6 +445,8 @@ class MemcacheBackend:
             if not h.writable or self._writing.get(h.key) is not h:
                 raise BackendError(f"write to {h.key}: not a reservation of this backend (or already committed/aborted)")
         self._copy(handles, offsets, srcs, to_store=True)
+        if self._streaming and self._wstreams:
+            self._stream_write(handles, offsets, srcs)
 
     def _finish(self, handles: Sequence[MemcacheHandle], ok: bool) -> list[tuple[str, int]]:
         store = self._live()
@@ -417,6 +454,7 @@ class MemcacheBackend:
             mine = [h for h in handles if self._writing.get(h.key) is h]
             for h in mine:
                 del self._writing[h.key]
+                h.state = 1 if ok else 2
         if not mine:
             return []
         keys = [h.key for h in mine]
@@ -431,11 +469,22 @@ class MemcacheBackend:
             # neither evicted nor freed (a full pool stays full, a leaving holder waits). End it.
             self._live().batch_remove_lease(done)
         self._count(committed=len(done))
+        if done:
+            mine = set(done)
+            self._stream_end([h for h in handles if h.key in mine], aborted=False)
+        lost = [h.key for h in handles if h.state == 2]
+        if lost:
+            raise ObjectMissing(f"memcache: commit of {len(lost)} aborted reservation(s): {lost[:3]}")
         if bad:
             self._fail(bad[0][1], f"commit (batch_write_finish) of {len(bad)} object(s), first {bad[0][0]}")
 
     def abort(self, handles: Sequence[MemcacheHandle]) -> None:
         # Best effort: an unfinished object is invisible and reclaimed when its write lease ends.
+        # Streaming readers are told first (abort marker), so they fail at once.
+        with self._lock:
+            mine = [h for h in handles if self._writing.get(h.key) is h]
+        if mine and not self._closed:
+            self._stream_end(mine, aborted=True)
         try:
             res = self._finish(handles, False)
         except BackendError:
@@ -458,8 +507,8 @@ class MemcacheBackend:
             lost = []
             for i, info in zip(leased, infos):
                 gvas = info.gva_list()
-                if info.size() > 0 and gvas:
-                    out[i] = MemcacheHandle(keys[i], int(info.size()), int(gvas[0]), False)
+                if info.size() >= TRAILER and gvas:
+                    out[i] = MemcacheHandle(keys[i], int(info.size()) - TRAILER, int(gvas[0]), False)
                 else:
                     lost.append(keys[i])
             if lost:
@@ -471,10 +520,17 @@ class MemcacheBackend:
         return out
 
     def read(self, handles: Sequence[MemcacheHandle], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
+        if any(type(h) is MemcacheStreamHandle for h in handles):
+            self._read_stream(handles, offsets, dsts)
+            return
         self._copy(handles, offsets, dsts, to_store=False)
 
     def release(self, handles: Sequence[MemcacheHandle]) -> None:
-        keys = [h.key for h in handles if not h.writable]
+        # Streaming handles on reservations hold nothing; on committed objects, a read lease.
+        keys = [h.key for h in handles if not h.writable and getattr(h, "leased", True)]
+        for h in handles:
+            if type(h) is MemcacheStreamHandle:
+                h.leased = False
         if not keys or self._closed:
             return
         with self._lock:
@@ -524,6 +580,7 @@ class MemcacheBackend:
         # holder of a leased object waits for the lease to end before it can leave).
         try:
             if pending:
+                self._stream_end(pending, aborted=True)
                 self._store.batch_write_finish([h.key for h in pending], [1] * len(pending))
             if leased:
                 self._store.batch_remove_lease(leased)

@@ -1,6 +1,6 @@
 """``lw-memcache``: write memcache configs, start a MetaService, build the CPU runtime stand-in.
 
-    lw-memcache config --out-dir DIR [--protocol host_shm] [--dram-size 1GB] [--host 127.0.0.1] ...
+    lw-memcache config --out-dir DIR [--protocol host_shm] [--dram-size 1GB] [--host 127.0.0.1] [--hcom-host IP] ...
     lw-memcache meta   [--config DIR/mmc-meta.conf | --host 127.0.0.1 --port 5000 ...]
     lw-memcache hold   --config DIR/mmc-local.conf     # a client that only lends its DRAM to the pool
     lw-memcache standin
@@ -17,7 +17,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lw_memcache.conf import LOG_LEVELS, PROTOCOLS, ConfError, write_local_conf, write_meta_conf
+from lw_memcache.conf import (
+    AUTO_HOST,
+    LOG_LEVELS,
+    PROTOCOLS,
+    ConfError,
+    check_hugepages,
+    write_local_conf,
+    write_meta_conf,
+)
 
 DEFAULT_PORTS = {"port": 5000, "config_store_port": 6000, "metrics_port": 8000}
 
@@ -49,7 +57,10 @@ def cmd_config(args: argparse.Namespace) -> int:
         metrics_url=urls["metrics_url"],
         log_level=args.log_level,
     )
-    hcom = f"tcp://{args.host}:{args.hcom_port}" if args.protocol in ("host_tcp", "host_rdma") else None
+    hcom_host = args.hcom_host or args.host
+    if hcom_host == "auto":
+        hcom_host = AUTO_HOST
+    hcom = f"tcp://{hcom_host}:{args.hcom_port}" if args.protocol in ("host_tcp", "host_rdma") else None
     local = write_local_conf(
         out / "mmc-local.conf",
         meta_url=urls["meta_url"],
@@ -115,6 +126,8 @@ def cmd_hold(args: argparse.Namespace) -> int:
     size = parse_size(conf.get("ock.mmc.local_service.dram.size", "0"), "ock.mmc.local_service.dram.size", allow_zero=True)
     if size == 0:
         raise ConfError(f"--config {path}: ock.mmc.local_service.dram.size is 0; a holder must lend memory")
+    if conf.get("ock.mmc.local_service.protocol") == "host_tcp":
+        check_hugepages(size, f"--config {path}")
     stop = threading.Event()
     try:
         backend = MemcacheBackend(str(path), protocol=conf.get("ock.mmc.local_service.protocol", ""))
@@ -153,7 +166,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--protocol", choices=PROTOCOLS, default="host_shm")
     p.add_argument("--dram-size", default="1GB", help="DRAM each client contributes, e.g. 256MB, 4GB (max 1TB)")
     p.add_argument("--world-size", type=int, default=64, help="most clients in the pool (default 64)")
-    p.add_argument("--hcom-port", type=int, default=7000, help="data port for host_tcp/host_rdma (default 7000)")
+    p.add_argument("--hcom-port", type=int, default=7000,
+                   help="data port for host_tcp/host_rdma (default 7000); each client on a machine needs its own")
+    p.add_argument("--hcom-host", default=None,
+                   help="address of THIS machine that the client's host_tcp/host_rdma data port binds and other "
+                        "machines reach (default: --host, right only on the MetaService's machine); 'auto': each "
+                        "client uses its machine's address on the route to the MetaService (one file for all machines)")
     p.add_argument("--client-log-level", choices=LOG_LEVELS, default="error")
     _address_args(p)
     p.set_defaults(func=cmd_config)

@@ -159,6 +159,27 @@ def write_local_conf(
     return _write(path, items, f"memcache_hybrid client ({protocol})")
 
 
+HUGEPAGE = 2 << 20
+HUGEPAGES_PATH = Path("/proc/sys/vm/nr_hugepages")
+
+
+def check_hugepages(dram_bytes: int, what: str, meminfo: str | os.PathLike[str] = "/proc/meminfo") -> None:
+    """host_tcp places a client's DRAM in 2 MiB huge pages and has no fallback (its init fails with
+    a bare error code): refuse early, naming the setting, when too few are free."""
+    free = None
+    with open(meminfo) as f:
+        for line in f:
+            if line.startswith("HugePages_Free:"):
+                free = int(line.split()[1])
+    need = -(-dram_bytes // HUGEPAGE)
+    if free is None or free < need:
+        raise ConfError(
+            f"{what}: host_tcp lends {dram_bytes} bytes from 2 MiB huge pages and needs {need} free, but "
+            f"{0 if free is None else free} are (HugePages_Free in {meminfo}); as root: "
+            f"echo $(( $(cat {HUGEPAGES_PATH}) + {need} )) > {HUGEPAGES_PATH}"
+        )
+
+
 def read_conf(path: str | os.PathLike[str]) -> dict[str, str]:
     """The ``key = value`` pairs of a memcache config file (comments skipped)."""
     out: dict[str, str] = {}
@@ -169,6 +190,31 @@ def read_conf(path: str | os.PathLike[str]) -> dict[str, str]:
         k, v = line.split("=", 1)
         out[k.strip()] = v.strip()
     return out
+
+
+AUTO_HOST = "0.0.0.0"
+
+
+def resolve_auto_hcom(local_conf: dict[str, str]) -> dict[str, str]:
+    """A data port on ``0.0.0.0`` (``lw-memcache config --hcom-host auto``) becomes this machine's
+    address on the route to the MetaService, per process: one config file then serves every
+    machine. (The library would advertise 0.0.0.0 to its peers, which cannot reach it.)"""
+    url = local_conf.get("ock.mmc.local_service.hcom_url")
+    if not url:
+        return local_conf
+    host, port = _check_url(url, "ock.mmc.local_service.hcom_url", ("tcp",))
+    if host != AUTO_HOST:
+        return local_conf
+    meta_host, meta_port = meta_address(local_conf)
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((meta_host, meta_port))  # UDP: picks the route, sends nothing
+        except OSError as e:
+            raise ConfError(f"ock.mmc.local_service.hcom_url={url!r}: no route to the MetaService at {meta_host} ({e})") from e
+        mine = s.getsockname()[0]
+    return {**local_conf, "ock.mmc.local_service.hcom_url": f"tcp://{mine}:{port}"}
 
 
 def meta_address(local_conf: dict[str, str]) -> tuple[str, int]:

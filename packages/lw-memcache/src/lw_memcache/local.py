@@ -96,6 +96,21 @@ def _mapped_paths() -> set[str]:
     return out
 
 
+def meta_ready(host: str, port: int, timeout_s: float = 1.0) -> bool:
+    """Whether the MetaService whose HTTP server is at ``host:port`` says ready on /health."""
+    # http.client, not urllib: urllib sends "Connection: close", and this server then never
+    # sends the body.
+    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
+    try:
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        return r.status == 200 and bool(json.loads(r.read()).get("service_ready"))
+    except (OSError, ValueError, http.client.HTTPException):
+        return False
+    finally:
+        conn.close()
+
+
 def cleanup_leftovers(since: float) -> list[str]:
     """Remove memfabric leftovers created after ``since`` by processes that are gone."""
     removed = []
@@ -138,6 +153,7 @@ class LocalMemcache:
         lock_wait_s: float = 120.0,
         stop_timeout_s: float = 5.0,
         holder: bool = False,
+        hcom_host: str | None = None,
     ) -> None:
         if protocol not in PROTOCOLS:
             raise ValueError(f"protocol={protocol!r}; accepted: {', '.join(PROTOCOLS)}")
@@ -145,6 +161,9 @@ class LocalMemcache:
         # DRAM each client adds to the pool; ``dram_bytes`` is the same as a number of bytes.
         self.dram_size = dram_bytes if dram_bytes is not None else dram_size
         self.host = host
+        # host_tcp/host_rdma data port address (default ``host``); "0.0.0.0": each client's own
+        # address on the route to the MetaService (clients on several hosts share the configs).
+        self.hcom_host = hcom_host or host
         self.log_level = log_level
         self.client_log_level = client_log_level
         self.start_timeout_s = start_timeout_s
@@ -240,7 +259,7 @@ class LocalMemcache:
             metrics_url=self.metrics_url,
             log_level=self.log_level,
         )
-        hcom = f"tcp://{self.host}:{self._port(3)}" if self.protocol in ("host_tcp", "host_rdma") else None
+        hcom = f"tcp://{self.hcom_host}:{self._port(3)}" if self.protocol in ("host_tcp", "host_rdma") else None
         confs = [(self.local_conf, self.dram_size)] + ([(self.client_conf, 0)] if self.holder else [])
         for path, size in confs:
             write_local_conf(
@@ -327,17 +346,7 @@ class LocalMemcache:
 
     def healthy(self, timeout_s: float = 1.0) -> bool:
         """The MetaService says ready on /health (its HTTP server starts after the meta port)."""
-        # http.client, not urllib: urllib sends "Connection: close", and this server then never
-        # sends the body.
-        conn = http.client.HTTPConnection(self.host, self._port(2), timeout=timeout_s)
-        try:
-            conn.request("GET", "/health")
-            r = conn.getresponse()
-            return r.status == 200 and bool(json.loads(r.read()).get("service_ready"))
-        except (OSError, ValueError, http.client.HTTPException):
-            return False
-        finally:
-            conn.close()
+        return meta_ready(self.host, self._port(2), timeout_s)
 
     def log_tail(self, n: int = 20) -> str:
         try:

@@ -33,6 +33,25 @@ def real_runtime() -> str | None:
     return None
 
 
+def check_transport(home: Path) -> None:
+    """host_tcp's client loads memfabric's bundled ``libhcom.so`` by name, which needs its
+    directory on LD_LIBRARY_PATH when the process *starts* (the loader reads it once; the library
+    needs ``libboundscheck.so``, which has no soname, so preloading it by path does not help).
+    Without it ``init`` fails with a bare -1 ("LoadExtendLibrary for HOST RDMA failed: -6" in the
+    client log): say what to do instead."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libhcom.so", mode=ctypes.RTLD_GLOBAL)
+    except OSError as e:
+        mf = standin.memfabric_lib_dir() or "<site-packages>/memfabric_hybrid/lib"
+        raise BackendError(
+            f"memcache_protocol='host_tcp' needs memfabric's bundled libhcom.so loadable when the process starts "
+            f"({e}): start it with LD_LIBRARY_PATH={home / 'lib64'}:{mf} (and MF_HCOM_MAX_SEND_RECV_DATA_CNT=256), "
+            "e.g. `eval $(lw-memcache standin)` in the shell that starts vLLM"
+        ) from None
+
+
 def import_memcache(protocol: str = "host_shm") -> ModuleType:
     """``memcache_hybrid``, ready for a data client with ``protocol``."""
     if importlib.util.find_spec("memcache_hybrid") is None:
@@ -49,9 +68,11 @@ def import_memcache(protocol: str = "host_shm") -> ModuleType:
                 f"{', '.join(HOST_PROTOCOLS)}"
             )
         try:
-            standin.activate()
+            home = standin.activate()
         except standin.StandinError as e:
             raise BackendError(f"memcache_hybrid needs the Ascend runtime or lw-memcache's CPU stand-in: {e}") from e
+        if protocol == "host_tcp":
+            check_transport(home)
     try:
         return importlib.import_module("memcache_hybrid")
     except ImportError as e:  # e.g. a wheel for another platform, or a missing system library

@@ -1,0 +1,45 @@
+"""The ``memcache`` pool backend as an lw-core plugin (entry point ``lw_pool.backends``).
+
+Its keys sit at the top level of ``kv_connector_extra_config`` (``memcache_config_path``,
+``memcache_protocol``), parsed strictly by lw-core into ``MemcacheKeys``. Loading this module
+never imports memcache_hybrid: that happens when a backend is opened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import msgspec
+from lw_core.backends.registry import BackendPlugin
+
+from lw_memcache.conf import PROTOCOLS
+
+
+class MemcacheKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # Path of the mmc-local.conf the clients read (``lw-memcache config`` writes one).
+    memcache_config_path: str = ""
+    memcache_protocol: Literal[PROTOCOLS] = "host_shm"  # type: ignore[valid-type]
+
+
+def _open(cfg: Any, **kwargs: Any) -> Any:
+    from lw_memcache.backend import MemcacheBackend
+
+    return MemcacheBackend.from_config(cfg, **kwargs)
+
+
+@contextmanager
+def _bench_pool(capacity: int, path: str | None, *, protocol: str = "host_shm",
+                host: str = "127.0.0.1") -> Iterator[dict[str, Any]]:
+    """A MetaService on ``host`` and this process's client lending ``capacity`` bytes (``path``
+    is unused). With host_tcp on another address (``lw-bench backend --host-tcp-netns``) every
+    client's data port is its own host's address, so a reader on another host uses the same file."""
+    from lw_memcache.local import LocalMemcache
+
+    hcom = "0.0.0.0" if protocol in ("host_tcp", "host_rdma") and host != "127.0.0.1" else None
+    with LocalMemcache(dram_bytes=capacity, protocol=protocol, host=host, hcom_host=hcom) as extra:
+        yield dict(extra)
+
+
+PLUGIN = BackendPlugin(name="memcache", open=_open, keys=MemcacheKeys, bench_pool=_bench_pool)

@@ -1,0 +1,196 @@
+"""The reader's side of memcache streaming: ``open_streaming``, ``wait_published`` and reads
+through streaming handles (the design is in ``lw_memcache.streaming``'s docstring)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+from lw_core.backend import BackendError, ObjectMissing
+from lw_core.backends.embedded.procs import Owner, current_owner, owner_alive
+
+from lw_memcache.streaming import (
+    _HEAD,
+    _HEAD_MAGIC,
+    _POLL_MAX_S,
+    _POLL_MIN_S,
+    _TRAILER,
+    _TRAILER_MAGIC,
+    TRAILER,
+    MemcacheStreamHandle,
+    _boot_id,
+    _nbytes,
+    _Seg,
+    abort_key,
+    head_key,
+    seg_key,
+)
+
+
+class StreamReadMixin:
+    """Readers' calls of the streaming extension, mixed into MemcacheBackend."""
+
+    def open_streaming(self: Any, keys: Sequence[str]) -> list[MemcacheStreamHandle | None]:
+        store = self._live()
+        out: list[MemcacheStreamHandle | None] = [None] * len(keys)
+        if not keys:
+            return out
+        for i, h in zip(range(len(keys)), self.open(keys)):  # committed: leased, like open
+            if h is not None:
+                out[i] = MemcacheStreamHandle(h.key, h.nbytes, None, gva=h.gva, leased=True)
+        rest = [i for i in range(len(keys)) if out[i] is None]
+        if not rest:
+            return out
+        heads = [head_key(keys[i]) for i in rest]
+        res = store.batch_add_lease(heads, self._read_lease_ms)
+        leased = [(i, hk) for i, hk, r in zip(rest, heads, res) if r == 0]
+        if not leased:
+            return out
+        try:
+            infos = store.batch_get_key_info([hk for _, hk in leased], 1)
+            got = [(i, hk, int(info.gva_list()[0])) for (i, hk), info in zip(leased, infos)
+                   if info.size() == _HEAD.size and len(info.gva_list())]
+            if got:
+                bufs = [np.zeros(_HEAD.size, np.uint8) for _ in got]
+                self._copy([_Seg(hk, _HEAD.size, g, 0, False) for _, hk, g in got], [0] * len(got), bufs, to_store=False)
+                for (i, _, _), b in zip(got, bufs):
+                    magic, token, nbytes, boot, pidns, pid, start = _HEAD.unpack(b.tobytes())
+                    if magic == _HEAD_MAGIC:
+                        out[i] = MemcacheStreamHandle(keys[i], nbytes, token, boot, Owner(pidns, pid, start))
+        finally:
+            store.batch_remove_lease([hk for _, hk in leased])
+        return out
+
+    def _streams(self, handles: Sequence[Any], what: str) -> list[MemcacheStreamHandle]:
+        for h in handles:
+            if not isinstance(h, MemcacheStreamHandle):
+                raise BackendError(f"memcache: {what} needs handles from open_streaming, got {h!r}")
+            if h.token is None and not h.leased:
+                h.dead = True  # a committed object's handle, released: it holds nothing any more
+        return list(handles)
+
+    def _adopt(self: Any, hs: Sequence[MemcacheStreamHandle]) -> None:
+        """Handles whose object is committed now: lease it and keep the handle if the trailer holds
+        its token (else a later reservation committed the key: this one is dead)."""
+        got = self.open([h.key for h in hs])
+        pairs = [(h, o) for h, o in zip(hs, got) if o is not None]
+        if not pairs:
+            return
+        bufs = [np.zeros(TRAILER, np.uint8) for _ in pairs]
+        try:
+            self._copy([_Seg(o.key, o.nbytes + TRAILER, o.gva, 0, False) for _, o in pairs], [o.nbytes for _, o in pairs],
+                       bufs, to_store=False)
+        except BackendError:
+            self.release([o for _, o in pairs])
+            raise
+        wrong = []
+        for (h, o), b in zip(pairs, bufs):
+            magic, token = _TRAILER.unpack(b.tobytes())
+            if magic == _TRAILER_MAGIC and token == h.token and o.nbytes == h.nbytes:
+                h.gva, h.leased = o.gva, True
+            else:
+                h.dead = True
+                wrong.append(o)
+        if wrong:
+            self.release(wrong)
+
+    def wait_published(self: Any, handles: Sequence[Any], upto: int, timeout_s: float) -> list[bool]:
+        hs = self._streams(handles, "wait_published")
+        for h in hs:
+            self._check_upto(h, upto, "wait_published")
+        if not timeout_s >= 0:
+            raise ValueError(f"memcache: wait_published timeout_s={timeout_s!r} must be >= 0")
+        store = self._live()
+        deadline = time.monotonic() + timeout_s
+        pause = _POLL_MIN_S
+        me, boot = current_owner(), _boot_id()
+        ready = [upto == 0 or h.leased for h in hs]
+        while True:
+            at = [i for i, h in enumerate(hs) if not ready[i] and not h.dead]
+            todo = [hs[i] for i in at]
+            if todo:
+                n = len(todo)
+                alive: dict[Owner, bool | None] = {}  # each writer judged once per poll
+                names = [seg_key(h.key, h.token, upto) for h in todo] + [abort_key(h.key, h.token) for h in todo]
+                res = store.batch_is_exist(names + [h.key for h in todo])
+                if len(res) != 3 * n or any(r not in (0, 1) for r in res):
+                    bad = [r for r in res if r not in (0, 1)]
+                    self._fail(bad[0] if bad else -1, "wait_published (batch_is_exist)")
+                committed = []
+                for j, h in enumerate(todo):
+                    if res[n + j] == 1:
+                        h.dead = True  # aborted
+                    elif res[2 * n + j] == 1:
+                        committed.append(h)
+                    elif res[j] == 1:
+                        ready[at[j]] = True
+                    elif h.owner is not None and h.boot == boot:
+                        if h.owner not in alive:
+                            alive[h.owner] = owner_alive(h.owner, me)
+                        if alive[h.owner] is False:
+                            h.dead = True  # the writer is gone and never commits
+                if committed:
+                    self._adopt(committed)
+                ready = [r or h.leased for h, r in zip(hs, ready)]
+            left = deadline - time.monotonic()
+            if left <= 0 or all(r or h.dead for h, r in zip(hs, ready)):
+                return [r and not h.dead for h, r in zip(hs, ready)]
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, _POLL_MAX_S)
+
+    def _read_stream(self: Any, handles: Sequence[Any], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
+        hs = self._streams(handles, "a streaming read")
+        if not (len(hs) == len(offsets) == len(dsts)):
+            raise ValueError(f"{len(hs)} handles, {len(offsets)} offsets, {len(dsts)} buffers: lengths differ")
+        store = self._live()
+        sizes = [_nbytes(d) for d in dsts]
+        for h, off, n in zip(hs, offsets, sizes):
+            if off < 0 or off + n > h.nbytes:
+                raise ValueError(f"read of {h.key}: range [{off}, {off + n}) outside the object's {h.nbytes} bytes")
+        dead = [h.key for h in hs if h.dead]
+        if dead:
+            raise ObjectMissing(f"memcache: streaming read of {len(dead)} abandoned reservation(s) (aborted, writer dead, or the key "
+                                f"was committed by a later reservation): {dead[:3]}")
+        idx = [j for j, (h, n) in enumerate(zip(hs, sizes)) if not h.leased and n > 0]
+        segs: dict[int, _Seg] = {}
+        leased: list[str] = []
+        try:
+            if idx:
+                names = [seg_key(hs[j].key, hs[j].token, offsets[j] + sizes[j]) for j in idx]
+                res = store.batch_add_lease(names, self._read_lease_ms)
+                leased = [k for k, r in zip(names, res) if r == 0]
+                if leased:
+                    infos = dict(zip(leased, store.batch_get_key_info(leased, 1)))
+                    for j, k in zip(idx, names):
+                        info = infos.get(k)
+                        if info is not None and info.size() == sizes[j] and len(info.gva_list()):
+                            segs[j] = _Seg(k, sizes[j], int(info.gva_list()[0]), offsets[j], False)
+                missing = [hs[j] for j in idx if j not in segs]
+                if missing:  # not published as such; maybe committed meanwhile
+                    self._adopt(missing)
+                    short = [h.key for h in missing if not h.leased]
+                    if short:
+                        raise ObjectMissing(
+                            f"memcache: streaming read of {len(short)} object(s) beyond their published bytes (or not at "
+                            f"the writer's write ranges), or their reservation is gone: {short[:3]}"
+                        )
+            whole = [j for j in range(len(hs)) if j not in segs]
+            if whole:
+                self._copy([hs[j] for j in whole], [offsets[j] for j in whole], [dsts[j] for j in whole], to_store=False)
+            if segs:
+                js = list(segs)
+                self._copy([segs[j] for j in js], [0] * len(js), [dsts[j] for j in js], to_store=False)
+                res = store.batch_is_exist([segs[j].key for j in js])
+                gone = [j for j, r in zip(js, res) if r != 1]
+                if gone:  # removed while being copied: committed (then read the object) or aborted
+                    self._adopt([hs[j] for j in gone])
+                    lost = [hs[j].key for j in gone if not hs[j].leased]
+                    if lost:
+                        raise ObjectMissing(f"memcache: {len(lost)} segment(s) went while being read (aborted): "
+                                            f"their bytes are not used: {lost[:3]}")
+                    self._copy([hs[j] for j in gone], [offsets[j] for j in gone], [dsts[j] for j in gone], to_store=False)
+        finally:
+            if leased:
+                store.batch_remove_lease(leased)

@@ -1,0 +1,277 @@
+"""The optional streaming extension of ``MemcacheBackend`` (rules: ``lw_core.backend``).
+
+memcache-hybrid only lets a client copy out of objects it holds a *read lease* on, and only
+committed objects take one: an unfinished object cannot be read at its address at all (the
+client's blob tracker refuses it, -3101/-3102), not even by its writer. And an address proves
+nothing: an aborted object's space (once its write lease ends) and an orphaned key's space (taken
+over by the next writer) are handed out again at the same address. So a published prefix is made
+of separate *committed* objects whose names carry a random per-reservation token:
+
+* ``reserve`` (streaming backend) draws an 8-byte token per reservation, writes it into the last
+  ``TRAILER`` bytes of the object (every object is allocated ``nbytes + TRAILER``), and commits a
+  small head object ``<key>#h`` naming the token, the size and the writer (boot id, pid
+  namespace, pid, start time).
+* ``write`` also copies each range into a segment object ``<key>#s<token>/<end>`` (allocated, not
+  committed): the prefiller's bytes go to the pool twice while streaming is on.
+* ``publish(upto)`` commits the segments that end at or before ``upto``.
+* ``commit`` commits the object, then removes the head and the segments. ``abort`` (and ``close``
+  with reservations open) first commits an abort marker ``<key>#x<token>``, then removes them.
+
+A reader (``open_streaming``) takes the committed object with a lease when there is one, else reads
+the head for the token. ``read`` of a range leases the segment named by the token and the range's
+end (reads follow the writer's write ranges: the pipeline writes and reads one layer of an object
+per call), copies, checks the segment still exists, and drops the lease: bytes come only from
+objects named by this reservation's token, which only its writer creates, while they are leased
+and not removed. Once the object is committed the reader leases it and checks its trailer holds
+the token (a later reservation of the key writes its own token there before any data), then reads
+it whole. ``wait_published`` polls (0.5 ms up to 20 ms) whether the segment ending at ``upto``
+exists; it answers ``False`` promptly when the abort marker exists, when the committed object
+carries another token, or when the writer runs on this machine and is dead; else at the deadline.
+
+An abandoned reservation never becomes visible: only its writer's ``batch_write_finish`` commits
+the object (``lookup``/``open`` are unchanged). Costs while streaming: per ``write`` one more
+allocation and copy, per ``publish`` one ``batch_write_finish``, per streaming ``read`` four
+metadata calls (lease, info, exists, unlease) for the batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from lw_core.backend import BackendError, ObjectMissing
+from lw_core.backends.embedded.procs import Owner, current_owner
+
+log = logging.getLogger(__name__)
+
+TRAILER = 16  # bytes after each object's data: magic + the reservation's token
+_TRAILER = struct.Struct("<8s8s")
+_TRAILER_MAGIC = b"lwmcTOK1"
+# head: magic, token, object bytes, boot id (16 bytes), owner (pid namespace, pid, start time)
+_HEAD = struct.Struct("<8s8sQ16sQIQ")
+_HEAD_MAGIC = b"lwmcHED1"
+_MARKER_BYTES = 64
+_POLL_MIN_S, _POLL_MAX_S = 0.0005, 0.02
+_FINISH_OK = 0
+MEDIA_DRAM = 1
+
+
+def _boot_id() -> bytes:
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return bytes.fromhex(f.read().strip().decode().replace("-", ""))[:16].ljust(16, b"\0")
+    except (OSError, ValueError):
+        return bytes(16)
+
+
+def head_key(key: str) -> str:
+    return f"{key}#h"
+
+
+def seg_key(key: str, token: bytes, end: int) -> str:
+    return f"{key}#s{token.hex()}/{end}"
+
+
+def abort_key(key: str, token: bytes) -> str:
+    return f"{key}#x{token.hex()}"
+
+
+@dataclass(eq=False, slots=True)
+class _Seg:
+    """A segment object the writer allocated: duck-types as a writable MemcacheHandle for _copy."""
+
+    key: str
+    nbytes: int
+    gva: int
+    start: int
+    writable: bool = True
+    published: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class WriteStream:
+    token: bytes
+    segs: dict[int, _Seg] = field(default_factory=dict)  # by end offset
+    head: bool = False
+
+
+@dataclass(eq=False, slots=True)
+class MemcacheStreamHandle:
+    """A reader's handle from ``open_streaming``: on a committed object (``leased``, read at
+    ``gva``) or on a reservation (``token``)."""
+
+    key: str
+    nbytes: int
+    token: bytes | None
+    boot: bytes = b""
+    owner: Owner | None = None
+    gva: int = 0
+    leased: bool = False
+    dead: bool = False
+    writable: bool = False
+
+
+class StreamMixin:
+    """The writer's side of streaming for MemcacheBackend: the hooks of reserve/write/commit/abort
+    and ``publish``; the reader's side is ``lw_memcache.stream_read.StreamReadMixin``."""
+
+    # ----- writer side (hooks called by MemcacheBackend) -----
+
+    def _stream_start(self: Any, handles: Sequence[Any]) -> None:
+        """After ``reserve``: token into each object's trailer, then its head object."""
+        hs = [h for h in handles if h is not None]
+        if not self._streaming or not hs:
+            return
+        streams = {h.key: WriteStream(secrets.token_bytes(8)) for h in hs}
+        trailers = np.frombuffer(b"".join(_TRAILER.pack(_TRAILER_MAGIC, streams[h.key].token) for h in hs), np.uint8).copy()
+        tails = [trailers[i * TRAILER : (i + 1) * TRAILER] for i in range(len(hs))]
+        # Written before any data and before the handle is returned: a later reservation of the
+        # same space is told apart from this one from now on.
+        self._copy([_Seg(h.key, h.nbytes + TRAILER, h.gva, 0) for h in hs], [h.nbytes for h in hs], tails, to_store=True)
+        with self._lock:
+            self._wstreams.update(streams)
+        store = self._store
+        heads = [head_key(h.key) for h in hs]
+        stale = [k for k, r in zip(heads, store.batch_is_exist(heads)) if r == 1]
+        if stale:  # a dead or aborted writer's head: this reservation replaces it
+            store.remove_batch(stale)
+        gvas = store.batch_alloc(heads, [_HEAD.size] * len(heads), MEDIA_DRAM, self._write_lease_ms)
+        me, boot = current_owner(), _boot_id()
+        ok = [(h, hk, g) for h, hk, g in zip(hs, heads, gvas) if g > 0]
+        failed = [hk for (hk, g) in zip(heads, gvas) if g <= 0]
+        if failed:
+            store.remove_batch(failed)  # readers find these only once committed
+        if not ok:
+            return
+        bufs = [
+            np.frombuffer(_HEAD.pack(_HEAD_MAGIC, streams[h.key].token, h.nbytes, boot, *me), np.uint8).copy()
+            for h, _, _ in ok
+        ]
+        try:
+            self._copy([_Seg(hk, _HEAD.size, g, 0) for _, hk, g in ok], [0] * len(ok), bufs, to_store=True)
+        except BackendError:
+            store.batch_write_finish([hk for _, hk, _ in ok], [1] * len(ok))
+            raise
+        keys = [hk for _, hk, _ in ok]
+        res = store.batch_write_finish(keys, [_FINISH_OK] * len(keys))
+        store.batch_remove_lease([k for k, r in zip(keys, res) if r == 0])
+        with self._lock:
+            for (h, _, _), r in zip(ok, res):
+                streams[h.key].head = r == 0
+
+    def _stream_write(self: Any, handles: Sequence[Any], offsets: Sequence[int], srcs: Sequence[Any]) -> None:
+        """After ``write``: the same ranges into the reservations' segment objects."""
+        todo: list[tuple[WriteStream, Any, int, Any]] = []
+        with self._lock:
+            for h, off, src in zip(handles, offsets, srcs):
+                ws = self._wstreams.get(h.key)
+                if ws is not None:
+                    todo.append((ws, h, off, src))
+        if not todo:
+            return
+        new: dict[str, tuple[WriteStream, int, int]] = {}
+        for ws, h, off, src in todo:
+            n = _nbytes(src)
+            seg = ws.segs.get(off + n)
+            if seg is not None and (seg.start != off or seg.published):
+                raise BackendError(
+                    f"memcache streaming: write of {h.key} [{off}, {off + n}) overlaps a range written or published "
+                    "before with another split; a streaming writer writes each range once"
+                )
+            if seg is None and n > 0:
+                new[seg_key(h.key, ws.token, off + n)] = (ws, off, n)
+        if new:
+            keys = list(new)
+            gvas = self._store.batch_alloc(keys, [new[k][2] for k in keys], MEDIA_DRAM, self._write_lease_ms)
+            failed = []
+            with self._lock:  # the pipeline writes several layers of an object at once
+                for k, g in zip(keys, gvas):
+                    ws, off, n = new[k]
+                    if g > 0:
+                        ws.segs[off + n] = _Seg(k, n, int(g), off)
+                    else:
+                        failed.append(k)
+            if failed:  # no room: those ranges are not streamed; readers get them at commit
+                self._store.remove_batch(failed)
+        segs, bufs = [], []
+        for ws, _h, off, src in todo:
+            seg = ws.segs.get(off + _nbytes(src))
+            if seg is not None and seg.start == off:
+                segs.append(seg)
+                bufs.append(src)
+        if segs:
+            self._copy(segs, [0] * len(segs), bufs, to_store=True)
+
+    def _stream_end(self: Any, handles: Sequence[Any], *, aborted: bool) -> None:
+        """Before abort (marker first: waiters fail at once) and after commit: drop the head and
+        the segments. Best effort: what is left is never readable past a marker or a commit."""
+        with self._lock:
+            ended = [(h.key, self._wstreams.pop(h.key)) for h in handles if h.key in self._wstreams]
+        if not ended:
+            return
+        store = self._store
+        try:
+            if aborted:
+                marks = [abort_key(k, ws.token) for k, ws in ended]
+                gvas = store.batch_alloc(marks, [_MARKER_BYTES] * len(marks), MEDIA_DRAM, self._write_lease_ms)
+                done = [m for m, g in zip(marks, gvas) if g > 0]
+                if done:
+                    store.batch_write_finish(done, [_FINISH_OK] * len(done))
+                    store.batch_remove_lease(done)
+            gone = [head_key(k) for k, ws in ended if ws.head]
+            gone += [s.key for _, ws in ended for s in ws.segs.values()]
+            unfinished = [s.key for _, ws in ended for s in ws.segs.values() if not s.published]
+            if unfinished:
+                store.batch_write_finish(unfinished, [1] * len(unfinished))
+            if gone:
+                store.remove_batch(gone)
+        except Exception as e:  # noqa: BLE001 - leftovers are unreadable and get evicted
+            log.debug("memcache streaming: cleaning up after %s failed: %s", "abort" if aborted else "commit", e)
+
+    # ----- StreamingBackend -----
+
+    def publish(self: Any, handles: Sequence[Any], upto: int) -> None:
+        store = self._live()
+        for h in handles:
+            if isinstance(h, MemcacheStreamHandle) or not getattr(h, "writable", False):
+                raise BackendError(f"memcache: publish needs handles from reserve, got {h!r}")
+            self._check_upto(h, upto, "publish")
+        if not self._streaming:
+            raise BackendError(
+                "memcache: publish on a backend opened without streaming; set kv_connector_extra_config.pd_streaming=true "
+                "(MemcacheBackend(streaming=True)) so that writes are also staged for streaming readers"
+            )
+        todo: list[_Seg] = []
+        lost = []
+        with self._lock:
+            for h in handles:
+                ws = self._wstreams.get(h.key)
+                if ws is None or self._writing.get(h.key) is not h:
+                    if getattr(h, "state", 0) != 1:  # committed already: a no-op
+                        lost.append(h.key)
+                    continue
+                todo += [s for end, s in sorted(ws.segs.items()) if end <= upto and not s.published]
+        if lost:
+            raise ObjectMissing(f"memcache: {len(lost)} reservation(s) cannot be published: aborted: {lost[:3]}")
+        if not todo:
+            return
+        res = store.batch_write_finish([s.key for s in todo], [_FINISH_OK] * len(todo))
+        for s, r in zip(todo, res):
+            s.published = r == 0
+        bad = [(s.key, r) for s, r in zip(todo, res) if r != 0]
+        if bad:
+            self._fail(bad[0][1], f"publish (batch_write_finish) of {len(bad)} segment(s), first {bad[0][0]}")
+
+    def _check_upto(self, h: Any, upto: int, what: str) -> None:
+        if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= h.nbytes:
+            raise ValueError(f"memcache: {what} upto={upto!r} must be an int in [0, {h.nbytes}] for {h.key!r}")
+
+
+def _nbytes(buf: Any) -> int:
+    n = getattr(buf, "nbytes", None)
+    return int(n) if n is not None else memoryview(buf).nbytes

@@ -1,0 +1,87 @@
+"""The ``mooncake`` pool backend as an lw-core plugin (entry point ``lw_pool.backends``).
+
+Its keys sit at the top level of ``kv_connector_extra_config`` and are parsed strictly by lw-core
+into ``MooncakeKeys``; the seed's ``mooncake_rpc_port`` (alias ``lookup_rpc_port``) stays a core
+key and keeps working with this backend. Loading this module never imports ``mooncake``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Annotated, Any, Literal
+
+import msgspec
+from lw_core.backends.registry import BackendPlugin
+from msgspec import Meta
+
+MiB = 1 << 20
+MAX_SEGMENT = 1 << 40
+# host:port with a host name or IPv4 address (Mooncake's master_server_addr).
+HostPort = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9.-]*:[0-9]{1,5}$", max_length=260)]
+Url = Annotated[str, Meta(pattern=r"^(https?://[^\s]+|P2PHANDSHAKE|etcd://[^\s]+)$", max_length=500)]
+HostName = Annotated[str, Meta(pattern=r"^(|[A-Za-z0-9][A-Za-z0-9.-]*)$", max_length=253)]
+
+
+class MooncakeKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # The master's RPC address, host:port (``lw-mooncake master --host H --port P``). Required.
+    mooncake_master: HostPort | None = None
+    # Transfer-engine metadata: "P2PHANDSHAKE" (no metadata server: clients exchange it directly),
+    # or an http(s):// / etcd:// URL of a metadata server.
+    mooncake_metadata_server: Url = "P2PHANDSHAKE"
+    mooncake_protocol: Literal["tcp", "rdma"] = "tcp"
+    mooncake_rdma_devices: str = ""
+    # The address other clients reach this one at; "" = the local address of the route to the master.
+    mooncake_local_hostname: HostName = ""
+    # Memory this client lends to the pool (0: lend nothing, store on holders/other clients).
+    mooncake_global_segment_size: Annotated[int, Meta(ge=0, le=MAX_SEGMENT)] = 0
+    # Mooncake's own client buffer (its internal copies).
+    mooncake_local_buffer_size: Annotated[int, Meta(ge=1 * MiB, le=MAX_SEGMENT)] = 16 * MiB
+    # Registered staging per direction: one batch of puts or ranged gets moves at most this much.
+    mooncake_staging_size: Annotated[int, Meta(ge=1 * MiB, le=1 << 34)] = 64 * MiB
+    # How loads read: "per_layer" = one ranged get per layer batch (the layer pipeline overlaps them
+    # with compute); "whole" = open fetches whole objects (far fewer calls; see docs/mooncake.md).
+    mooncake_load: Literal["per_layer", "whole"] = "per_layer"
+    # Deadline of every store call; a call past it raises BackendUnavailable (the caller recomputes).
+    mooncake_call_timeout_s: Annotated[float, Meta(gt=0, le=600)] = 5.0
+
+
+NOTES = {
+    "mooncake_master": "host:port of `lw-mooncake master` (its --host and --port), e.g. 10.0.0.5:50051",
+    "mooncake_metadata_server": "P2PHANDSHAKE (the default: no metadata server), an http(s):// URL or etcd://...",
+    "mooncake_local_hostname": '"" = the local address of the route to the master',
+    "mooncake_global_segment_size": "bytes; 0 = lend nothing (objects live on holders/other clients)",
+    "mooncake_staging_size": "bytes; the largest object must fit",
+}
+
+
+def _check(keys: MooncakeKeys) -> str | None:
+    if keys.mooncake_master is None:
+        return ("mooncake_master is required with backend='mooncake': the master's host:port, "
+                "e.g. \"10.0.0.5:50051\" (see `lw-mooncake master --help`)")
+    port = int(keys.mooncake_master.rsplit(":", 1)[1])
+    if not 0 < port < 65536:
+        return f"mooncake_master={keys.mooncake_master!r}: port must be 1-65535"
+    return None
+
+
+def _open(cfg: Any, **kwargs: Any) -> Any:
+    from lw_mooncake.backend import MooncakeBackend
+
+    return MooncakeBackend.from_config(cfg, **kwargs)
+
+
+@contextmanager
+def _bench_pool(capacity: int, path: str | None, *, host: str = "127.0.0.1") -> Iterator[dict[str, Any]]:
+    """A master and a holder on ``host`` (``path`` is unused). The holder lends 3x ``capacity``:
+    Mooncake evicts on its own schedule (at a watermark), so the bench's puts of fresh keys would
+    otherwise fail on a full pool; its puts are measured on a pool with room. Mooncake's clients
+    listen on every address of their host: run the bench inside a network namespace."""
+    from lw_mooncake.local import LocalMooncake
+
+    with LocalMooncake(segment_size=3 * capacity, host=host) as pool:
+        yield pool.extra_config()
+
+
+PLUGIN = BackendPlugin(name="mooncake", open=_open, keys=MooncakeKeys, check=_check, notes=NOTES,
+                       bench_pool=_bench_pool)

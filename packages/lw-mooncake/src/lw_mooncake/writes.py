@@ -1,0 +1,151 @@
+"""Writes of ``MooncakeBackend``: reserve a local object, fill it layer by layer, put it whole at
+commit (``batch_put_from`` from registered staging), so only complete objects are ever visible."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
+
+from lw_mooncake.buffers import Staging, byte_view
+from lw_mooncake.calls import Deadlines
+from lw_mooncake.errors import to_error
+from lw_mooncake.handle import MooncakeHandle
+
+
+class Writes:
+    # From MooncakeBackend.
+    store: Any
+    calls: Deadlines
+    staging_size: int
+    stats_: Counter[str]
+    _check_open: Callable[[], None]
+    _lock: threading.Lock
+    _pending: dict[str, MooncakeHandle]
+    _puts: Staging
+    _exist: Callable[[list[str]], list[int]]
+
+    def reserve(self, keys: Sequence[str], nbytes: int) -> list[MooncakeHandle | None]:
+        if nbytes < 0:
+            raise ValueError(f"reserve: nbytes={nbytes} must be >= 0")
+        if nbytes > self.staging_size:
+            raise BackendError(f"reserve: an object of {nbytes} bytes exceeds mooncake_staging_size={self.staging_size}")
+        if not keys:
+            return []
+        exists = self._exist(list(keys))
+        out: list[MooncakeHandle | None] = []
+        with self._lock:
+            for k, e in zip(keys, exists):
+                if e == 1 or k in self._pending:
+                    out.append(None)
+                    continue
+                h = MooncakeHandle(k, nbytes, np.zeros(nbytes, np.uint8))
+                self._pending[k] = h
+                out.append(h)
+        return out
+
+    def _local(self, h: MooncakeHandle, off: int, n: int, what: str) -> np.ndarray:
+        buf = h.buf
+        if buf is None or self._pending.get(h.key) is not h:
+            raise ObjectMissing(f"{what}: {h.key!r} is not reserved here (committed or aborted)")
+        if off < 0 or off + n > h.nbytes:
+            raise ValueError(f"{what}: range [{off}, {off + n}) outside {h.key!r} of {h.nbytes} bytes")
+        return buf[off : off + n]
+
+    def write(self, handles: Sequence[MooncakeHandle], offsets: Sequence[int], srcs: Sequence[Any]) -> None:
+        n = 0
+        for h, off, src in zip(handles, offsets, srcs, strict=True):
+            data = byte_view(src, writable=False, what="write")
+            self._local(h, off, data.nbytes, "write")[:] = data
+            n += data.nbytes
+        self.stats_["bytes_written"] += n
+
+    def view(self, handle: MooncakeHandle, offset: int, nbytes: int) -> memoryview | None:
+        if handle.data is not None:  # a read handle fetched whole
+            if offset < 0 or offset + nbytes > handle.nbytes:
+                raise ValueError(f"view: range [{offset}, {offset + nbytes}) outside {handle.key!r} of {handle.nbytes} bytes")
+            return handle.data[offset : offset + nbytes].data.toreadonly()
+        if handle.buf is None:
+            return None  # a read handle: the object lives in other hosts' segments
+        return self._local(handle, offset, nbytes, "view").data
+
+    def commit(self, handles: Sequence[MooncakeHandle]) -> None:
+        """Puts the objects; raises the first error (and how many more) when any put failed. A
+        handle whose put succeeded, here or before, counts as committed: the layer pipeline, after
+        a failed batch, commits each object again to find the failed ones. A failed one is dropped
+        (nothing of it is visible) and committing it again raises its put's error again."""
+        with self._lock:
+            todo = [h for h in handles if not h.committed]
+            again = [h.failed for h in todo if h.failed is not None]
+            todo = [h for h in todo if h.failed is None]
+            missing = [h.key for h in todo if h.buf is None or self._pending.get(h.key) is not h]
+            live = [h for h in todo if h.key not in missing]
+        errors: list[BackendError] = [type(e)(str(e)) for e in again]
+        try:
+            for batch in self._batches(live):
+                errors += self._put(batch)
+        except BackendError as e:  # e.g. a put past its deadline: this and any later batch failed
+            for h in live:
+                if not h.committed and h.failed is None:
+                    h.failed = e
+            raise
+        finally:
+            with self._lock:
+                for h in live:
+                    if self._pending.get(h.key) is h:
+                        del self._pending[h.key]
+                    h.buf = None
+        if missing:
+            errors.insert(0, ObjectMissing(f"commit: {', '.join(map(repr, missing))} not reserved (aborted)"))
+        if errors:
+            if len(errors) > 1:
+                raise type(errors[0])(f"{errors[0]} (and {len(errors) - 1} more of {len(handles)})")
+            raise errors[0]
+
+    def _batches(self, hs: list[MooncakeHandle]) -> list[list[MooncakeHandle]]:
+        out: list[list[MooncakeHandle]] = []
+        size = self.staging_size + 1
+        for h in hs:
+            if size + h.nbytes > self.staging_size:
+                out.append([])
+                size = 0
+            out[-1].append(h)
+            size += h.nbytes
+        return out
+
+    def _put(self, batch: list[MooncakeHandle]) -> list[BackendError]:
+        self._check_open()
+        with self._puts.lock:
+            buf = self._puts.get()
+            base, ptrs, sizes, off = int(buf.ctypes.data), [], [], 0
+            for h in batch:
+                assert h.buf is not None
+                buf[off : off + h.nbytes] = h.buf
+                ptrs.append(base + off)
+                sizes.append(h.nbytes)
+                off += h.nbytes
+            try:
+                res = self.calls.call("batch_put_from", self.store.batch_put_from, [h.key for h in batch], ptrs, sizes)
+            except BackendUnavailable:
+                self._puts.retire()
+                raise
+        errors = []
+        for h, r in zip(batch, res):
+            h.committed = r == 0
+            if r != 0:
+                h.failed = to_error(r, f"put of {h.key!r}")
+                errors.append(h.failed)
+        self.stats_["objects_put"] += len(batch) - len(errors)
+        self.stats_["bytes_put"] += sum(h.nbytes for h, r in zip(batch, res) if r == 0)
+        return errors
+
+    def abort(self, handles: Sequence[MooncakeHandle]) -> None:
+        with self._lock:
+            for h in handles:
+                if self._pending.get(h.key) is h:
+                    del self._pending[h.key]
+                h.buf = None

@@ -22,3 +22,19 @@ def test_bench_quick_reports_documented_keys():
             assert s["requests"] > 0 and s["errors"] == 0  # every proxied request completed the PD flow
         assert {"added_p50_ms", "throughput_ratio", "proxy_p99_over_p50"} <= set(row)
     assert set(r["targets"]) == {"added_p50_ms_c1_le_2"}
+
+
+def test_percentile_matches_numpys_linear_interpolation():
+    """lw-proxy computes its bench percentiles without numpy (it does not depend on it)."""
+    import random
+
+    import numpy as np
+
+    from lw_proxy.bench import percentile
+
+    r = random.Random(3)
+    for n in (1, 2, 7, 100):
+        xs = sorted(r.uniform(0, 50) for _ in range(n))
+        for q in (0, 50, 99, 100):
+            assert abs(percentile(xs, q) - float(np.percentile(xs, q))) < 1e-9, (n, q)
+    assert percentile([], 50) != percentile([], 50)  # NaN

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from lw_dev.ports import free_port
 from lw_proxy.config import check_host, parse_args
 
 
@@ -47,6 +48,18 @@ def test_malformed_hosts_are_refused(flag, value, text, capsys):
     (["--metaserver-timeout", "0"], "--metaserver-timeout"),
     (["--max-body-bytes", "10"], "--max-body-bytes"),
     (["--decoder-hosts", "a", "a", "--decoder-ports", "1", "1"], "listed twice"),
+    (["--request-timeout", "0"], "--request-timeout: 0.0 is out of range (accepted: 0.1 to 86400 seconds)"),
+    (["--first-byte-timeout", "inf"], "--first-byte-timeout"),
+    (["--stream-idle-timeout", "nan"], "--stream-idle-timeout"),
+    (["--client-header-timeout", "-1"], "--client-header-timeout"),
+    (["--client-body-timeout", "1e9"], "--client-body-timeout"),
+    (["--max-client-connections", "0"], "--max-client-connections: 0 is out of range (accepted: 1-1000000)"),
+    (["--max-metaserver-connections", "2000000"], "--max-metaserver-connections"),
+    (["--metaserver-port", "8000"], "--metaserver-port: 8000 is not a TCP port other than --port"),
+    (["--metaserver-port", "70000"], "--metaserver-port"),
+    (["--max-resume-bytes", "-1"], "--max-resume-bytes"),
+    (["--metaserver-reserved-connections", "-1"], "--metaserver-reserved-connections"),
+    (["--log-repeat-window", "4000"], "--log-repeat-window"),
 ])
 def test_bad_numbers_and_counts_are_refused(argv, text, capsys):
     assert text in _refused(argv, capsys)
@@ -62,6 +75,8 @@ def test_good_flags_build_the_config():
     assert cfg.metaserver_url == "http://127.0.0.1:9000/v1/metaserver"
     assert (cfg.max_retries, cfg.retry_delay, cfg.api_key) == (5, 0.5, "k")
     assert check_host("[fe80::1]") == "fe80::1"
+    cfg, _ = parse_args(["--port", "9000", "--metaserver-port", "9001", "--request-timeout", "30"])
+    assert cfg.metaserver_url == "http://127.0.0.1:9001/v1/metaserver" and cfg.request_timeout == 30
 
 
 def test_console_script_refuses_wildcard():
@@ -69,3 +84,43 @@ def test_console_script_refuses_wildcard():
     argv = [exe] if os.path.exists(exe) else [sys.executable, "-m", "lw_proxy"]
     r = subprocess.run([*argv, "--host", "0.0.0.0"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "decoders call it back" in r.stderr
+
+
+def test_console_script_serves_both_listeners_and_stops_on_sigterm():
+    import json
+    import signal
+    import time
+    import urllib.error
+    import urllib.request
+
+    port, mport = free_port(), free_port()
+    exe = os.path.join(os.path.dirname(sys.executable), "lw-proxy")
+    argv = [exe] if os.path.exists(exe) else [sys.executable, "-m", "lw_proxy"]
+    p = subprocess.Popen([*argv, "--port", str(port), "--metaserver-port", str(mport), "--log-level", "warning"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthcheck", timeout=2) as r:
+                    assert json.load(r)["decode_instances"] == 1
+                break
+            except urllib.error.HTTPError as e:  # 503: no healthy decoder, but it serves
+                assert e.code == 503
+                break
+            except OSError:
+                assert time.monotonic() < deadline and p.poll() is None, p.stderr.read() if p.poll() else ""
+                time.sleep(0.1)
+        req = urllib.request.Request(f"http://127.0.0.1:{mport}/v1/metaserver", method="POST",
+                                     data=b'{"lw_parent_id": "x", "request_id": "r"}')
+        try:
+            urllib.request.urlopen(req, timeout=5)
+            raise AssertionError("an unknown parent must not be accepted")
+        except urllib.error.HTTPError as e:
+            assert e.code == 404 and "unknown lw_parent_id" in json.load(e)["error"]["message"]
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=15) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()

@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import aiohttp
 import msgspec
+import pytest
 
-from proxy_mocks import generate, harness, run, wait_until
+from lw_dev.ports import dead_url
+from lw_dev.proxy_mocks import generate, harness, run, wait_until
 
 
 def _dead_url() -> str:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()  # nothing listens there any more: connections are refused
-    return f"http://127.0.0.1:{port}"
+    return dead_url()  # nothing listens there: connections are refused
 
 
 def test_decoder_dying_mid_stream_ends_with_an_error_event():
@@ -140,13 +137,15 @@ def test_client_disconnect_aborts_non_streaming_upstream():
     run(body())
 
 
-def test_metaserver_never_called_leaves_nothing_behind():
+@pytest.mark.parametrize("mode", ["early", "on-metaserver"])
+def test_metaserver_never_called_leaves_nothing_behind(mode):
     async def body():
-        async with harness() as h:
+        async with harness(prefill_dispatch=mode) as h:
             h.decoders[0].knobs.skip_metaserver = True
             status, out = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 2})
             assert status == 200
-            assert h.prefillers[0].bodies == []  # no callback, no prefill
+            # on-metaserver: no callback, no prefill; early: dispatched with the request
+            assert len(h.prefillers[0].bodies) == (1 if mode == "early" else 0)
             assert len(h.proxy.registry) == 0
 
     run(body())
@@ -183,10 +182,10 @@ def test_partial_fan_in_times_out():
 def test_prefiller_failures_answer_the_metaserver_with_an_error():
     async def body():
         async with harness(max_retries=1) as h:
-            h.prefillers[0].knobs.status = 503  # "cannot serve": retried, then given up
+            h.prefillers[0].knobs.status = 503  # "cannot serve": not asked again for this parent, given up
             status, _ = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 2})
             assert status == 200
-            assert len(h.prefillers[0].bodies) == 2
+            assert len(h.prefillers[0].bodies) == 1
             ((ms, mbody),) = h.decoders[0].metaserver_results
             assert ms == 502 and "no prefiller completed" in mbody["error"]["message"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from proxy_mocks import chat_context, generate, harness, run
+from lw_dev.proxy_mocks import chat_context, generate, harness, run
 
 
 def _text(words):

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import socket
-
 from prometheus_client.parser import text_string_to_metric_families
 
+from lw_dev.ports import dead_url
 from lw_proxy.backends import BackendPool
 from lw_proxy.metrics import ProxyMetrics
 
-from proxy_mocks import harness, run
+from lw_dev.proxy_mocks import harness, run
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:
@@ -42,7 +41,7 @@ def test_healthcheck_reports_counts_and_degrades():
 
 def test_reset_prefix_cache_fans_out_and_reports_failures():
     async def body():
-        async with harness(n_prefill=1, n_decode=2) as h:
+        async with harness(n_prefill=1, n_decode=2, allow_unauthenticated_admin=True) as h:
             s, out = await h.post("/reset_prefix_cache", None)
             assert s == 200 and out["status"] == "ok" and len(out["succeeded"]) == 3 and out["failed"] == []
             assert [b.resets for b in h.prefillers + h.decoders] == [1, 1, 1]
@@ -57,12 +56,9 @@ def test_reset_prefix_cache_fans_out_and_reports_failures():
 
 def test_reset_prefix_cache_reports_unreachable_backend():
     async def body():
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        sock.close()
-        async with harness(prefillers=[dead]) as h:
-            s, out = await h.post("/reset_prefix_cache", None)
+        dead = dead_url()
+        async with harness(prefillers=[dead], api_key="k") as h:
+            s, out = await h.post("/reset_prefix_cache", None, headers={"Authorization": "Bearer k"})
             assert s == 502 and out["failed"][0]["url"] == dead and out["failed"][0]["status"] is None
 
     run(body())

@@ -20,7 +20,7 @@ import aiohttp
 import msgspec
 import pytest
 
-from proxy_mocks import generate, harness, run
+from lw_dev.proxy_mocks import generate, harness, run
 
 # 6,000 keeps it near a minute on 2 busy cores; LW_SOAK_REQUESTS=10000 (or lw-bench proxy --soak) for more.
 N_REQUESTS = int(os.environ.get("LW_SOAK_REQUESTS", "6000"))

@@ -1,7 +1,11 @@
 """HTTP surface of lw-proxy: routes, auth, body limits, metrics bookkeeping, lifecycle.
 
-Run the app with ``handler_cancellation=True`` (``serve`` does): a client that disconnects then
+Run the app with ``handler_cancellation=True`` (``server.start`` does): a client that disconnects then
 cancels its handler, which closes the upstream connection, which makes vLLM abort the request.
+
+Auth: with an API key, generation and admin endpoints need ``Authorization: Bearer <key>`` (the
+scheme in any case), and metaserver calls need their parent's token. Without a key, the admin endpoint
+(``/reset_prefix_cache``) is refused unless ``allow_unauthenticated_admin``.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from lw_core.wire import (
+    METASERVER_PATH,
     BackendFailure,
     BackendState,
     HealthcheckResponse,
@@ -26,42 +32,81 @@ from lw_core.wire import (
 from .backends import probe_loop
 from .config import ProxyConfig
 from .errors import ProxyError
+from .passthrough import PASSTHROUGH, forward
 from .proxy import CHAT, COMPLETIONS, UPSTREAM_ERRORS, Proxy
 from .validate import ClientRequest, parse_chat, parse_completion
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
 _MAX_METASERVER_BODY = 64 << 10
 _KNOWN = {COMPLETIONS: "POST", CHAT: "POST", "/v1/metaserver": "POST", "/healthcheck": "GET",
-          "/reset_prefix_cache": "POST", "/metrics": "GET"}
+          "/reset_prefix_cache": "POST", "/metrics": "GET", **PASSTHROUGH}
+_MAX_PASSTHROUGH_BODY = 4 << 20  # /tokenize of a long prompt; /v1/models has no body
+
+
+def bearer(request: web.Request) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header (scheme in any case), else None."""
+    scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
+    if scheme.lower() != "bearer":
+        return None
+    return token.strip() or None
+
+
+async def read_body(request: web.Request, limit: int, idle: float) -> bytes:
+    """The whole body, however it arrives (segments, chunked, after ``Expect: 100-continue``).
+
+    413 past ``limit`` bytes; 400 when the client sends nothing for ``idle`` seconds before the body
+    is complete or ends it early (fewer bytes than its Content-Length, a broken chunked encoding)."""
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise ProxyError(413, f"request body of {declared} bytes exceeds the limit of {limit} (--max-body-bytes)")
+    buf = bytearray()
+    content = request.content
+    try:
+        while True:
+            async with asyncio.timeout(idle):
+                chunk = await content.readany()
+            if not chunk:
+                break
+            buf += chunk
+            if len(buf) > limit:
+                raise ProxyError(413, f"request body exceeds the limit of {limit} bytes (--max-body-bytes)")
+    except TimeoutError:
+        want = f" of the {declared} announced" if declared is not None else ""
+        raise ProxyError(400, f"request body incomplete: {len(buf)} bytes{want} arrived, then nothing for "
+                         f"{idle:g} s (--client-body-timeout)") from None
+    except (aiohttp.ClientPayloadError, asyncio.IncompleteReadError, HttpProcessingError, ValueError) as e:
+        want = f" of the {declared} announced" if declared is not None else ""
+        raise ProxyError(400, f"request body incomplete: the client ended it after {len(buf)} bytes{want} "
+                         f"({e})") from None
+    return bytes(buf)
 
 
 class _Handlers:
     def __init__(self, proxy: Proxy) -> None:
         self.p = proxy
         self.cfg = proxy.cfg
-        self._auth = f"Bearer {self.cfg.api_key}".encode() if self.cfg.api_key else None
+        self._key = self.cfg.api_key.encode() if self.cfg.api_key else None
         m = proxy.m
         self._in_flight = {ep: m.in_flight.labels(ep) for ep in _KNOWN}
         self._seconds = {ep: m.request_seconds.labels(ep) for ep in _KNOWN}
 
     def _check_auth(self, request: web.Request) -> None:
-        if self._auth is None:
+        if self._key is None:
             return
-        got = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(got, self._auth):
+        got = bearer(request)
+        if got is None or not hmac.compare_digest(got.encode(), self._key):
             raise ProxyError(401, "missing or wrong bearer token (header 'Authorization: Bearer <key>')",
                              kind="auth")
 
+    def _check_admin(self, request: web.Request) -> None:
+        if self._key is None and not self.cfg.allow_unauthenticated_admin:
+            raise ProxyError(403, f"{request.path} is an admin endpoint and the proxy has no API key: set "
+                             "LW_PROXY_API_KEY or --api-key-file (then send 'Authorization: Bearer <key>'), "
+                             "or start with --allow-unauthenticated-admin", kind="forbidden")
+        self._check_auth(request)
+
     async def _read(self, request: web.Request, limit: int) -> bytes:
-        if request.content_length is not None and request.content_length > limit:
-            raise ProxyError(413, f"request body of {request.content_length} bytes exceeds the limit of {limit}")
-        try:
-            raw = await request.content.read(limit + 1)
-        except (aiohttp.ClientPayloadError, asyncio.IncompleteReadError, ValueError) as e:
-            raise ProxyError(400, f"request body could not be read: {e}") from None
-        if len(raw) > limit:
-            raise ProxyError(413, f"request body exceeds the limit of {limit} bytes")
-        return raw
+        return await read_body(request, limit, self.cfg.client_body_timeout)
 
     async def _timed(self, endpoint: str, request: web.Request,
                      work: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -96,10 +141,16 @@ class _Handlers:
     async def _generate(self, request: web.Request, path: str,
                         parse: Callable[[bytes], ClientRequest]) -> web.StreamResponse:
         self._check_auth(request)
-        req = parse(await self._read(request, self.cfg.max_body_bytes))
-        if req.stream:
-            return await self.p.stream(request, req, path)
-        return await self.p.complete(req, path)
+        # One deadline for everything this request does; a stream enforces it itself once it started.
+        deadline = asyncio.get_running_loop().time() + self.cfg.request_timeout
+        try:
+            async with asyncio.timeout_at(deadline):
+                req = parse(await self._read(request, self.cfg.max_body_bytes))
+                if not req.stream:
+                    return await self.p.complete(req, path)
+        except TimeoutError:
+            raise self.p.deadline_error() from None
+        return await self.p.stream(request, req, path, deadline)
 
     # ------------------------------------------------------------ metaserver
     async def metaserver(self, request: web.Request) -> web.StreamResponse:
@@ -111,8 +162,19 @@ class _Handlers:
             msg = decode_metaserver_request(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ProxyError(400, f"metaserver request: {e}; expected {{\"lw_parent_id\": str, \"request_id\": str}}") from None
-        status, body = await self.p.registry.arrive(msg.lw_parent_id, msg.request_id)
+        # needs_prefill: absent from an older decoder's body (and from an older lw_core.wire)
+        status, body = await self.p.registry.arrive(msg.lw_parent_id, msg.request_id, bearer(request),
+                                                    getattr(msg, "needs_prefill", None))
         return web.Response(status=status, body=body, content_type="application/json")
+
+    # ------------------------------------------------------------ model list and tokenizer
+    async def passthrough(self, request: web.Request) -> web.StreamResponse:
+        return await self._timed(request.path, request, self._passthrough)
+
+    async def _passthrough(self, request: web.Request) -> web.Response:
+        self._check_auth(request)
+        body = await self._read(request, _MAX_PASSTHROUGH_BODY) if request.method == "POST" else None
+        return await forward(self.p, request, body)
 
     # ------------------------------------------------------------ operations
     async def healthcheck(self, request: web.Request) -> web.StreamResponse:
@@ -135,7 +197,7 @@ class _Handlers:
         return await self._timed("/reset_prefix_cache", request, self._reset_prefix_cache)
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
-        self._check_auth(request)
+        self._check_admin(request)
         p = self.p
         timeout = aiohttp.ClientTimeout(total=self.cfg.connect_timeout + 30)
 
@@ -171,10 +233,36 @@ class _Handlers:
         return e.response()
 
 
+@web.middleware
+async def over_cap(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                   ) -> web.StreamResponse:
+    """Past --max-client-connections only metaserver callbacks are served (the reserve is theirs):
+    under a client flood decoders still learn that their prefill is done."""
+    over = getattr(request.protocol, "over_soft_cap", None)
+    if request.path != METASERVER_PATH and over is not None and over():
+        proxy = request.app[PROXY_KEY]
+        proxy.m.connections_refused.labels("client").inc()
+        resp = ProxyError(503, f"lw-proxy is at its {proxy.cfg.max_client_connections} client connections "
+                          "(--max-client-connections); retry later").response()
+        resp.force_close()
+        return resp
+    return await handler(request)
+
+
+def create_metaserver_app(proxy: Proxy) -> web.Application:
+    """The dedicated metaserver listener (``--metaserver-port``): only decoders' callbacks, so a flood
+    of clients on the client port cannot starve them. The proxy's lifecycle stays with the client app."""
+    app = web.Application(client_max_size=_MAX_METASERVER_BODY + 1)
+    h = _Handlers(proxy)
+    app.router.add_post("/v1/metaserver", h.metaserver)
+    app.router.add_route("*", "/{tail:.*}", h.fallback)
+    return app
+
+
 def create_app(cfg: ProxyConfig) -> web.Application:
     proxy = Proxy(cfg)
-    # The body limit is enforced by _read with an OpenAI-shaped 413; aiohttp's own limit stays above it.
-    app = web.Application(client_max_size=cfg.max_body_bytes + 1)
+    # The body limit is enforced by read_body with an OpenAI-shaped 413; aiohttp's own limit stays above it.
+    app = web.Application(client_max_size=cfg.max_body_bytes + 1, middlewares=[over_cap])
     app[PROXY_KEY] = proxy
     h = _Handlers(proxy)
     app.router.add_post(COMPLETIONS, h.completions)
@@ -183,6 +271,8 @@ def create_app(cfg: ProxyConfig) -> web.Application:
     app.router.add_get("/healthcheck", h.healthcheck)
     app.router.add_post("/reset_prefix_cache", h.reset_prefix_cache)
     app.router.add_get("/metrics", h.metrics)
+    for path, method in PASSTHROUGH.items():
+        app.router.add_route(method, path, h.passthrough)
     app.router.add_route("*", "/{tail:.*}", h.fallback)
 
     async def lifecycle(app: web.Application):

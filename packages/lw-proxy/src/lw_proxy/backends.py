@@ -70,15 +70,17 @@ class BackendPool:
         self.backends = [Backend(u, role, metrics) for u in urls]
         self._rr = 0
 
-    def pick(self, exclude: Backend | None = None) -> Backend:
-        """Least-loaded healthy backend; ties broken round-robin so equal backends share the work.
+    def pick(self, exclude: Backend | set[Backend] | None = None) -> Backend:
+        """Least-loaded healthy backend not in ``exclude``; ties broken round-robin so equal backends
+        share the work.
 
         When every backend is out, fall back to all of them: a probe may simply not have run yet,
         and a fast connect error beats refusing traffic to a cluster that just came back.
         """
-        cands = [b for b in self.backends if b.healthy and b is not exclude]
+        skip = exclude if isinstance(exclude, set) else {exclude}
+        cands = [b for b in self.backends if b.healthy and b not in skip]
         if not cands:
-            cands = [b for b in self.backends if b is not exclude] or self.backends
+            cands = [b for b in self.backends if b not in skip] or self.backends
         n = len(cands)
         self._rr = (self._rr + 1) % n if n else 0
         best = None

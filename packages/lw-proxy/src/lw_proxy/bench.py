@@ -23,13 +23,14 @@ import argparse
 import asyncio
 import contextlib
 import multiprocessing as mp
-import socket
 import time
 from typing import Any
 
 import aiohttp
+from aiohttp.test_utils import unused_port
 import msgspec
-import numpy as np
+
+from lw_core.wire import DecodeTransferParams, MetaserverRequest, decode_transfer_params
 
 from .config import ProxyConfig
 
@@ -64,8 +65,10 @@ def _mock_main(conn: Any) -> None:
             body = dec_json.decode(await request.read())
             params = body.get("kv_transfer_params")
             if params and params.get("do_remote_prefill"):
-                cb = msgspec.json.encode({"lw_parent_id": params["lw_parent_id"], "request_id": "bench-0"})
-                async with session.post(params["metaserver"], data=cb,
+                dp = decode_transfer_params(params)
+                assert isinstance(dp, DecodeTransferParams), dp
+                cb = msgspec.json.encode(MetaserverRequest(lw_parent_id=dp.lw_parent_id, request_id="bench-0"))
+                async with session.post(dp.metaserver, data=cb,
                                         headers={"Content-Type": "application/json"}) as r:
                     await r.read()
             return web.Response(body=_ANSWER, content_type="application/json")
@@ -122,9 +125,7 @@ def _proxy_main(cfg: ProxyConfig) -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return unused_port()
 
 
 # ------------------------------------------------------------------------ load generator
@@ -174,10 +175,21 @@ async def _load(url: str, concurrency: int, duration: float) -> dict[str, Any]:
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
-    a = np.asarray(lat) * 1000 if lat else np.asarray([float("nan")])
+    ms = sorted(x * 1000 for x in lat)
     return {"requests": len(lat), "errors": errors, "rps": round(len(lat) / elapsed, 1),
-            "p50_ms": round(float(np.percentile(a, 50)), 3), "p99_ms": round(float(np.percentile(a, 99)), 3),
-            "mean_ms": round(float(a.mean()), 3)}
+            "p50_ms": round(percentile(ms, 50), 3), "p99_ms": round(percentile(ms, 99), 3),
+            "mean_ms": round(sum(ms) / len(ms), 3) if ms else float("nan")}
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """The ``q``-th percentile with linear interpolation between closest ranks (numpy's default);
+    NaN for no values."""
+    if not sorted_values:
+        return float("nan")
+    k = (len(sorted_values) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (k - lo)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

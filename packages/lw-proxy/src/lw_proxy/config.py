@@ -10,11 +10,14 @@ import argparse
 import ipaddress
 import os
 import re
+import stat
+import sys
 from dataclasses import dataclass, field
 
 # RFC 1123 host name: dot-separated labels of letters, digits and inner hyphens.
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _WILDCARDS = {"0.0.0.0", "::", "[::]", "*", ""}
+PREFILL_DISPATCH = ("early", "on-metaserver")
 
 
 class HostError(ValueError):
@@ -83,12 +86,37 @@ class ProxyConfig:
     health_interval: float = 2.0
     max_body_bytes: int = 32 << 20
     max_connections: int = 1024
-    api_key: str | None = None
-    backend_api_key: str | None = None
+    # Never in repr(): a config that gets logged or printed must not show the keys.
+    api_key: str | None = field(default=None, repr=False)
+    backend_api_key: str | None = field(default=None, repr=False)
+    allow_unauthenticated_admin: bool = False
+    # One deadline per client request (body read, every retry and recompute included); a streamed
+    # request must see its first decoder byte within first_byte_timeout and then never wait longer
+    # than stream_idle_timeout between two chunks.
+    request_timeout: float = 600.0
+    first_byte_timeout: float = 180.0
+    stream_idle_timeout: float = 60.0
+    # Slow clients: headers (and an idle keep-alive connection) and gaps in the body are bounded.
+    client_header_timeout: float = 10.0
+    client_body_timeout: float = 30.0
+    max_client_connections: int = 2048
+    # A dedicated listener for decoders' callbacks (None: they use the client port).
+    metaserver_port: int | None = None
+    max_metaserver_connections: int = 8192
+    # Without a dedicated listener: connections the client port admits past max_client_connections,
+    # for decoders' callbacks only (other requests on them get 503).
+    metaserver_reserved_connections: int = 256
+    max_resume_bytes: int = 1 << 20  # text kept per stream so a recomputed choice can be resumed
+    log_repeat_window: float = 10.0
+    # "early": a parent's prefill is dispatched with the client request, in parallel with the decoder;
+    # "on-metaserver": once all its decoder children POSTed /v1/metaserver (skipped when none needs it).
+    prefill_dispatch: str = "early"
+    # Streamed greedy completions: relay the prefiller's first token while the decoder loads (lw_proxy.relay).
+    prefill_first: bool = False
 
     @property
     def metaserver_url(self) -> str:
-        return url_for(self.host, self.port) + "/v1/metaserver"
+        return url_for(self.host, self.metaserver_port or self.port) + "/v1/metaserver"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,10 +141,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-interval", type=float, default=2.0, help="probe period for backends taken out, seconds")
     p.add_argument("--max-body-bytes", type=int, default=32 << 20, help="largest accepted request body")
     p.add_argument("--max-connections", type=int, default=1024, help="pool size of the shared backend session")
-    p.add_argument("--api-key", default=os.environ.get("LW_PROXY_API_KEY"),
-                   help="bearer token clients must send (env LW_PROXY_API_KEY); /healthcheck and /v1/metaserver stay open")
-    p.add_argument("--backend-api-key", default=os.environ.get("LW_BACKEND_API_KEY"),
-                   help="bearer token sent to prefillers and decoders (env LW_BACKEND_API_KEY)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="deadline of one client request, body read, retries and recomputes included; "
+                        "then 504 (a stream ends with an error event), seconds")
+    p.add_argument("--first-byte-timeout", type=float, default=180.0,
+                   help="a streamed request's decoder must send its first byte within this; else the "
+                        "decoder counts as hung and another is tried, seconds")
+    p.add_argument("--stream-idle-timeout", type=float, default=60.0,
+                   help="longest gap between two chunks of a decoder's stream before the stream ends "
+                        "with an error event, seconds")
+    p.add_argument("--client-header-timeout", type=float, default=10.0,
+                   help="a client must send its request headers within this; also how long an idle "
+                        "keep-alive connection is kept, seconds")
+    p.add_argument("--client-body-timeout", type=float, default=30.0,
+                   help="longest silence while a client sends its body; then 400, seconds")
+    p.add_argument("--max-client-connections", type=int, default=2048,
+                   help="open client connections on the client port; beyond it new ones get 503 and are closed")
+    p.add_argument("--metaserver-port", type=int, default=None,
+                   help="serve decoders' /v1/metaserver callbacks on this port of --host, apart from clients, "
+                        "so client overload cannot starve them (default: the client port)")
+    p.add_argument("--max-metaserver-connections", type=int, default=8192,
+                   help="open connections on the --metaserver-port listener")
+    p.add_argument("--metaserver-reserved-connections", type=int, default=256,
+                   help="without --metaserver-port: connections the client port admits past "
+                        "--max-client-connections for decoders' /v1/metaserver callbacks only")
+    p.add_argument("--max-resume-bytes", type=int, default=1 << 20,
+                   help="generated text kept per stream so a recomputed choice can be resumed; a recompute "
+                        "past it ends the stream with an error")
+    p.add_argument("--log-repeat-window", type=float, default=10.0,
+                   help="identical log messages within this many seconds are logged once, then counted (0: off)")
+    p.add_argument("--prefill-dispatch", default="early", choices=PREFILL_DISPATCH,
+                   help="when a request's prefill is sent: 'early' (default) with the client request, in "
+                        "parallel with the decoder, so the decoder's scheduling and metaserver call are off "
+                        "the critical path; 'on-metaserver' once every decoder child called /v1/metaserver, "
+                        "which dispatches none when they all say needs_prefill: false (saves prefills where "
+                        "decoders usually hold the prompt already)")
+    p.add_argument("--prefill-first", action="store_true",
+                   help="streamed greedy completions (temperature 0, n 1, one prompt, no stop/logprobs/echo): "
+                        "send the prefiller's own first token to the client as soon as the prefill answers, "
+                        "then the decoder's stream without its (identical) first token; other requests are "
+                        "unchanged (see lw_proxy.relay)")
+    p.add_argument("--api-key", default=None,
+                   help="bearer token clients must send; prefer env LW_PROXY_API_KEY or --api-key-file: a "
+                        "command-line value shows in the process list (a warning is printed)")
+    p.add_argument("--api-key-file", default=None, help="file holding the client bearer token (one line)")
+    p.add_argument("--allow-unauthenticated-admin", action="store_true",
+                   help="serve /reset_prefix_cache without an API key (refused by default when no key is set)")
+    p.add_argument("--backend-api-key", default=None,
+                   help="bearer token sent to prefillers and decoders; prefer env LW_BACKEND_API_KEY or "
+                        "--backend-api-key-file")
+    p.add_argument("--backend-api-key-file", default=None, help="file holding the backend bearer token (one line)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -163,6 +237,27 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProxyConfig, argparse.Nam
         parser.error(f"--max-body-bytes: {a.max_body_bytes} is out of range (accepted: 1024 to 2147483648)")
     if not 1 <= a.max_connections <= 100_000:
         parser.error(f"--max-connections: {a.max_connections} is out of range (accepted: 1-100000)")
+    for name in ("request_timeout", "first_byte_timeout", "stream_idle_timeout", "client_header_timeout",
+                 "client_body_timeout"):
+        v = getattr(a, name)
+        if not (v == v and 0.1 <= v <= 86400):
+            parser.error(f"--{name.replace('_', '-')}: {v} is out of range (accepted: 0.1 to 86400 seconds)")
+    for name in ("max_client_connections", "max_metaserver_connections"):
+        v = getattr(a, name)
+        if not 1 <= v <= 1_000_000:
+            parser.error(f"--{name.replace('_', '-')}: {v} is out of range (accepted: 1-1000000)")
+    if not 0 <= a.metaserver_reserved_connections <= 1_000_000:
+        parser.error(f"--metaserver-reserved-connections: {a.metaserver_reserved_connections} is out of range "
+                     "(accepted: 0-1000000)")
+    if a.metaserver_port is not None and not (1 <= a.metaserver_port <= 65535 and a.metaserver_port != a.port):
+        parser.error(f"--metaserver-port: {a.metaserver_port} is not a TCP port other than --port "
+                     "(accepted: 1-65535, not equal to --port)")
+    if not 0 <= a.max_resume_bytes <= 1 << 30:
+        parser.error(f"--max-resume-bytes: {a.max_resume_bytes} is out of range (accepted: 0 to 1073741824)")
+    if not (a.log_repeat_window == a.log_repeat_window and 0 <= a.log_repeat_window <= 3600):
+        parser.error(f"--log-repeat-window: {a.log_repeat_window} is out of range (accepted: 0 to 3600 seconds)")
+    api_key = _secret(parser, "api-key", a.api_key, a.api_key_file, "LW_PROXY_API_KEY")
+    backend_key = _secret(parser, "backend-api-key", a.backend_api_key, a.backend_api_key_file, "LW_BACKEND_API_KEY")
     cfg = ProxyConfig(
         host=host,
         port=a.port,
@@ -177,7 +272,51 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProxyConfig, argparse.Nam
         health_interval=a.health_interval,
         max_body_bytes=a.max_body_bytes,
         max_connections=a.max_connections,
-        api_key=a.api_key or None,
-        backend_api_key=a.backend_api_key or None,
+        api_key=api_key,
+        backend_api_key=backend_key,
+        allow_unauthenticated_admin=a.allow_unauthenticated_admin,
+        request_timeout=a.request_timeout,
+        first_byte_timeout=a.first_byte_timeout,
+        stream_idle_timeout=a.stream_idle_timeout,
+        client_header_timeout=a.client_header_timeout,
+        client_body_timeout=a.client_body_timeout,
+        max_client_connections=a.max_client_connections,
+        metaserver_port=a.metaserver_port,
+        max_metaserver_connections=a.max_metaserver_connections,
+        metaserver_reserved_connections=a.metaserver_reserved_connections,
+        max_resume_bytes=a.max_resume_bytes,
+        log_repeat_window=a.log_repeat_window,
+        prefill_dispatch=a.prefill_dispatch,
+        prefill_first=a.prefill_first,
     )
     return cfg, a
+
+
+def _secret(parser: argparse.ArgumentParser, flag: str, value: str | None, path: str | None,
+            env: str) -> str | None:
+    """A key from ``--flag``, ``--flag-file`` or env ``env`` (at most one of the two flags).
+
+    A file is read whole and stripped of surrounding whitespace; a missing, unreadable or empty file
+    is refused naming the flag. A value on the command line works but is visible to every local user
+    (ps, /proc/<pid>/cmdline): say so on stderr.
+    """
+    if value is not None and path is not None:
+        parser.error(f"--{flag} and --{flag}-file are both given; use one")
+    if path is not None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                key = f.read().strip()
+        except (OSError, UnicodeDecodeError) as e:
+            parser.error(f"--{flag}-file: cannot read {path!r}: {e}")
+        if not key or any(c.isspace() for c in key):
+            parser.error(f"--{flag}-file: {path!r} must hold one key without spaces (it is empty or has several)")
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            print(f"lw-proxy: warning: --{flag}-file {path!r} is readable by other users (mode "
+                  f"{stat.S_IMODE(mode):o}); chmod 600 it", file=sys.stderr)
+        return key
+    if value is not None:
+        print(f"lw-proxy: warning: --{flag} on the command line is visible in the process list; "
+              f"use env {env} or --{flag}-file", file=sys.stderr)
+        return value or None
+    return os.environ.get(env) or None

@@ -7,7 +7,7 @@ from aiohttp import web
 from lw_core.wire import error_body
 
 # HTTP status -> OpenAI error "type"
-_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
           405: "invalid_request_error", 409: "conflict_error", 410: "gone_error", 413: "invalid_request_error",
           415: "invalid_request_error", 502: "upstream_error", 503: "service_unavailable", 504: "timeout_error"}
 

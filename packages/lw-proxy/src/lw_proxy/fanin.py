@@ -1,16 +1,32 @@
 """Metaserver fan-in (ARCHITECTURE §6 steps 3-5).
 
-A *parent* is one decoder attempt of one client request. Its decoder POSTs one metaserver call per
-engine request (``children`` of them); when all distinct request ids are in, ONE prefill is
-dispatched, and every held POST is answered with that prefill's outcome. Every wait is bounded: a
-held POST gets 504 after ``timeout``; a parent that is closed (decoder answered, client gone,
-retry on another decoder) answers its held POSTs with 410 and cancels its prefill.
+A *parent* is one client request (one call of ``Proxy._decode``), across every decoder it is tried
+on. Its decoder POSTs one metaserver call per engine request (``children`` of them), and every held
+POST is answered with the outcome of the parent's ONE prefill. That prefill is dispatched either
+when the client request arrives, in parallel with the decoder call (``dispatch``, the proxy's
+``--prefill-dispatch early``), or once all distinct request ids are in (``on-metaserver``: the
+fan-in below, which also skips the prefill when every child says ``needs_prefill: false``). With
+early dispatch a child that says ``needs_prefill: false`` is answered 200 at once and the prefill
+runs on: it is already under way, saves the prompt's KV for other requests and a retried decoder
+may still need it. The prefill is dispatched at most once per parent: when the decoder fails and the
+request is retried on another decoder (``retry``), that decoder's calls are answered from the
+prefill already running or finished, never by a second one. Every wait is bounded: a held POST gets
+504 after ``timeout``; a parent that is closed answers its held POSTs with 410. Its prefill, if still
+running, is cancelled when no decoder answered (client gone, retries exhausted) or when a held POST
+already timed out on it (a stalled prefiller); once a decoder answered, the prefill is left to
+finish within ``--prefill-timeout`` (its KV is nearly saved, and cancelling makes the prefiller log
+an abort) and counted ``ok``/``error`` when it ends.
+
+Each parent carries a random ``token`` the proxy hands its decoder (``lw_token`` in
+``kv_transfer_params``); with ``require_token`` a POST must send it back as ``Authorization: Bearer``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -30,23 +46,34 @@ Outcome = tuple[int, bytes]  # HTTP status and JSON body for the held metaserver
 
 
 class Parent:
-    __slots__ = ("id", "children", "request", "ids", "waiters", "result", "task")
+    __slots__ = ("id", "token", "children", "request", "ids", "waiters", "result", "task", "attempts", "wanted",
+                 "early", "stalled", "relay")
 
     def __init__(self, children: int, request: Any) -> None:
         self.id = uuid.uuid4().hex
+        self.token = secrets.token_urlsafe(24)
+        self.attempts = 1  # decoder attempts so far
+        self.wanted = False  # some child of this attempt needs the prefill (needs_prefill true or unsaid)
         self.children = children
         self.request = request  # what the dispatcher needs to build the prefill (a ClientRequest)
         self.ids: set[str] = set()
         self.waiters: list[asyncio.Future[Outcome]] = []
         self.result: Outcome | None = None
         self.task: asyncio.Task[None] | None = None
+        self.early = False  # the prefill was dispatched with the client request, not by the fan-in
+        self.stalled = False  # a held POST timed out waiting for the prefill
+        self.relay: Any = None  # --prefill-first: a future given the prefill's 200 answer (parent id, body)
 
 
 class ParentRegistry:
     def __init__(self, dispatch: Callable[[Parent], Awaitable[Outcome]], metrics: ProxyMetrics,
-                 timeout: float) -> None:
+                 timeout: float, require_token: bool = False, api_key: str | None = None) -> None:
         self._dispatch = dispatch
+        self._require_token = require_token
+        self._api_key = api_key  # also accepted in place of a parent's token
+        self._reused = metrics.prefill_reused
         self._parents: dict[str, Parent] = {}
+        self._running: set[asyncio.Task[None]] = set()  # prefills, closed parents' included
         self._m = metrics
         self._timeout = timeout
         self._wait_ok = metrics.metaserver_wait.labels("ok")
@@ -62,43 +89,121 @@ class ParentRegistry:
         self._m.parents.inc()
         return p
 
-    def close(self, p: Parent) -> None:
-        if self._parents.pop(p.id, None) is None:
-            return
-        self._m.parents.dec()
-        if p.task is not None and not p.task.done():
-            p.task.cancel()
-            self._m.prefills.labels("cancelled").inc()
+    def dispatch(self, p: Parent) -> None:
+        """Start the parent's prefill now (early dispatch), unless it was already dispatched."""
+        if p.task is None and p.result is None:
+            p.early = True
+            self._start(p)
+
+    def _start(self, p: Parent) -> None:
+        p.task = t = asyncio.create_task(self._run(p))
+        self._running.add(t)
+        t.add_done_callback(self._running.discard)
+
+    def retry(self, p: Parent) -> None:
+        """The parent's request moves to another decoder. Before its prefill was dispatched, the
+        request ids that arrived belong to the abandoned attempt: forget them (their held POSTs get
+        410) so the new decoder's ids fill the fan-in. After, the prefill stands for every attempt."""
+        p.attempts += 1
+        if p.task is None:  # not dispatched (or skipped: the new decoder may not hold the prompt)
+            p.ids.clear()
+            p.result = None
+            p.wanted = False
+            self._answer_gone(p, "the decoder attempt was abandoned")
+
+    def _answer_gone(self, p: Parent, why: str) -> None:
         if p.waiters:
-            gone = ProxyError(410, f"parent {p.id} is finished (its decoder request ended); recompute locally")
+            gone = ProxyError(410, f"parent {p.id} is finished ({why}); recompute locally")
             for f in p.waiters:
                 if not f.done():
                     f.set_result((410, gone.body()))
 
-    async def arrive(self, parent_id: str, request_id: str) -> Outcome:
-        """A decoder's metaserver POST; returns when the parent's prefill is done, or at the deadline."""
+    def close(self, p: Parent, answered: bool = False) -> None:
+        """The parent's request is over. ``answered``: a decoder answered it (200); then a running
+        prefill is left to finish (bounded by the prefill timeout) unless a POST already timed out
+        on it; otherwise it is cancelled."""
+        if self._parents.pop(p.id, None) is None:
+            return
+        self._m.parents.dec()
+        if p.task is not None and not p.task.done() and (not answered or p.stalled):
+            p.task.cancel()
+            self._m.prefills.labels("cancelled").inc()
+        self._answer_gone(p, "its decoder request ended")
+
+    async def shutdown(self) -> None:
+        """Cancel every prefill still running (closed parents' included) and wait for them."""
+        tasks = [t for t in self._running if not t.done()]
+        for t in tasks:
+            t.cancel()
+            self._m.prefills.labels("cancelled").inc()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _refuse_token(self, p: Parent | None, token: str | None) -> Outcome | None:
+        if token is None:
+            if not self._require_token:
+                return None
+            e = ProxyError(401, "metaserver calls need 'Authorization: Bearer <lw_token>' (the lw_token the proxy "
+                           "put in kv_transfer_params) because the proxy has an API key; this decoder sent "
+                           "none: upgrade its lw-vllm connector", kind="auth")
+            return e.status, e.body()
+        if p is None:
+            return None  # 404 below
+        ok = hmac.compare_digest(token.encode(), p.token.encode()) or (
+            self._api_key is not None and hmac.compare_digest(token.encode(), self._api_key.encode()))
+        if ok:
+            return None
+        e = ProxyError(401, f"wrong metaserver token for parent {p.id}", kind="auth")
+        return e.status, e.body()
+
+    async def arrive(self, parent_id: str, request_id: str, token: str | None = None,
+                     needs_prefill: bool | None = None) -> Outcome:
+        """A decoder's metaserver POST; returns when the parent's prefill is done, or at the deadline.
+
+        ``needs_prefill`` False: the decoder already holds the prompt. When every child of the
+        attempt says so, no prefill is dispatched and the POSTs are answered 200 at once."""
         t0 = time.perf_counter()
         p = self._parents.get(parent_id)
+        refused = self._refuse_token(p, token)
+        if refused is not None:
+            return refused
         if p is None:
             self._m.metaserver_wait.labels("unknown_parent").observe(0)
             e = ProxyError(404, f"unknown lw_parent_id {parent_id!r} (never issued, or already finished)",
                            param="lw_parent_id")
             return e.status, e.body()
-        if p.result is not None:  # a repeated POST after the prefill finished
-            return p.result
-        if request_id not in p.ids:
+        if p.task is not None or p.result is not None:
+            # dispatched: a repeated POST, or a retried decoder's, shares that prefill
+            if request_id not in p.ids:
+                p.ids.add(request_id)
+                if p.attempts > 1:
+                    self._reused.inc()
+            if p.early and needs_prefill is False:
+                self._wait_ok.observe(0)
+                return 200, OK_BODY  # the decoder holds the prompt; the prefill runs on (see above)
+            if p.result is not None:  # finished before this POST (early dispatch, or a retried decoder)
+                self._observe(p.result, t0)
+                return p.result
+        elif request_id not in p.ids:
             if len(p.ids) >= p.children:
                 e = ProxyError(409, f"parent {parent_id} expects {p.children} request ids and already has them; "
                                f"{request_id!r} is one too many", param="request_id")
                 return e.status, e.body()
             p.ids.add(request_id)
+            if needs_prefill is not False:
+                p.wanted = True
+        if len(p.ids) == p.children and p.task is None and p.result is None and not p.wanted:
+            self._m.prefills.labels("skipped").inc()
+            p.result = (200, OK_BODY)
+            self._answer(p, p.result)
+            return p.result
         fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         p.waiters.append(fut)
         if len(p.ids) == p.children and p.task is None:
-            p.task = asyncio.create_task(self._run(p))
+            self._start(p)
         try:
             out = await asyncio.wait_for(asyncio.shield(fut), self._timeout)
         except asyncio.TimeoutError:
+            p.stalled = True
             self._m.metaserver_wait.labels("timeout").observe(time.perf_counter() - t0)
             have = len(p.ids)
             e = ProxyError(504, f"prefill for parent {parent_id} not done within {self._timeout:g} s "
@@ -107,11 +212,14 @@ class ParentRegistry:
         finally:
             if fut in p.waiters:
                 p.waiters.remove(fut)
+        self._observe(out, t0)
+        return out
+
+    def _observe(self, out: Outcome, t0: float) -> None:
         if out[0] == 200:
             self._wait_ok.observe(time.perf_counter() - t0)
         else:
             self._m.metaserver_wait.labels("error").observe(time.perf_counter() - t0)
-        return out
 
     async def _run(self, p: Parent) -> None:
         try:
@@ -126,6 +234,10 @@ class ParentRegistry:
             out = (err.status, err.body())
         (self._prefill_ok if out[0] == 200 else self._prefill_err).inc()
         p.result = out
+        self._answer(p, out)
+
+    @staticmethod
+    def _answer(p: Parent, out: Outcome) -> None:
         for f in p.waiters:
             if not f.done():
                 f.set_result(out)

@@ -19,7 +19,7 @@ class ProxyMetrics:
         self.errors = Counter(
             "lw_proxy_errors_total",
             "Failures by kind: bad_request, auth, upstream_connect, upstream_status, upstream_died, timeout, "
-            "client_disconnect, prefill_failed, recompute_exhausted",
+            "client_disconnect, prefill_failed, recompute_exhausted, forbidden, relay_mismatch (--prefill-first)",
             ["kind"], registry=r,
         )
         self.retries = Counter("lw_proxy_retries_total", "Backend calls retried, by backend role", ["role"], registry=r)
@@ -56,11 +56,24 @@ class ProxyMetrics:
             ["outcome"], buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.prefills = Counter(
-            "lw_proxy_prefill_dispatches_total", "Prefill dispatches by outcome (ok, error, cancelled)", ["outcome"],
+            "lw_proxy_prefill_dispatches_total",
+            "Prefill dispatches by outcome (ok, error: also when it ended after its decoder answered; cancelled: "
+            "no decoder answered, a metaserver wait timed out on it, or shutdown; skipped: on-metaserver dispatch "
+            "and every decoder child said it holds the prompt)", ["outcome"],
             registry=r,
         )
         self.recomputes = Counter(
             "lw_proxy_recompute_resubmissions_total", "Choices resubmitted after stop_reason == 'recomputed'",
+            registry=r,
+        )
+        self.prefill_reused = Counter(
+            "lw_proxy_prefill_reused_total",
+            "Metaserver calls of a retried decoder answered from the parent's one prefill (none dispatched)",
+            registry=r,
+        )
+        self.connections_refused = Counter(
+            "lw_proxy_connections_refused_total",
+            "Connections answered 503 and closed at once because the listener was at its cap", ["listener"],
             registry=r,
         )
         self.parents = Gauge("lw_proxy_pending_parents", "Parent requests with metaserver bookkeeping", registry=r)

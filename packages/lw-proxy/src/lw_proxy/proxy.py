@@ -16,43 +16,49 @@ from lw_core.wire import DecodeTransferParams, PrefillTransferParams
 
 from . import recompute as rc
 from .backends import Backend, BackendPool
-from .config import ProxyConfig
+from .config import PREFILL_DISPATCH, ProxyConfig
 from .errors import ProxyError
 from .fanin import OK_BODY, Outcome, Parent, ParentRegistry
 from .metrics import ProxyMetrics
+from .relay import request_id as relay_request_id
+from .streaming import UPSTREAM_ERRORS, Streaming
 from .validate import ClientRequest
 
 log = logging.getLogger("lw_proxy")
 
 # Statuses that say "this backend cannot serve now" (not "this request is wrong"): try another one.
 RETRY_STATUSES = frozenset({502, 503, 504})
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
-_DONE = b"data: [DONE]\n\n"
 _encode = msgspec.json.encode
 
 
 class _Call:
-    """An open decoder response whose body the caller streams; ``finish`` frees everything."""
+    """An open decoder response whose body the caller streams (``first``: its first bytes, already
+    read); ``finish`` frees everything."""
 
-    __slots__ = ("dec", "parent", "resp", "work", "t0")
+    __slots__ = ("dec", "parent", "resp", "work", "t0", "first")
 
-    def __init__(self, dec: Backend, parent: Parent, resp: aiohttp.ClientResponse, work: int, t0: float) -> None:
-        self.dec, self.parent, self.resp, self.work, self.t0 = dec, parent, resp, work, t0
+    def __init__(self, dec: Backend, parent: Parent, resp: aiohttp.ClientResponse, work: int, t0: float,
+                 first: bytes) -> None:
+        self.dec, self.parent, self.resp, self.work, self.t0, self.first = dec, parent, resp, work, t0, first
 
 
-class Proxy:
+class Proxy(Streaming):
     def __init__(self, cfg: ProxyConfig) -> None:
         self.cfg = cfg
         self.m = ProxyMetrics()
         self.prefillers = BackendPool("prefiller", cfg.prefillers, self.m)
         self.decoders = BackendPool("decoder", cfg.decoders, self.m)
-        self.registry = ParentRegistry(self._prefill, self.m, cfg.metaserver_timeout)
+        self.registry = ParentRegistry(self._prefill, self.m, cfg.metaserver_timeout,
+                                       require_token=cfg.api_key is not None, api_key=cfg.api_key)
         self.session: aiohttp.ClientSession | None = None
         self.headers = {"Content-Type": "application/json"}
         if cfg.backend_api_key:
             self.headers["Authorization"] = f"Bearer {cfg.backend_api_key}"
         self._metaserver = cfg.metaserver_url
+        if cfg.prefill_dispatch not in PREFILL_DISPATCH:
+            raise ValueError(f"prefill_dispatch: {cfg.prefill_dispatch!r} is not one of {PREFILL_DISPATCH}")
+        self._early = cfg.prefill_dispatch == "early"
         self._prefill_timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout, sock_connect=cfg.connect_timeout)
         self._retry_dec = self.m.retries.labels("decoder")
         self._retry_pf = self.m.retries.labels("prefiller")
@@ -64,13 +70,14 @@ class Proxy:
         self.session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=False)
 
     async def close(self) -> None:
+        await self.registry.shutdown()
         if self.session is not None:
             await self.session.close()
 
     # ---------------------------------------------------------------- payloads
     def _decoder_payload(self, req: ClientRequest, parent: Parent) -> bytes:
         params = _encode(DecodeTransferParams(metaserver=self._metaserver, lw_parent_id=parent.id,
-                                              lw_children=req.children))
+                                              lw_children=req.children, lw_token=parent.token))
         if req.raw is not None:
             # Splice our field into the client's own bytes: a validated JSON object without
             # kv_transfer_params, so inserting before its closing brace is valid JSON.
@@ -89,20 +96,24 @@ class Proxy:
         body["kv_transfer_params"] = msgspec.structs.asdict(PrefillTransferParams(lw_parent_id=parent_id))
         return body
 
-    # ---------------------------------------------------------------- prefill (dispatched by the fan-in)
+    # ---------------------------------------------------------------- prefill (dispatched early or by the fan-in)
     async def _prefill(self, parent: Parent) -> Outcome:
         req: ClientRequest = parent.request
         path = CHAT if req.chat else COMPLETIONS
         payload = _encode(self.prefill_body(req, parent.id))
         headers = {**self.headers, "X-Request-Id": f"lw-prefill-{parent.id}"}
-        last, exclude = "no prefiller configured", None
-        for attempt in range(self.cfg.max_retries + 1):
+        # Each prefiller is tried at most once per parent: one that answered 503 is overloaded, and
+        # asking it again only adds load; the decoders recompute instead.
+        last, tried = "no prefiller configured", set()
+        attempts = min(self.cfg.max_retries + 1, len(self.prefillers.backends))
+        for attempt in range(attempts):
             if attempt:
                 self._retry_pf.inc()
                 await asyncio.sleep(self.cfg.retry_delay)
-            pf = self.prefillers.pick(exclude)
+            pf = self.prefillers.pick(tried)
             if pf is None:
                 break
+            tried.add(pf)
             pf.acquire(req.prompt_tokens)
             t0 = time.perf_counter()
             try:
@@ -112,75 +123,108 @@ class Proxy:
                     status = r.status
             except UPSTREAM_ERRORS as e:
                 pf.mark_failed(repr(e))
-                last, exclude = f"{pf.url}: {e!r}", pf
+                last = f"{pf.url}: {e!r}"
                 continue
             finally:
                 pf.release(req.prompt_tokens, t0)
             if status in RETRY_STATUSES:
                 pf.mark_failed(f"HTTP {status}")
-                last, exclude = f"{pf.url}: HTTP {status}", pf
+                last = f"{pf.url}: HTTP {status}"
                 continue
             pf.mark_ok()
+            if status == 200 and parent.relay is not None and not parent.relay.done():
+                parent.relay.set_result((parent.id, data))
             if status != 200:  # the prefiller refused this request: another prefiller would too
                 self.m.errors.labels("prefill_failed").inc()
                 raise ProxyError(502, f"prefiller {pf.url} answered HTTP {status}: {data[:500].decode(errors='replace')}",
                                  kind="prefill_failed")
             return 200, OK_BODY
         self.m.errors.labels("prefill_failed").inc()
-        raise ProxyError(502, f"no prefiller completed the prefill after {self.cfg.max_retries + 1} attempts; "
-                         f"last error: {last}", kind="prefill_failed")
+        raise ProxyError(502, f"no prefiller completed the prefill after {attempts} attempt(s) (each prefiller "
+                         f"at most once); last error: {last}", kind="prefill_failed")
 
     # ---------------------------------------------------------------- decoder calls
-    async def _decode(self, req: ClientRequest, path: str, read: bool) -> tuple[int, bytes, str] | _Call:
+    async def _decode(self, req: ClientRequest, path: str, read: bool,
+                      relay: asyncio.Future | None = None) -> tuple[int, bytes, str] | _Call:
         """Send ``req`` to a decoder, retrying other decoders on connect errors and 502/503/504.
 
         ``read``: read the whole body inside the retry loop (a decoder dying mid-body is retried)
         and return (status, body, content type). Otherwise return the open ``_Call`` once a 200's
-        headers arrived; a non-200 is read and returned as a tuple.
+        first body bytes arrived (within ``first_byte_timeout``: a decoder silent that long counts as
+        hung); a non-200 is read and returned as a tuple.
+
+        One parent serves every attempt: a retried decoder's metaserver calls are answered from the
+        prefill the first attempt started, never by a second prefill.
         """
-        last, exclude = "no decoder configured", None
+        last, exclude, timed_out = "no decoder configured", None, False
         work = req.decode_tokens
-        for attempt in range(self.cfg.max_retries + 1):
-            if attempt:
-                self._retry_dec.inc()
-                await asyncio.sleep(self.cfg.retry_delay)
-            dec = self.decoders.pick(exclude)
-            if dec is None:
-                break
-            parent = self.registry.open(req.children, req)
-            dec.acquire(work)
-            t0 = time.perf_counter()
-            resp = None
-            handed_over = False
-            try:
-                resp = await self.session.post(dec.url + path, data=self._decoder_payload(req, parent),
-                                               headers=self.headers)
-                status = resp.status
-                if status == 200 and not read:
-                    handed_over = True
-                    return _Call(dec, parent, resp, work, t0)
-                data = await resp.read()
-            except UPSTREAM_ERRORS as e:
-                dec.mark_failed(repr(e))
-                self.m.errors.labels("upstream_connect" if resp is None else "upstream_died").inc()
-                last, exclude = f"{dec.url}: {e!r}", dec
-                continue
-            finally:
-                if not handed_over:
-                    if resp is not None:
-                        resp.close()  # unread body: drop the connection, which tells vLLM to abort
-                    dec.release(work, t0)
-                    self.registry.close(parent)
-            if status in RETRY_STATUSES or (status == 200 and not data.strip()):
-                why = f"HTTP {status}" + (" with an empty body" if status == 200 else "")
-                dec.mark_failed(why)
-                self.m.errors.labels("upstream_status").inc()
-                last, exclude = f"{dec.url}: {why}", dec
-                continue
-            dec.mark_ok()
-            return status, data, resp.headers.get("Content-Type", "application/json")
-        raise ProxyError(502, f"no decoder completed the request after {self.cfg.max_retries + 1} attempts; "
-                         f"last error: {last}", kind="upstream")
+        parent = self.registry.open(req.children, req)
+        headers = self.headers
+        if relay is not None:
+            parent.relay = relay
+            headers = {**self.headers, "X-Request-Id": relay_request_id(parent.id)}
+        handed_over = answered = False
+        try:
+            for attempt in range(self.cfg.max_retries + 1):
+                if attempt:
+                    self._retry_dec.inc()
+                    self.registry.retry(parent)
+                    await asyncio.sleep(self.cfg.retry_delay)
+                dec = self.decoders.pick(exclude)
+                if dec is None:
+                    break
+                if self._early:  # the prefill runs alongside the decoder call (once per parent)
+                    self.registry.dispatch(parent)
+                dec.acquire(work)
+                t0 = time.perf_counter()
+                resp = None
+                first_byte = asyncio.timeout(None if read else self.cfg.first_byte_timeout)
+                try:
+                    async with first_byte:
+                        resp = await self.session.post(dec.url + path, data=self._decoder_payload(req, parent),
+                                                       headers=headers)
+                        status = resp.status
+                        if status == 200 and not read:
+                            data = await resp.content.readany()
+                            if data:
+                                handed_over = True
+                                return _Call(dec, parent, resp, work, t0, data)
+                        else:
+                            data = await resp.read()
+                except UPSTREAM_ERRORS as e:
+                    timed_out = first_byte.expired()
+                    why = (f"no first byte within {self.cfg.first_byte_timeout:g} s (--first-byte-timeout)"
+                           if timed_out else repr(e))
+                    dec.mark_failed(why)
+                    self.m.errors.labels("timeout" if timed_out else "upstream_connect" if resp is None
+                                         else "upstream_died").inc()
+                    last, exclude = f"{dec.url}: {why}", dec
+                    continue
+                finally:
+                    if not handed_over:
+                        if resp is not None:
+                            resp.close()  # unread body: drop the connection, which tells vLLM to abort
+                        dec.release(work, t0)
+                timed_out = False
+                if status in RETRY_STATUSES or (status == 200 and not data.strip()):
+                    why = f"HTTP {status}" + (" with an empty body" if status == 200 else "")
+                    dec.mark_failed(why)
+                    self.m.errors.labels("upstream_status").inc()
+                    last, exclude = f"{dec.url}: {why}", dec
+                    continue
+                dec.mark_ok()
+                answered = status == 200
+                return status, data, resp.headers.get("Content-Type", "application/json")
+        finally:
+            if not handed_over:
+                self.registry.close(parent, answered=answered)
+        raise ProxyError(504 if timed_out else 502,
+                         f"no decoder completed the request after {self.cfg.max_retries + 1} attempts; "
+                         f"last error: {last}", kind="timeout" if timed_out else "upstream")
+
+    def deadline_error(self) -> ProxyError:
+        return ProxyError(504, f"the request did not complete within {self.cfg.request_timeout:g} s "
+                          "(--request-timeout)", kind="timeout")
 
     def _finish(self, call: _Call) -> None:
         if call.resp.content.at_eof():
@@ -188,7 +232,7 @@ class Proxy:
         else:
             call.resp.close()  # unread body: drop the connection, which tells vLLM to abort
         call.dec.release(call.work, call.t0)
-        self.registry.close(call.parent)
+        self.registry.close(call.parent, answered=True)  # the decoder sent a 200 and its first bytes
 
     # ---------------------------------------------------------------- non-streaming
     async def complete(self, req: ClientRequest, path: str) -> web.Response:
@@ -234,138 +278,3 @@ class Proxy:
                 raise ProxyError(502, f"choice {idx} was recomputed {self.cfg.max_retries + 1} times; giving up",
                                  kind="recompute_exhausted")
         return _encode(obj)
-
-    # ---------------------------------------------------------------- streaming
-    async def stream(self, request: web.Request, req: ClientRequest, path: str) -> web.StreamResponse:
-        call = await self._decode(req, path, read=False)
-        if isinstance(call, tuple):  # the decoder refused (4xx/500): pass its error through as-is
-            status, data, ctype = call
-            return web.Response(status=status, body=data, headers={"Content-Type": ctype})
-        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                      "Cache-Control": "no-cache"})
-        held: list[int] = []  # choice indices the decoder ended with "recomputed"
-        state: dict[str, Any] = {"usage": None, "id": None}
-        seen: list[bytes] = []
-        try:
-            await out.prepare(request)
-            ok = await self._pump(call.resp, out, held, state, seen, None)
-        finally:
-            self._finish(call)
-        if ok and held:
-            ok = await self._resume_stream(req, path, out, held, state, seen)
-        if ok is not True:
-            self.m.errors.labels("upstream_died").inc()
-            await out.write(b"data: " + ProxyError(502, ok or "decoder stream ended early").body() + b"\n\n")
-        elif state["usage"] is not None:
-            await out.write(rc.sse_encode(state["usage"]))
-        await out.write(_DONE)
-        await out.write_eof()
-        return out
-
-    async def _pump(self, resp: aiohttp.ClientResponse, out: web.StreamResponse, held: list[int],
-                    state: dict[str, Any], seen: list[bytes] | None, rewrite: int | None) -> bool | str:
-        """Forward whole SSE events from ``resp`` to ``out`` until [DONE].
-
-        Fast path: blocks without "recomputed" pass through as bytes. Once a choice is recomputed
-        (or when ``rewrite`` is set, i.e. a continuation stream whose choice index must become
-        ``rewrite``), events are parsed: recomputed finishes and usage/[DONE] are held back.
-        Returns True at [DONE], else a message saying how the decoder's stream broke.
-        """
-        buf = b""
-        parse = rewrite is not None
-        while True:
-            try:
-                chunk = await resp.content.readany()
-            except UPSTREAM_ERRORS as e:
-                return f"decoder stream broke: {e!r}"
-            if not chunk:
-                return "decoder closed the stream before [DONE]"
-            buf += chunk
-            cut = buf.rfind(b"\n\n")
-            if cut < 0:
-                continue
-            block, buf = buf[:cut + 2], buf[cut + 2:]
-            done = block.endswith(_DONE)
-            if done:  # the caller ends the stream itself, after any resumed choices and the usage summary
-                block = block[: -len(_DONE)]
-            if parse or held or b'"recomputed"' in block:
-                parse = True
-                block = self._filter(block, held, state, rewrite)
-            if block:
-                if seen is not None:
-                    seen.append(block)
-                await out.write(block)
-            if done:
-                return True
-
-    def _filter(self, block: bytes, held: list[int], state: dict[str, Any], rewrite: int | None) -> bytes:
-        keep = []
-        for ev in rc.sse_events(block):
-            obj = rc.sse_json(ev)
-            if obj is None:
-                if ev.strip() != _DONE.strip():
-                    keep.append(ev)
-                continue
-            if state["id"] is None:
-                state["id"] = obj.get("id")
-            choices = obj.get("choices") or []
-            if not choices and obj.get("usage") is not None:  # usage summary: sent once, at the end
-                if state["usage"] is None:
-                    state["usage"] = obj
-                else:
-                    rc.add_usage(state["usage"].get("usage"), obj["usage"])
-                continue
-            for ch in choices:
-                if rewrite is not None:
-                    ch["index"] = rewrite
-                if rc.is_recomputed(ch):
-                    held.append(ch.get("index", 0))
-                    ch["finish_reason"] = ch["stop_reason"] = None
-            if rewrite is not None and state["id"] is not None:
-                obj["id"] = state["id"]
-            if any(rc.choice_text(ch, "delta" in ch) or ch.get("finish_reason") for ch in choices):
-                keep.append(rc.sse_encode(obj))
-        return b"".join(keep)
-
-    async def _resume_stream(self, req: ClientRequest, path: str, out: web.StreamResponse, held: list[int],
-                             state: dict[str, Any], seen: list[bytes]) -> bool | str:
-        ledger = rc.StreamLedger(req.chat)
-        for block in seen:
-            for ev in rc.sse_events(block):
-                obj = rc.sse_json(ev)
-                if obj is not None:
-                    ledger.feed(obj)
-        while held:
-            idx = held.pop(0)
-            for _ in range(self.cfg.max_retries + 1):
-                cont = rc.continuation(req, idx, ledger.text.get(idx, ""), ledger.tokens.get(idx),
-                                       ledger.generated(idx))
-                if cont is None:
-                    await out.write(rc.sse_encode({"id": state["id"], "object": "chat.completion.chunk" if req.chat
-                                                   else "text_completion", "choices": [
-                                                       {"index": idx, "finish_reason": "length", "stop_reason": None,
-                                                        **({"delta": {}} if req.chat else {"text": ""})}]}))
-                    break
-                self.m.recomputes.inc()
-                call = await self._decode(cont, path, read=False)
-                if isinstance(call, tuple):
-                    return f"resubmitting recomputed choice {idx} failed with HTTP {call[0]}"
-                again: list[int] = []
-                part: list[bytes] = []
-                try:
-                    ok = await self._pump(call.resp, out, again, state, part, idx)
-                finally:
-                    self._finish(call)
-                if ok is not True:
-                    return ok
-                for block in part:
-                    for ev in rc.sse_events(block):
-                        obj = rc.sse_json(ev)
-                        if obj is not None:
-                            ledger.feed(obj)
-                if not again:
-                    break
-            else:
-                self.m.errors.labels("recompute_exhausted").inc()
-                return f"choice {idx} was recomputed {self.cfg.max_retries + 1} times; giving up"
-        return True

@@ -12,6 +12,7 @@ an estimate, since vLLM's usage is per response) or, in streams, from the number
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import msgspec
@@ -96,28 +97,86 @@ def add_usage(usage: dict[str, Any] | None, more: dict[str, Any] | None) -> None
     usage["total_tokens"] = (usage.get("total_tokens") or 0) + extra
 
 
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    index: int = 0
+    text: str | None = None
+    delta: _Delta | None = None
+    token_ids: list[int] | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[_Choice] | None = None
+
+
+_chunk_decoder = msgspec.json.Decoder(_Chunk)
+
+
 class StreamLedger:
-    """What a stream told the client so far, per choice index, rebuilt only when a recompute occurs."""
+    """What a stream told the client so far, per choice index: only what resuming a recomputed
+    choice needs (its text as UTF-8, its token ids, a count of content events), fed as blocks go
+    out. The events themselves are not kept. Text and token ids together are capped at ``limit``
+    bytes per stream; past it ``overflowed`` is set, nothing more is stored (counts go on), and a
+    choice recomputed after that cannot be resumed."""
 
-    def __init__(self, chat: bool) -> None:
+    def __init__(self, chat: bool, limit: int) -> None:
         self.chat = chat
-        self.text: dict[int, str] = {}
-        self.tokens: dict[int, list[int] | None] = {}
+        self.limit = limit
+        self.size = 0  # bytes held in _text and _tokens
+        self.overflowed = False
+        self._text: dict[int, bytearray] = {}
+        self._tokens: dict[int, array] = {}
         self.events: dict[int, int] = {}
+        self.token_counts: dict[int, int] = {}
 
-    def feed(self, obj: dict[str, Any]) -> None:
-        for ch in obj.get("choices") or ():
-            i = ch.get("index", 0)
-            t = choice_text(ch, self.chat)
-            if t or ch.get("token_ids"):
-                self.text[i] = self.text.get(i, "") + t
-                self.events[i] = self.events.get(i, 0) + 1
-                if ch.get("token_ids") is not None:
-                    self.tokens[i] = (self.tokens.get(i) or []) + ch["token_ids"]
+    def feed_block(self, block: bytes) -> None:
+        for ev in sse_events(block):
+            line = ev.strip()
+            if not line.startswith(b"data:"):
+                continue
+            try:
+                chunk = _chunk_decoder.decode(line[5:])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue  # [DONE], an error event, or not ours
+            for ch in chunk.choices or ():
+                self._feed_choice(ch)
+
+    def _feed_choice(self, ch: _Choice) -> None:
+        t = (ch.delta.content if ch.delta is not None else None) if self.chat else ch.text
+        toks = ch.token_ids
+        if not t and not toks:
+            return
+        i = ch.index
+        self.events[i] = self.events.get(i, 0) + 1
+        if toks is not None:
+            self.token_counts[i] = self.token_counts.get(i, 0) + len(toks)
+        raw = t.encode() if t else b""
+        more = len(raw) + 8 * len(toks or ())
+        if self.overflowed or self.size + more > self.limit:
+            self.overflowed = True
+            self._text.clear()
+            self._tokens.clear()
+            self.size = 0
+            return
+        self.size += more
+        if raw:
+            self._text.setdefault(i, bytearray()).extend(raw)
+        if toks is not None:
+            self._tokens.setdefault(i, array("q")).extend(toks)
+
+    def text(self, i: int) -> str:
+        return self._text.get(i, b"").decode()
+
+    def tokens(self, i: int) -> list[int] | None:
+        if i not in self.token_counts:
+            return None
+        return list(self._tokens.get(i, ()))
 
     def generated(self, i: int) -> int:
-        toks = self.tokens.get(i)
-        return len(toks) if toks is not None else self.events.get(i, 0)
+        return self.token_counts[i] if i in self.token_counts else self.events.get(i, 0)
 
 
 def sse_events(block: bytes) -> list[bytes]:

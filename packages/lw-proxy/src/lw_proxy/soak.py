@@ -25,6 +25,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from lw_core.wire import DecodeTransferParams, MetaserverRequest, decode_transfer_params
+
 from .config import ProxyConfig
 
 
@@ -40,9 +42,12 @@ def _mock_main(conn: Any, fail_rate: float, seed: int) -> None:
             body = msgspec.json.decode(await request.read())
             params = body.get("kv_transfer_params") or {}
             if params.get("do_remote_prefill"):
-                cb = {"lw_parent_id": params["lw_parent_id"], "request_id": f"soak-{rng.random()}"}
+                dp = decode_transfer_params(params)
+                assert isinstance(dp, DecodeTransferParams), dp
+                cb = msgspec.json.encode(MetaserverRequest(lw_parent_id=dp.lw_parent_id, request_id=f"soak-{rng.random()}"))
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                    async with session.post(params["metaserver"], json=cb, timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    async with session.post(dp.metaserver, data=cb, headers={"Content-Type": "application/json"},
+                                            timeout=aiohttp.ClientTimeout(total=10)) as r:
                         await r.read()
             x = rng.random()
             if x < fail_rate / 2:

@@ -1,0 +1,86 @@
+"""``--prefill-first``: a streamed greedy completion's first token comes from the prefiller.
+
+The prefill is a ``max_tokens: 1`` completion of the client's request, so its answer already holds
+the first token. With ``--prefill-first`` the proxy writes that token to the client as the stream's
+first event as soon as the prefill answers, while the decoder still waits for the pool, loads and
+computes; the decoder's own first token (the same one) is then cut from its stream, and the rest is
+forwarded as usual. The client's TTFT becomes the prefill's, plus one hop.
+
+Token-identical only where the prefiller's first token is the decoder's, so only for requests where
+both pick it the same way and where the first token's text cannot be changed by what follows. A
+request qualifies (``eligible``) when it is a streamed ``/v1/completions`` with one prompt, ``n`` 1
+(and ``best_of`` at most 1), ``temperature`` 0 given explicitly (greedy), and none of ``stop``,
+``logprobs``, ``echo``, ``suffix``, ``prompt_logprobs``, ``return_token_ids``,
+``return_tokens_as_token_ids`` or ``stream_options.continuous_usage_stats`` (those change the first
+event or how text is held back). Every other request takes the normal path. The prefill's token is
+relayed only when its choice ended with ``finish_reason: "length"`` (not an EOS or stop token), with
+non-empty text and no U+FFFD (a partial UTF-8 sequence that later tokens would change). The decoder
+request then carries ``X-Request-Id: lw-<parent>`` so its events' ``id`` is the one the relayed event
+used. Should the decoder's text not start with the relayed text (it never did in the tests), the
+stream ends with an error event rather than output that differs from a single engine's
+(``lw_proxy_errors_total{kind="relay_mismatch"}``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from . import recompute as rc
+from .validate import ClientRequest
+
+_OFF = ("stop", "logprobs", "echo", "suffix", "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids")
+
+
+def eligible(req: ClientRequest) -> bool:
+    b = req.body
+    if req.chat or not req.stream or len(req.prompts) != 1 or req.n != 1 or (b.get("best_of") or 1) != 1:
+        return False
+    t = b.get("temperature")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != 0:
+        return False
+    if any(b.get(k) for k in _OFF):
+        return False
+    so = b.get("stream_options")
+    return not (isinstance(so, dict) and so.get("continuous_usage_stats"))
+
+
+def request_id(parent_id: str) -> str:
+    return f"lw-{parent_id}"
+
+
+def first_event(data: bytes | None, parent_id: str) -> tuple[bytes, str] | None:
+    """The SSE event carrying the prefill answer's first token and its text, or None when it must
+    not be relayed (see the module docstring)."""
+    if not data:
+        return None
+    try:
+        obj = msgspec.json.decode(data)
+        (ch,) = obj["choices"]
+        text = ch["text"]
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+        return None
+    if not isinstance(text, str) or not text or "\ufffd" in text or ch.get("finish_reason") != "length":
+        return None
+    ev = {"id": f"cmpl-{request_id(parent_id)}", "object": "text_completion", "created": obj.get("created"),
+          "model": obj.get("model"),
+          "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}]}
+    return rc.sse_encode(ev), text
+
+
+class Mismatch(Exception):
+    """The decoder's text does not start with what was relayed."""
+
+
+def cut(ch: dict[str, Any], state: dict[str, Any]) -> None:
+    """Drop from choice 0's text the part already relayed (``state["skip"]``), checking it matches."""
+    skip = state.get("skip")
+    if not skip or ch.get("index", 0) != 0:
+        return
+    text = ch.get("text") or ""
+    k = min(len(text), len(skip))
+    if text[:k] != skip[:k]:
+        raise Mismatch(f"the decoder's first text {text[:k]!r} differs from the prefiller's {skip[:k]!r}")
+    ch["text"] = text[k:]
+    state["skip"] = skip[k:]

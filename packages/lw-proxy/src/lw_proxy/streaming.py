@@ -1,0 +1,230 @@
+"""Streamed answers (SSE): forwarding the decoder's events, the deadlines of a stream, and resuming
+choices the decoder ended with ``stop_reason == "recomputed"``. A mixin of ``proxy.Proxy``, which
+provides ``_decode``, ``_finish``, ``cfg``, ``m`` and ``deadline_error``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from . import recompute as rc
+from . import relay as relay_mod
+from .errors import ProxyError
+from .validate import ClientRequest
+
+_DONE = b"data: [DONE]\n\n"
+_MAX_EVENT = 16 << 20  # the most bytes one SSE event may hold while the proxy waits for its end
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
+class Streaming:
+    async def stream(self, request: web.Request, req: ClientRequest, path: str,
+                     deadline: float) -> web.StreamResponse:
+        out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                      "Cache-Control": "no-cache"})
+        held: list[int] = []  # choice indices the decoder ended with "recomputed"
+        # "skip": text already relayed from the prefill (--prefill-first), cut from the decoder's stream
+        state: dict[str, Any] = {"usage": None, "id": None, "skip": ""}
+        ledger = rc.StreamLedger(req.chat, self.cfg.max_resume_bytes)
+        relay = asyncio.get_running_loop().create_future() if self.cfg.prefill_first and relay_mod.eligible(req) else None
+        try:
+            async with asyncio.timeout_at(deadline):
+                if relay is None:
+                    call = await self._decode(req, path, read=False)
+                else:
+                    call = await self._decode_relaying(request, req, path, relay, out, state, ledger)
+        except TimeoutError:
+            if not out.prepared:
+                raise self.deadline_error() from None
+            call = self.deadline_error()
+        except ProxyError as e:
+            if not out.prepared:
+                raise
+            call = e
+        if isinstance(call, tuple) and out.prepared:  # refused after the relayed first token went out
+            call = ProxyError(502, f"the decoder answered HTTP {call[0]} after the prefiller's first token was "
+                              f"relayed: {call[1][:300].decode(errors='replace')}", kind="upstream_status")
+        if isinstance(call, ProxyError):
+            await self._end_stream(request, out, call, state)
+            return out
+        if isinstance(call, tuple):  # the decoder refused (4xx/500): pass its error through as-is
+            status, data, ctype = call
+            return web.Response(status=status, body=data, headers={"Content-Type": ctype})
+        ok: bool | ProxyError
+        try:
+            async with asyncio.timeout_at(deadline):
+                try:
+                    if not out.prepared:
+                        await out.prepare(request)
+                    ok = await self._pump(call, out, held, state, ledger, None)
+                finally:
+                    self._finish(call)
+                state["skip"] = ""  # a resumed choice continues after what the client got
+                if ok is True and held:
+                    ok = await self._resume_stream(req, path, out, held, state, ledger)
+        except TimeoutError:
+            ok = self.deadline_error()
+        except ProxyError as e:  # a resubmission found no decoder: the stream has started, so end it with the error
+            ok = e
+        await self._end_stream(request, out, ok, state)
+        return out
+
+    async def _decode_relaying(self, request: web.Request, req: ClientRequest, path: str, relay: asyncio.Future,
+                               out: web.StreamResponse, state: dict[str, Any], ledger: rc.StreamLedger) -> Any:
+        """``_decode`` while the prefill runs: if the prefill answers first with a relayable token
+        (lw_proxy.relay), start the client's stream with it; then wait for the decoder's call."""
+        task = asyncio.create_task(self._decode(req, path, read=False, relay=relay))
+        try:
+            await asyncio.wait({task, relay}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done():
+                parent_id, data = relay.result()
+                first = relay_mod.first_event(data, parent_id)
+                if first is not None:
+                    block, text = first
+                    await out.prepare(request)
+                    await out.write(block)
+                    ledger.feed_block(block)
+                    state["skip"] = text
+            return await task
+        except BaseException:
+            if not task.done():
+                task.cancel()
+            elif not task.cancelled() and task.exception() is None and not isinstance(task.result(), tuple):
+                self._finish(task.result())
+            raise
+
+    async def _end_stream(self, request: web.Request, out: web.StreamResponse, ok: bool | ProxyError,
+                          state: dict[str, Any]) -> None:
+        if not out.prepared:  # the deadline passed before the response started
+            assert isinstance(ok, ProxyError)
+            raise ok
+        try:
+            # A client that stopped reading must not hold this handler: the last writes are bounded too.
+            async with asyncio.timeout(5.0):
+                if ok is not True:
+                    self.m.errors.labels(ok.kind).inc()
+                    await out.write(b"data: " + ok.body() + b"\n\n")
+                elif state["usage"] is not None:
+                    await out.write(rc.sse_encode(state["usage"]))
+                await out.write(_DONE)
+                await out.write_eof()
+        except TimeoutError:
+            if request.transport is not None:
+                request.transport.close()
+
+    async def _pump(self, call: Any, out: web.StreamResponse, held: list[int], state: dict[str, Any],
+                    ledger: rc.StreamLedger, rewrite: int | None) -> bool | ProxyError:
+        """Forward whole SSE events from the decoder to ``out`` until [DONE].
+
+        Fast path: blocks without "recomputed" pass through as bytes. Once a choice is recomputed
+        (or when ``rewrite`` is set, i.e. a continuation stream whose choice index must become
+        ``rewrite``), events are parsed: recomputed finishes and usage/[DONE] are held back. What
+        goes out feeds ``ledger`` (what a resume needs), nothing else is kept.
+        Returns True at [DONE], else the error saying how the decoder's stream broke or stalled.
+        """
+        buf = call.first
+        content = call.resp.content
+        idle = self.cfg.stream_idle_timeout
+        parse = rewrite is not None
+        while True:
+            cut = buf.rfind(b"\n\n")
+            if cut >= 0:
+                block, buf = buf[:cut + 2], buf[cut + 2:]
+                done = block.endswith(_DONE)
+                if done:  # the caller ends the stream itself, after any resumed choices and the usage summary
+                    block = block[: -len(_DONE)]
+                if parse or held or b'"recomputed"' in block:
+                    parse = True
+                if parse or state["skip"]:
+                    try:
+                        block = self._filter(block, held, state, rewrite)
+                    except relay_mod.Mismatch as e:
+                        return ProxyError(502, f"--prefill-first: {e}; the stream ends here rather than "
+                                          "differ from a single engine's output", kind="relay_mismatch")
+                if block:
+                    ledger.feed_block(block)
+                    await out.write(block)
+                if done:
+                    return True
+            if len(buf) > _MAX_EVENT:  # no event boundary in sight: not an SSE stream we can forward
+                return ProxyError(502, f"the decoder sent {len(buf)} bytes without ending an SSE event",
+                                  kind="upstream_died")
+            try:
+                async with asyncio.timeout(idle):
+                    chunk = await content.readany()
+            except TimeoutError:
+                return ProxyError(504, f"the decoder's stream sent nothing for {idle:g} s (--stream-idle-timeout)",
+                                  kind="timeout")
+            except UPSTREAM_ERRORS as e:
+                return ProxyError(502, f"decoder stream broke: {e!r}", kind="upstream_died")
+            if not chunk:
+                return ProxyError(502, "decoder closed the stream before [DONE]", kind="upstream_died")
+            buf += chunk
+
+    def _filter(self, block: bytes, held: list[int], state: dict[str, Any], rewrite: int | None) -> bytes:
+        keep = []
+        for ev in rc.sse_events(block):
+            obj = rc.sse_json(ev)
+            if obj is None:
+                if ev.strip() != _DONE.strip():
+                    keep.append(ev)
+                continue
+            if state["id"] is None:
+                state["id"] = obj.get("id")
+            choices = obj.get("choices") or []
+            if not choices and obj.get("usage") is not None:  # usage summary: sent once, at the end
+                if state["usage"] is None:
+                    state["usage"] = obj
+                else:
+                    rc.add_usage(state["usage"].get("usage"), obj["usage"])
+                continue
+            for ch in choices:
+                if state.get("skip"):
+                    relay_mod.cut(ch, state)
+                if rewrite is not None:
+                    ch["index"] = rewrite
+                if rc.is_recomputed(ch):
+                    held.append(ch.get("index", 0))
+                    ch["finish_reason"] = ch["stop_reason"] = None
+            if rewrite is not None and state["id"] is not None:
+                obj["id"] = state["id"]
+            if any(rc.choice_text(ch, "delta" in ch) or ch.get("finish_reason") for ch in choices):
+                keep.append(rc.sse_encode(obj))
+        return b"".join(keep)
+
+    async def _resume_stream(self, req: ClientRequest, path: str, out: web.StreamResponse, held: list[int],
+                             state: dict[str, Any], ledger: rc.StreamLedger) -> bool | ProxyError:
+        while held:
+            idx = held.pop(0)
+            for _ in range(self.cfg.max_retries + 1):
+                if ledger.overflowed:
+                    return ProxyError(502, f"choice {idx} was recomputed after the stream passed "
+                                      f"{self.cfg.max_resume_bytes} bytes of output (--max-resume-bytes); "
+                                      "it cannot be resumed", kind="recompute_exhausted")
+                cont = rc.continuation(req, idx, ledger.text(idx), ledger.tokens(idx), ledger.generated(idx))
+                if cont is None:
+                    await out.write(rc.sse_encode({"id": state["id"], "object": "chat.completion.chunk" if req.chat
+                                                   else "text_completion", "choices": [
+                                                       {"index": idx, "finish_reason": "length", "stop_reason": None,
+                                                        **({"delta": {}} if req.chat else {"text": ""})}]}))
+                    break
+                self.m.recomputes.inc()
+                call = await self._decode(cont, path, read=False)
+                if isinstance(call, tuple):
+                    return ProxyError(502, f"resubmitting recomputed choice {idx} failed with HTTP {call[0]}")
+                again: list[int] = []
+                try:
+                    ok = await self._pump(call, out, again, state, ledger, idx)
+                finally:
+                    self._finish(call)
+                if ok is not True:
+                    return ok
+                if not again:
+                    break
+            else:
+                return ProxyError(502, f"choice {idx} was recomputed {self.cfg.max_retries + 1} times; giving up",
+                                  kind="recompute_exhausted")
+        return True

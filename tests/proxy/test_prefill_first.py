@@ -1,0 +1,125 @@
+"""``--prefill-first`` (lw_proxy.relay): a streamed greedy completion's first token comes from the
+prefill's answer while the decoder still works; the output stays the decoder's, token for token."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import msgspec
+
+from lw_proxy import relay
+from lw_proxy.validate import parse_completion
+
+from lw_dev.proxy_mocks import generate, harness, run
+
+GREEDY = {"prompt": "p", "max_tokens": 4, "stream": True, "temperature": 0}
+
+
+async def _sse(h, body):
+    """(seconds to the first content event, texts of content events, error events, raw events)."""
+    t0 = time.monotonic()
+    first, texts, errors, events = None, [], [], []
+    async with h.session.post(h.url + "/v1/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            events.append(ev)
+            if "error" in ev:
+                errors.append(ev)
+            for ch in ev.get("choices") or ():
+                if ch.get("text"):
+                    first = first if first is not None else time.monotonic() - t0
+                    texts.append(ch["text"])
+    return first, texts, errors, events
+
+
+def test_first_token_comes_from_the_prefill_and_the_output_is_unchanged():
+    async def body():
+        async with harness(prefill_first=True) as h:
+            h.decoders[0].knobs.delay = 1.0  # the decoder is slow to answer (scheduling, load)
+            first, texts, errors, events = await _sse(h, GREEDY)
+            assert errors == []
+            assert "".join(texts) == "".join(generate("p", 4)) and len(texts) == 4  # no token twice
+            assert first < 0.7, f"first token after {first:.2f} s: it waited for the decoder"
+            assert len({ev["id"] for ev in events}) <= 2  # the relayed event's id, then the decoder's
+
+    run(body())
+
+
+def test_without_the_flag_the_first_token_waits_for_the_decoder():
+    async def body():
+        async with harness() as h:
+            h.decoders[0].knobs.delay = 1.0
+            first, texts, _, _ = await _sse(h, GREEDY)
+            assert "".join(texts) == "".join(generate("p", 4))
+            assert first >= 0.9
+
+    run(body())
+
+
+def test_sampled_requests_are_not_relayed():
+    async def body():
+        async with harness(prefill_first=True) as h:
+            h.decoders[0].knobs.delay = 1.0
+            first, texts, _, _ = await _sse(h, {**GREEDY, "temperature": 0.7})
+            assert "".join(texts) == "".join(generate("p", 4))
+            assert first >= 0.9  # the decoder's own first token
+
+    run(body())
+
+
+def test_decoder_failing_after_the_relay_ends_the_stream_with_an_error():
+    async def body():
+        async with harness(prefill_first=True, max_retries=0) as h:
+            h.decoders[0].knobs.delay = 0.5
+            h.decoders[0].knobs.status = 503
+            first, texts, errors, _ = await _sse(h, GREEDY)
+            assert texts == [generate("p", 1)[0]] and first < 0.45  # the relayed token went out
+            assert len(errors) == 1 and errors[0]["error"]["code"] in (502, 503), errors
+
+    run(body(), timeout=20)
+
+
+def test_eligible_only_for_plain_greedy_single_prompt_streams():
+    def req(**kw):
+        return parse_completion(msgspec.json.encode({**GREEDY, **kw}))
+
+    assert relay.eligible(req())
+    assert relay.eligible(req(temperature=0.0))
+    for kw in ({"temperature": 0.5}, {"temperature": None}, {"n": 2}, {"prompt": ["a", "b"]}, {"stream": False},
+               {"stop": ["x"]}, {"logprobs": 1}, {"echo": True}, {"best_of": 2}, {"return_token_ids": True},
+               {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}):
+        assert not relay.eligible(req(**kw)), kw
+    assert relay.eligible(req(stream_options={"include_usage": True}))
+
+
+def test_first_event_only_for_a_whole_token_that_hit_the_length():
+    def answer(text, finish="length"):
+        return msgspec.json.encode({"id": "x", "created": 1, "model": "m",
+                                    "choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+
+    block, text = relay.first_event(answer(" w5"), "abc")
+    ev = json.loads(block[len(b"data: "):])
+    assert text == " w5" and ev["id"] == "cmpl-lw-abc" and ev["choices"][0]["text"] == " w5"
+    assert ev["choices"][0]["finish_reason"] is None
+    for bad in (answer(""), answer("\ufffd"), answer(" w5", "stop"), b"not json", None):
+        assert relay.first_event(bad, "abc") is None
+
+
+def test_cut_drops_the_relayed_text_across_events_and_refuses_a_different_one():
+    state = {"skip": " hello"}
+    a = {"index": 0, "text": " he"}
+    relay.cut(a, state)
+    b = {"index": 0, "text": "llo world"}
+    relay.cut(b, state)
+    assert a["text"] == "" and b["text"] == " world" and state["skip"] == ""
+    state = {"skip": " w5"}
+    try:
+        relay.cut({"index": 0, "text": " w6"}, state)
+    except relay.Mismatch:
+        pass
+    else:
+        raise AssertionError("a different first token must not pass")

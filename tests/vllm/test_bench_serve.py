@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from lw_vllm import bench_serve
+from lw_bench.serve import mode as bench_serve
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -23,7 +23,7 @@ def _args(*argv: str) -> argparse.Namespace:
 @pytest.mark.timeout(1500)  # six fresh engines on a shared 2-core machine
 def test_quick_json_run_reports_pool_hits_and_positive_times() -> None:
     p = subprocess.run(
-        [sys.executable, "-m", "lw_core.bench.cli", "serve", "--quick", "--json"],
+        [sys.executable, "-m", "lw_bench.cli", "serve", "--quick", "--json"],
         capture_output=True, text=True, timeout=1500, check=False,
     )
     assert p.returncode == 0, p.stderr[-4000:]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from lw_vllm.testing.harness import EngineFailed, assert_same_greedy, random_tokens, run_engine
+from lw_dev.harness import EngineFailed, assert_same_greedy, random_tokens, run_engine
 
 pytestmark = pytest.mark.slow
 
@@ -155,4 +155,4 @@ def test_bad_extra_config_fails_start_up_naming_the_key(extra: dict, needle: str
     with pytest.raises(EngineFailed) as ei:
         run_engine({"model": "gqa", "max_tokens": 1, "phases": [[P3]], "engine": _engine_kw("gqa"),
                     "extra": {"embedded_path": pool_path, **extra}})
-    assert f"kv_connector_extra_config" in ei.value.output and needle in ei.value.output
+    assert "kv_connector_extra_config" in ei.value.output and needle in ei.value.output

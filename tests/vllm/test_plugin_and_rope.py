@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from lw_vllm.testing.harness import run_engine
+from lw_dev.harness import run_engine
 
 from lw_vllm import plugin, rope_fix
 
@@ -49,7 +49,7 @@ def test_mla_first_token_matches_transformers_only_with_the_fix() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from lw_vllm.testing.models import mla_model
+    from lw_bench.models import mla_model
 
     r = random.Random(7)
     prompt = [r.randrange(3, 500) for _ in range(70)]

@@ -49,10 +49,8 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
 
             # vLLM reads its load-failure policy right after creating this connector.
             self._kv_transfer_config.kv_load_failure_policy = self.cfg.kv_load_failure_policy
-            self._sched = SchedulerSide(vllm_config, kv_cache_config, self.cfg, kv_role)
-            # The scheduler part records what only it sees (e.g. metaserver waits) here.
-            self._sched.metrics = self.stats
-            self._lookup_errors = _LookupErrorCounter(self._sched, self.stats)
+            # The scheduler part records what only it sees (lookup errors, metaserver waits) in stats.
+            self._sched = SchedulerSide(vllm_config, kv_cache_config, self.cfg, kv_role, self.stats)
         else:
             from lw_vllm.worker_side import WorkerSide
 
@@ -94,7 +92,9 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
             self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None  # loads and saves complete inside their step
+        # Loads and saves complete inside their step, except streaming PD receives (pd_streaming).
+        recving = self._worker.get_finished(finished_req_ids) if self._worker is not None else None
+        return None, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
@@ -106,7 +106,6 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
         if self._worker is not None:
             self._worker.shutdown()
         if self._sched is not None:
-            self._lookup_errors.detach()
             self._sched.shutdown()
 
     # --- metrics (vLLM merges worker and scheduler stats; see lw_vllm.metrics) ---
@@ -148,26 +147,3 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
-
-class _LookupErrorCounter:
-    """Counts lookups the pool could not answer: the scheduler part turns them into misses, so
-    the only place to see them is the backend call itself. Wraps ``lookup`` on the scheduler
-    part's attribute only (the backend object is shared with the worker and stays untouched)."""
-
-    def __init__(self, sched: Any, stats: Collector) -> None:
-        self._sched, self._stats, self._backend = sched, stats, sched.backend
-        sched.backend = self
-
-    def lookup(self, keys: Any) -> int:
-        try:
-            return self._backend.lookup(keys)
-        except Exception:
-            self._stats.add(lookup_errors=1)
-            raise
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._backend, name)
-
-    def detach(self) -> None:
-        if self._sched.backend is self:
-            self._sched.backend = self._backend  # release_backend matches the backend by identity

@@ -7,20 +7,24 @@ viewed as bytes ``[outer, num_blocks, inner]``: a block is ``outer`` segments of
 (one segment on CPU, two (K and V) for ``[2, num_blocks, ...]`` layouts).
 
 CPU: copies run synchronously in the calling (transfer) thread through numpy, which releases the
-GIL for the memcpy; tokens are ``None``. Devices (cuda, npu, ...): copies run on one side stream
-created with torch's device-agnostic ``torch.Stream`` / ``torch.Event`` API; tokens are events and
-``wait`` polls them against a deadline (``Event.synchronize`` has none). ``torch_npu`` is imported
-only when the KV cache lives on an NPU.
+GIL for the memcpy; tokens are ``None``. Devices (cuda, npu, ...): ``lw_vllm.device_path`` --
+asynchronous DMAs on side streams ordered by events against the compute stream, through pinned
+staging; tokens are events. This module imports torch and numpy only (no vLLM), so a machine with
+a device and torch but no vLLM can run the device path and its tests.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
+
+from lw_core.host_copier import aligned_empty
+
+from lw_vllm.device_path import DevicePath
+from lw_vllm.device_streams import DeviceOps, TorchDeviceOps
 
 Buffer = Any
 Token = Any
@@ -68,9 +72,14 @@ def block_bytes_view(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
 
 
 class TorchCopier:
-    """``Copier`` over per-layer KV tensors (index = layer index in the pool object)."""
+    """``Copier`` over per-layer KV tensors (index = layer index in the pool object).
 
-    def __init__(self, kv_layers: Sequence[torch.Tensor], num_blocks: int):
+    ``ops`` replaces the device operations (tests drive the device path with CPU tensors through
+    a recording fake); ``copy_timeout_s`` bounds a save into pageable memory on a device.
+    """
+
+    def __init__(self, kv_layers: Sequence[torch.Tensor], num_blocks: int, *, ops: DeviceOps | None = None,
+                 copy_timeout_s: float = 10.0):
         if not kv_layers:
             raise ValueError("TorchCopier: kv_layers must hold at least one layer tensor")
         self.layers = [block_bytes_view(t, num_blocks) for t in kv_layers]
@@ -79,10 +88,12 @@ class TorchCopier:
         for i, t in enumerate(kv_layers):
             if t.device != self.device:
                 raise ValueError(f"TorchCopier: layer {i} is on {t.device}, layer 0 on {self.device}")
-        self.on_host = self.device.type == "cpu"
+        self.on_host = self.device.type == "cpu" and ops is None
         # Host: numpy views of the same memory (copies release the GIL, per-block slicing is cheap).
         self._np = [lay.numpy() for lay in self.layers] if self.on_host else None
-        self._stream = None if self.on_host else _new_stream(self.device)
+        self.dev: DevicePath | None = None
+        if not self.on_host:
+            self.dev = DevicePath(self.layers, ops or TorchDeviceOps(self.device), copy_timeout_s)
 
     # --- helpers ---
     def _layer(self, layer: int) -> torch.Tensor:
@@ -96,6 +107,13 @@ class TorchCopier:
         for b in block_ids:
             if not 0 <= b < self.num_blocks:
                 raise IndexError(f"TorchCopier: block id {b} out of range; accepted 0..{self.num_blocks - 1}")
+
+    def _check_sizes(self, layer: int, block_ids: Sequence[int], bufs: Sequence[Buffer]) -> None:
+        n = self.block_nbytes(layer)
+        for b, buf in zip(block_ids, bufs):
+            size = memoryview(buf).nbytes
+            if size != n:
+                raise ValueError(f"TorchCopier: buffer for block {b} of layer {layer} has {size} bytes, expected {n}")
 
     def _host_bytes(self, buf: Buffer, layer: int, b: int) -> np.ndarray:
         a = np.frombuffer(buf, dtype=np.uint8)
@@ -119,77 +137,53 @@ class TorchCopier:
         return [memoryview(arr[b]) for b in block_ids]
 
     def to_kv(self, layer: int, block_ids: Sequence[int], srcs: Sequence[Buffer]) -> Token:
-        lay = self._layer(layer)
+        self._layer(layer)
         self._check(block_ids, srcs, "srcs")
-        if self.on_host:
-            arr = self._np[layer]  # type: ignore[index]
-            for b, s in zip(block_ids, srcs):
-                np.copyto(arr[:, b], self._host_bytes(s, layer, b))
-            return None
-        host = torch.from_numpy(np.stack([self._host_bytes(s, layer, b) for b, s in zip(block_ids, srcs)], axis=1))
-        idx = torch.tensor(list(block_ids), dtype=torch.long)
-        with self._stream:  # type: ignore[union-attr]
-            dev = host.to(self.device, non_blocking=False)
-            lay.index_copy_(1, idx.to(self.device), dev)
-            return self._record()
+        if self.dev is not None:
+            self._check_sizes(layer, block_ids, srcs)
+            return self.dev.to_kv(layer, block_ids, srcs, self.block_nbytes(layer)) if block_ids else None
+        arr = self._np[layer]  # type: ignore[index]
+        for b, s in zip(block_ids, srcs):
+            np.copyto(arr[:, b], self._host_bytes(s, layer, b))
+        return None
 
     def from_kv(self, layer: int, block_ids: Sequence[int], dsts: Sequence[Buffer], after: Token = None) -> Token:
         lay = self._layer(layer)
         self._check(block_ids, dsts, "dsts")
-        if self.on_host:
-            arr = self._np[layer]  # type: ignore[index]
-            for b, d in zip(block_ids, dsts):
-                out = np.frombuffer(d, dtype=np.uint8)
-                if out.size != self.block_nbytes(layer):
-                    raise ValueError(
-                        f"TorchCopier: buffer for block {b} of layer {layer} has {out.size} bytes, "
-                        f"expected {self.block_nbytes(layer)}"
-                    )
-                np.copyto(out.reshape(lay.shape[0], lay.shape[2]), arr[:, b])
-            return None
-        idx = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
-        with self._stream:  # type: ignore[union-attr]
-            if after is not None:
-                self._stream.wait_event(after)  # type: ignore[union-attr]
-            gathered = lay.index_select(1, idx).transpose(0, 1).contiguous().cpu()  # host copy: syncs this stream only
-        for i, d in enumerate(dsts):
+        if self.dev is not None:
+            self._check_sizes(layer, block_ids, dsts)
+            return self.dev.from_kv(layer, block_ids, dsts, self.block_nbytes(layer), after) if block_ids else None
+        arr = self._np[layer]  # type: ignore[index]
+        for b, d in zip(block_ids, dsts):
             out = np.frombuffer(d, dtype=np.uint8)
-            np.copyto(out.reshape(lay.shape[0], lay.shape[2]), gathered[i].numpy())
+            if out.size != self.block_nbytes(layer):
+                raise ValueError(
+                    f"TorchCopier: buffer for block {b} of layer {layer} has {out.size} bytes, "
+                    f"expected {self.block_nbytes(layer)}"
+                )
+            np.copyto(out.reshape(lay.shape[0], lay.shape[2]), arr[:, b])
         return None
 
     def compute_event(self) -> Token:
-        if self.on_host:
-            return None
-        ev = torch.Event(device=self.device)
-        ev.record(torch.accelerator.current_stream(self.device))
-        return ev
+        return None if self.dev is None else self.dev.compute_event()
 
     def wait(self, token: Token, timeout_s: float) -> bool:
-        if token is None:
-            return True
-        deadline = time.monotonic() + timeout_s
-        delay = 1e-5
-        while not token.query():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
-        return True
+        return True if token is None or self.dev is None else self.dev.wait(token, timeout_s)
 
     def make_visible(self, token: Token) -> None:
-        if token is not None:
-            torch.accelerator.current_stream(self.device).wait_event(token)
+        if token is not None and self.dev is not None:
+            self.dev.make_visible(token)
 
-    def _record(self) -> Token:
-        ev = torch.Event(device=self.device)
-        ev.record(self._stream)
-        return ev
+    # --- optional Copier methods (lw_core.copier) ---
+    def begin_load(self) -> None:
+        """Called on the forward thread when a step's loads start: order them after the compute
+        stream's work so far (device); nothing on the CPU."""
+        if self.dev is not None:
+            self.dev.begin_load()
 
-
-def _new_stream(device: torch.device) -> Any:
-    if device.type == "npu":
-        try:
-            import torch_npu  # noqa: F401  (registers the npu device with torch)
-        except ImportError as e:  # pragma: no cover - only on Ascend
-            raise RuntimeError("KV cache is on an NPU but torch_npu is not installed") from e
-    return torch.Stream(device=device)
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """Host memory for the pipeline's staging: pinned on a device (the DMA reads/writes it
+        directly), page-aligned ordinary memory on the CPU."""
+        if self.dev is not None:
+            return self.dev.staging.host_buffer(nbytes)
+        return aligned_empty(nbytes)

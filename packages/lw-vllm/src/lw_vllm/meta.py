@@ -11,33 +11,50 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 
 class Xfer(msgspec.Struct, frozen=True, array_like=True):
-    """Move chunk ``hashes[i]`` to/from KV block ``block_ids[i]`` for request ``req_id``."""
+    """Move chunk ``hashes[i]`` to/from KV block ``block_ids[i]`` for request ``req_id``.
+    ``src_tp`` (loads): the TP size of the engine that saved the chunks when it is not this
+    engine's (GQA: each worker reads its heads from that size's objects); 0 = this engine's."""
 
     req_id: str
     hashes: list[bytes]
     block_ids: list[int]
+    src_tp: int = 0
 
 
 class LayerwiseMeta(KVConnectorMetadata):
     """One step's plan: loads run before (bulk) or during (layerwise) the forward, saves after
     each layer's attention (layerwise) or after the forward (bulk)."""
 
-    def __init__(self, loads: list[Xfer] | None = None, saves: list[Xfer] | None = None) -> None:
+    def __init__(self, loads: list[Xfer] | None = None, saves: list[Xfer] | None = None, bulk_load: bool = False,
+                 stream_loads: list[Xfer] | None = None) -> None:
         self.loads = loads or []
         self.saves = saves or []
+        # Streaming PD: receives the worker starts now and reports through get_finished later.
+        self.stream_loads = stream_loads or []
+        # Streaming PD: receives to end now (their prefill failed); still reported as finished.
+        self.stream_cancels: list[str] = []
+        # The step schedules no tokens: a worker with receives running may wait a little for one
+        # to end instead of letting vLLM spin through empty steps (see stream_recv.IDLE_WAIT_S).
+        self.idle = False
+        # Layerwise mode, but this step's forward computes next to nothing (e.g. a PD decoder's last
+        # prompt token): no compute to overlap, so every layer loads at once before the forward.
+        self.bulk_load = bulk_load
 
     def __repr__(self) -> str:
-        return f"LayerwiseMeta(loads={len(self.loads)}, saves={len(self.saves)})"
+        return (f"LayerwiseMeta(loads={len(self.loads)}, saves={len(self.saves)}, bulk_load={self.bulk_load}, "
+                f"stream_loads={len(self.stream_loads)})")
 
 
 class LayerwiseWorkerMeta(KVConnectorWorkerMetadata):
     """Per request: blocks loaded, blocks that failed to load, chunks committed to the pool."""
 
     def __init__(self, loaded: dict[str, int] | None = None, failed: dict[str, int] | None = None,
-                 saved: dict[str, int] | None = None) -> None:
+                 saved: dict[str, int] | None = None, load_span: dict[str, tuple[float, float]] | None = None) -> None:
         self.loaded = loaded or {}
         self.failed = failed or {}
         self.saved = saved or {}
+        # Wall-clock (start, end) of the step's load per request, for the stats record's breakdown.
+        self.load_span = load_span or {}
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         # Several workers (TP ranks) each report: a block counts as loaded only if every rank
@@ -52,4 +69,8 @@ class LayerwiseWorkerMeta(KVConnectorWorkerMetadata):
         saved = dict(self.saved)
         for k, v in other.saved.items():
             saved[k] = max(v, saved.get(k, 0))
-        return LayerwiseWorkerMeta(loaded, failed, saved)
+        span = dict(self.load_span)
+        for k, (a, b) in other.load_span.items():
+            mine = span.get(k)
+            span[k] = (a, b) if mine is None else (min(a, mine[0]), max(b, mine[1]))
+        return LayerwiseWorkerMeta(loaded, failed, saved, span)

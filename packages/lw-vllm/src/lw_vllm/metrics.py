@@ -38,6 +38,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "save_errors": ("vllm:lw_pool_save_errors_total", "Steps whose saves reported at least one error"),
     "save_deadline_misses": ("vllm:lw_pool_save_deadline_misses_total", "Layers whose save missed save_timeout_s"),
     "evictions": ("vllm:lw_pool_evictions_total", "Pool evictions observed (pool-wide counter, seen from this worker)"),
+    "pd_prefill_not_in_pool": ("vllm:lw_pool_pd_prefill_not_in_pool_total",
+                               "Decoder requests whose prefill the metaserver reported committed while the pool held "
+                               "none of it (another pool, model identity or KV layout; computed here instead)"),
 }
 # Histograms: payload key -> (Prometheus name, help, buckets).
 _WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -99,7 +102,7 @@ class LayerwiseStats(KVConnectorStats):
         out["hit_rate_pct"] = round(100.0 * d.get("hit_tokens", 0) / d["lookup_tokens"], 1) if d.get("lookup_tokens") else 0.0
         for k in ("hit_tokens", "loaded_objects", "loaded_bytes", "load_failed_blocks", "load_deadline_misses",
                   "saved_objects", "saved_bytes", "save_failed_objects", "save_deadline_misses", "evictions",
-                  "lookup_errors"):
+                  "lookup_errors", "pd_prefill_not_in_pool"):
             out[k] = d.get(k, 0)
         w = d.get("layer_wait_s") or []
         if w:

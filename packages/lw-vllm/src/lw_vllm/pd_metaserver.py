@@ -75,13 +75,15 @@ class MetaserverClient:
         self._answered = threading.Event()  # set by the loop thread whenever a call completes
 
     # --- scheduler thread ---
-    def post(self, request_id: str, params: DecodeTransferParams) -> None:
-        """Start the call for ``request_id`` unless one exists (vLLM asks again after preemption)."""
+    def post(self, request_id: str, params: DecodeTransferParams, needs_prefill: bool | None = None) -> None:
+        """Start the call for ``request_id`` unless one exists (vLLM asks again after preemption).
+        ``needs_prefill``: see ``lw_core.wire.MetaserverRequest``."""
         if request_id in self._calls:
             return
-        body = msgspec.json.encode(MetaserverRequest(lw_parent_id=params.lw_parent_id, request_id=request_id))
+        body = msgspec.json.encode(MetaserverRequest(lw_parent_id=params.lw_parent_id, request_id=request_id,
+                                                     needs_prefill=needs_prefill))
         loop = self._ensure_loop()
-        fut = asyncio.run_coroutine_threadsafe(self._post(params.metaserver, body), loop)
+        fut = asyncio.run_coroutine_threadsafe(self._post(params.metaserver, body, params.lw_token), loop)
         fut.add_done_callback(lambda _f: self._answered.set())
         self._calls[request_id] = _Call(fut, time.monotonic())
 
@@ -143,7 +145,7 @@ class MetaserverClient:
             return self._loop
 
     # --- loop thread ---
-    async def _post(self, url: str, body: bytes) -> Outcome:
+    async def _post(self, url: str, body: bytes, token: str | None = None) -> Outcome:
         import aiohttp
 
         t0 = time.monotonic()
@@ -151,9 +153,12 @@ class MetaserverClient:
             # No connection limit: each call is held until its prefill is done, and the proxy
             # bounds the number of children per parent.
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        headers = {"Content-Type": "application/json"}
+        if token is not None:  # the per-parent token the proxy handed us: it authenticates this call
+            headers["Authorization"] = f"Bearer {token}"
         try:
             async with self._session.post(
-                url, data=body, headers={"Content-Type": "application/json"},
+                url, data=body, headers=headers,
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             ) as r:
                 raw = await r.read()

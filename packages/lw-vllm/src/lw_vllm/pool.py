@@ -7,16 +7,19 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from lw_core.backend import Backend, open_backend
-from lw_core.config import PoolConfig, parse_config
+from lw_core.backend import Backend, open_backend, supports_streaming
+from lw_core.config import ConfigError, PoolConfig, parse_config
 from lw_core.keys import KeySpace, rank_tag
+from lw_core.tp_split import can_split
+
+from lw_vllm.model_identity import model_identity
 
 _lock = threading.Lock()
 _backends: dict[tuple, list[Any]] = {}  # key -> [backend, refcount]
 
 
 def _backend_key(cfg: PoolConfig) -> tuple:
-    return (cfg.backend, cfg.embedded_path, cfg.embedded_capacity_bytes, cfg.memcache_config_path)
+    return (cfg.backend, cfg.backend_keys)  # the plugin's keys struct (frozen, so hashable)
 
 
 def acquire_backend(cfg: PoolConfig) -> Backend:
@@ -38,6 +41,19 @@ def release_backend(cfg: PoolConfig, backend: Backend) -> None:
         if entry[1] <= 0:
             del _backends[k]
             backend.close()
+
+
+def check_streaming(cfg: PoolConfig, backend: Backend) -> None:
+    """``pd_streaming`` needs the backend's streaming extension: refuse at start-up, naming it.
+    The backend is released first (the engine does not start)."""
+    if cfg.pd_streaming and not supports_streaming(backend):
+        release_backend(cfg, backend)
+        raise ConfigError(
+            f"kv_connector_extra_config.pd_streaming=true needs a backend with the streaming extension "
+            f"(publish, open_streaming, wait_published), and backend {getattr(backend, 'name', cfg.backend)!r} "
+            "does not have it; "
+            "use backend 'embedded' or 'memcache', or set pd_streaming to false"
+        )
 
 
 def pool_config(vllm_config: Any) -> PoolConfig:
@@ -74,28 +90,79 @@ def layer_names(kv_cache_config: Any) -> list[str]:
     return list(kv_cache_config.kv_cache_groups[0].layer_names)
 
 
-def key_space(vllm_config: Any, kv_cache_config: Any) -> KeySpace:
-    """Same on the scheduler and every worker: built from the KV cache spec, not from tensors."""
+def key_space(vllm_config: Any, kv_cache_config: Any, cfg: PoolConfig, tp_size: int | None = None) -> KeySpace:
+    """Same on the scheduler and every worker: built from the KV cache spec, not from tensors, and
+    from the model's identity (``model_id``, else its config and weights), not its path.
+    ``tp_size``: the key space an engine of this model at that TP size uses (``None``: this one's);
+    GQA ranks hold ``kv_heads / tp`` heads each, so their pages scale with it. MLA's keys carry no
+    TP size: every rank holds the same latent KV, so engines at any TP size share its objects."""
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     n_layers = len(layer_names(kv_cache_config))
     mc = vllm_config.model_config
+    own_tp = vllm_config.parallel_config.tensor_parallel_size
+    tp = own_tp if tp_size is None else tp_size
+    page = spec.page_size_bytes
+    if tp != own_tp and not is_mla(vllm_config):
+        total = total_kv_heads(vllm_config)
+        if total is None:  # unknown: each rank's share scales with 1 / tp
+            page = page * own_tp // tp
+        else:
+            page = page // kv_heads_per_rank(total, own_tp) * kv_heads_per_rank(total, tp)
+    ident = model_identity(str(mc.model), getattr(mc, "revision", None), cfg.model_id)
     return KeySpace.for_model(
-        model=str(mc.model),
+        model=ident,
         dtype=str(mc.dtype),
         block_size=spec.block_size,
-        layer_block_bytes=[spec.page_size_bytes] * n_layers,
+        layer_block_bytes=[page] * n_layers,
         kv_dtype=str(vllm_config.cache_config.cache_dtype),
-        extra=(type(spec).__name__, vllm_config.parallel_config.tensor_parallel_size),
+        extra=(type(spec).__name__, "tp-any" if is_mla(vllm_config) else tp),
     )
+
+
+def total_kv_heads(vllm_config: Any) -> int | None:
+    get = getattr(vllm_config.model_config, "get_total_num_kv_heads", None)
+    return int(get()) if callable(get) else None
+
+
+def kv_heads_per_rank(total: int, tp: int) -> int:
+    """vLLM's split: ``total / tp`` heads per rank, one replicated head when ``tp`` exceeds them."""
+    return max(1, total // tp)
+
+
+def readable_tp_sizes(vllm_config: Any, sizes: tuple[int, ...]) -> list[int]:
+    """The TP sizes among ``sizes`` (other than this engine's) whose GQA KV this engine reads by
+    head ranges (``lw_core.tp_split``): both sizes divide the model's kv heads. None for MLA (its
+    keys carry no TP size) or when the head count is unknown."""
+    own = vllm_config.parallel_config.tensor_parallel_size
+    total = total_kv_heads(vllm_config)
+    if is_mla(vllm_config) or total is None:
+        return []
+    return [tp for tp in sizes if tp != own and can_split(total, tp, own)]
+
+
+def tp_mismatch(vllm_config: Any, other_tp: int) -> str:
+    """Why KV saved at ``other_tp`` is not read by this engine (for logs)."""
+    own = vllm_config.parallel_config.tensor_parallel_size
+    total = total_kv_heads(vllm_config)
+    why = (f"it was saved by an engine at tensor_parallel_size={other_tp} and this engine runs "
+           f"tensor_parallel_size={own}")
+    if total is None:
+        return f"{why}; the model's kv head count is unknown, so this engine does not read across TP sizes"
+    if not can_split(total, other_tp, own):
+        return (f"{why}; the model's {total} kv heads do not divide evenly by both sizes, so this combination "
+                f"cannot share KV: run the prefiller and the decoder at sizes that divide {total}")
+    return (f"{why}; this engine reads KV across TP sizes, but not every saver rank's object of the prompt is "
+            f"in the pool (a save failed or was evicted)")
 
 
 def is_mla(vllm_config: Any) -> bool:
     return bool(vllm_config.model_config.use_mla)
 
 
-def rank_tags(vllm_config: Any) -> list[str]:
-    """Tags of every rank whose object a hit needs (MLA: one, its KV is the same on all ranks)."""
-    tp = vllm_config.parallel_config.tensor_parallel_size
+def rank_tags(vllm_config: Any, tp_size: int | None = None) -> list[str]:
+    """Tags of every rank whose object a hit needs (MLA: one, its KV is the same on all ranks);
+    ``tp_size``: an engine of this model at that TP size (``None``: this one)."""
+    tp = vllm_config.parallel_config.tensor_parallel_size if tp_size is None else tp_size
     if is_mla(vllm_config):
         return [rank_tag(tp_rank=0, tp_size=tp, mla=True)]
     return [rank_tag(tp_rank=r, tp_size=tp) for r in range(tp)]

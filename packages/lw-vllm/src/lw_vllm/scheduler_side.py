@@ -3,28 +3,28 @@
 A chunk is one vLLM block. Hashes are chained over token ids (lw_core.keys), so chunk ``i`` of a
 request lives in KV block ``block_ids[i]``. Rules:
 
-* Lookup from chunk 0; a chunk counts only if every needed rank has its object; stop at the first
-  miss; at least one prompt token is left to compute (vLLM needs logits).
+* Lookup from the first chunk vLLM lacks locally; a chunk counts only if every needed rank has its
+  object; stop at the first miss; at least one prompt token is left to compute (vLLM needs logits).
+  Nothing under this engine's TP size: GQA chunks saved at another size whose split divides the kv
+  heads count too (every saver rank's object); the load plan names that size and each worker reads
+  its heads by byte ranges (``_lookup_other_tp``, ``lw_core.tp_split``).
 * Loads are synchronous (done within the step that first schedules the request).
 * A chunk is saved in the step that completes it (or, for chunks vLLM had cached locally, in the
   first step the request runs), only if it is not known to be in the pool. Saves finish inside
   their step, so ``request_finished`` never has to delay freeing blocks.
-* Only full prompt chunks are shared. A trailing partial chunk would only be useful to the same
-  request (its key is request-scoped), so it is not saved here; see the README.
+* Full prompt chunks are shared by every request. A trailing partial chunk is saved only by a PD
+  prefill (``discard_partial_chunks`` false), under a key scoped to its parent request, for that
+  parent's decoder requests alone (scheduler_pd).
 
-PD disaggregation (ARCHITECTURE §6). Decoder (kv_consumer, or kv_both): a request whose
-``kv_transfer_params`` carry ``do_remote_prefill`` and a ``metaserver`` URL POSTs to the metaserver
-once (pd_metaserver, off this thread) and is reported "not ready yet" (``None``) until the answer;
-then it is looked up and loaded as usual. Such a request loads even when ``consumer_is_to_load``
-is false: loading the remote prefill is what a decoder is for; that flag governs only plain
-requests sent straight to a decoder. On a metaserver error or after ``metaserver_timeout_s`` the
-request still looks the pool up (committed objects are always valid KV) and vLLM computes the rest.
-A prompt with no full chunk to load posts (its siblings' prefill waits for every child) but does
-not wait. While requests wait and nothing else runs, one scheduling pass per step may wait up to
-``IDLE_WAIT_S`` for an answer, to keep vLLM's empty steps from spinning a CPU core.
-Prefiller (kv_producer): every full prompt chunk the pool lacks is saved in the step that computes
-it and committed in that step's ``wait_for_save``, i.e. before vLLM turns the step's output into a
-response, so a ``max_tokens: 1`` prefill is answered only after its objects are visible.
+PD disaggregation (ARCHITECTURE §6; scheduler_pd). Decoder (kv_consumer, or kv_both): a remote-prefill
+request is "not ready yet" (``None``) until its prefill is committed, then loads the whole prompt
+(even with ``consumer_is_to_load`` false: loading the remote prefill is what a decoder is for; that
+flag governs only plain requests sent straight to a decoder). On a metaserver error or after
+``metaserver_timeout_s`` the request still looks the pool up (committed objects are always valid
+KV) and vLLM computes the rest. Prefiller (kv_producer): looks pool prefixes up and loads them
+(``producer_is_to_load``); every full prompt chunk the pool lacks is saved in the step that
+computes it and committed in that step's ``wait_for_save``, i.e. before vLLM turns the step's output
+into a response, so a ``max_tokens: 1`` prefill is answered only after its objects are visible.
 
 Stats (``LW_VLLM_STATS_FILE``, one JSON line per finished request) are written once the worker
 report of the request's last step has arrived, so a prefill's ``saved_chunks`` counts what was
@@ -41,48 +41,30 @@ import time
 from typing import Any
 
 from lw_core.backend import BackendUnavailable
-from lw_core.keys import HashExtra, chunk_hashes
+from lw_core.config import PoolConfig
+from lw_core.keys import HashExtra, KeySpace, chunk_hashes
 from lw_core.pipeline_pool import DeadlineCall, WorkerPool
 
 from lw_vllm import pool
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
-from lw_vllm.pd_metaserver import MetaserverClient, Outcome, remote_prefill_params
+from lw_vllm.metrics import Collector
+from lw_vllm.pd_metaserver import MetaserverClient
+from lw_vllm.request_state import RemotePhase, ReqState
+from lw_vllm.scheduler_pd import IDLE_WAIT_S, PdMixin, parent_id  # noqa: F401  (IDLE_WAIT_S: tests)
 
 log = logging.getLogger(__name__)
 
 STATS_ENV = "LW_VLLM_STATS_FILE"
-# While requests wait for their remote prefill, vLLM runs an empty step about every millisecond
-# (scheduler + worker round trip): measured, that burns more than one CPU core, which on a
-# shared host starves the very prefiller being waited for. When the last step ran nothing, one
-# scheduling pass waits up to this long for a metaserver answer (waking at once on one); a new
-# request arriving meanwhile is scheduled at most this much later.
-IDLE_WAIT_S = 0.02
+# A step whose forward computes at most this many tokens per scheduled request (decodes, a PD
+# decoder's last prompt token) loads in bulk even in layerwise mode.
+BULK_LOAD_TOKENS_PER_REQ = 2
 # After a lookup timeout, lookups are skipped (misses) for this long: a wedged store then costs
 # one deadline every few seconds instead of one per request.
 LOOKUP_BACKOFF_S = 5.0
-
-
-class _Req:
-    __slots__ = ("req", "hashes", "n_tokens", "block_ids", "pool_chunks", "saved_upto", "load",
-                 "promised", "local_computed", "loaded_blocks", "failed_blocks", "saved_chunks", "prompt_len",
-                 "remote", "last_xfer_build")
-
-    def __init__(self, req: Any) -> None:
-        self.req = req
-        self.hashes: list[bytes] = []
-        self.n_tokens = -1  # token count the hashes were computed for
-        self.block_ids: list[int] = []
-        self.pool_chunks = 0  # leading chunks known to be in the pool
-        self.saved_upto = 0  # chunks [0, saved_upto) need no saving
-        self.load: tuple[int, int] | None = None  # (first chunk, n chunks) to load this step
-        self.promised = 0
-        self.local_computed = 0  # tokens vLLM had cached locally at the last lookup
-        self.loaded_blocks = 0
-        self.failed_blocks = 0
-        self.saved_chunks = 0
-        self.prompt_len = len(req.prompt_token_ids or ())
-        self.remote: Outcome | str | None = None  # PD: metaserver outcome, or why there was no call
-        self.last_xfer_build = -1  # build_connector_meta index of this request's latest load/save
+# TP sizes another engine of this model may run at: on a miss, those whose GQA heads this engine
+# can read by ranges are looked up (README "Prefill and decode at different TP"); all are probed
+# when a PD decoder's pool holds none of a committed prefill, to say why.
+OTHER_TP_SIZES = (1, 2, 4, 8, 16)
 
 
 def _extra(req: Any) -> HashExtra:
@@ -95,18 +77,33 @@ def _extra(req: Any) -> HashExtra:
     )
 
 
-class SchedulerSide:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: Any, role: str) -> None:
+class SchedulerSide(PdMixin):
+    """``metrics``: the connector's collector, for what only the scheduler part sees (lookup errors,
+    metaserver waits, prefills not in the pool); a fresh one when none is given (tests)."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: PoolConfig, role: str,
+                 metrics: Collector | None = None) -> None:
         self.cfg = cfg
+        self.metrics = metrics if metrics is not None else Collector()
         self.block_size = pool.block_size(kv_cache_config)
-        self.keyspace = pool.key_space(vllm_config, kv_cache_config)
+        self.keyspace = pool.key_space(vllm_config, kv_cache_config, cfg)
         self.tags = pool.rank_tags(vllm_config)
-        self.can_load = role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load)
+        # Key spaces of this model at other TP sizes (GQA: MLA's keys carry no TP size).
+        self.other_tp = {} if pool.is_mla(vllm_config) else {
+            tp: (pool.key_space(vllm_config, kv_cache_config, cfg, tp), pool.rank_tags(vllm_config, tp))
+            for tp in OTHER_TP_SIZES if tp != vllm_config.parallel_config.tensor_parallel_size}
+        self.readable_tp = pool.readable_tp_sizes(vllm_config, tuple(self.other_tp))
+        self._vllm_config = vllm_config
+        # What engines must agree on to share objects (compare across hosts when nothing hits).
+        log.info("lw-vllm: pool keys %s (block_size %d, rank tags %s)",
+                 self.keyspace.key(self.tags[0], b"").rstrip("/") + "/...", self.block_size, ",".join(self.tags))
+        self.can_load = (role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load)
+                         or (role == "kv_producer" and cfg.producer_is_to_load))
         self.can_save = role in ("kv_both", "kv_producer") or (role == "kv_consumer" and cfg.consumer_is_to_put)
         self.backend = pool.acquire_backend(cfg)
         self._lookup_pool = WorkerPool("lw-lookup", size=1)
         self._lookup_paused_until = 0.0
-        self.reqs: dict[str, _Req] = {}
+        self.reqs: dict[str, ReqState] = {}
         self.stats_path = os.environ.get(STATS_ENV) or None
         self._stats_lock = threading.Lock()
         # A prefiller never waits for anyone; a decoder (or a kv_both engine behind the proxy) does.
@@ -117,27 +114,33 @@ class SchedulerSide:
         self._lag = 1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0
         # Finished requests whose last step's worker report has not arrived yet: their stats are
         # written when it does, so saved/loaded counts include the final step.
-        self._finishing: dict[str, _Req] = {}
-        self.metrics: Any = None  # lw_vllm.metrics.Collector, set by the connector
+        self._finishing: dict[str, ReqState] = {}
         # Whether the last get_num_new_matched_tokens call looked the pool up (for lookup metrics:
         # "not ready yet" answers and plain requests on a non-loading role are not lookups).
         self.last_call_looked_up = False
+        self._first_step: list[ReqState] = []  # requests whose first scheduled step has not reported yet
+        self._stream_pending: list[ReqState] = []  # streaming PD: parked requests to hand to the workers
+        self._streams: dict[str, ReqState] = {}  # streaming PD: receives sent, metaserver not answered
 
     # --- helpers ---
-    def _state(self, req: Any) -> _Req:
+    def _state(self, req: Any) -> ReqState:
         st = self.reqs.get(req.request_id)
         if st is None or st.req is not req:
-            st = self.reqs[req.request_id] = _Req(req)
+            st = self.reqs[req.request_id] = ReqState.of(req, parent_id(req))
         return st
 
-    def _hashes(self, st: _Req) -> list[bytes]:
+    @staticmethod
+    def _extra_of(req: Any) -> HashExtra:
+        return _extra(req)
+
+    def _hashes(self, st: ReqState) -> list[bytes]:
         tokens = st.req.all_token_ids
         if len(tokens) != st.n_tokens:
             st.hashes = chunk_hashes(list(tokens), self.block_size, _extra(st.req))
             st.n_tokens = len(tokens)
         return st.hashes
 
-    def _lookup(self, hashes: list[bytes]) -> int:
+    def _lookup(self, hashes: list[bytes], keyspace: KeySpace | None = None, tags: list[str] | None = None) -> int:
         """Leading chunks every needed rank has. Runs under ``lookup_timeout_s``: this is vLLM's
         scheduler loop, and a stalled store must cost a miss, not a stalled engine. After a
         timeout, lookups pause for ``LOOKUP_BACKOFF_S`` (misses at once) instead of paying the
@@ -149,26 +152,40 @@ class SchedulerSide:
 
         def run() -> int:
             n = len(hashes)
-            for tag in self.tags:
+            ks = keyspace or self.keyspace
+            for tag in tags or self.tags:
                 if n == 0:
                     break
-                n = min(n, self.backend.lookup(self.keyspace.keys(tag, hashes[:n])))
+                n = min(n, self.backend.lookup(ks.keys(tag, hashes[:n])))
             return n
 
         call = DeadlineCall(self._lookup_pool, run)
         if not call.wait(self.cfg.lookup_timeout_s):
             self._lookup_paused_until = time.monotonic() + LOOKUP_BACKOFF_S
-            if self.metrics is not None:
-                self.metrics.add(lookup_errors=1)
+            self.metrics.add(lookup_errors=1)
             raise BackendUnavailable(
                 f"pool lookup took longer than lookup_timeout_s={self.cfg.lookup_timeout_s}s; "
                 f"lookups paused for {LOOKUP_BACKOFF_S}s"
             )
         if call.error is not None:
+            self.metrics.add(lookup_errors=1)  # the callers turn it into a miss: count it here
             raise call.error
         return call.value
 
-    def _skip_published(self, st: _Req) -> None:
+    def _lookup_other_tp(self, hashes: list[bytes], local: int, limit: int) -> tuple[int, int]:
+        """After a miss at this engine's TP size: ``(hit, saver TP size)`` of chunks an engine at
+        another size saved whose heads this engine reads by ranges, else ``(local, 0)``. One key
+        per size first (a cheap miss), then every saver rank's objects (each holds some of the
+        heads some rank of this engine needs)."""
+        for tp in self.readable_tp:
+            ks, tags = self.other_tp[tp]
+            if self._lookup(hashes[local:local + 1], ks, tags[:1]) == 1:
+                n = self._lookup(hashes[local:limit], ks, tags)
+                if n:
+                    return local + n, tp
+        return local, 0
+
+    def _skip_published(self, st: ReqState) -> None:
         """A saver that does not load (kv_producer) still skips chunks the pool already holds:
         re-saving them would only be refused by the pool (and report nothing for the request)."""
         n = min(st.prompt_len, len(st.req.all_token_ids)) // self.block_size
@@ -181,79 +198,69 @@ class SchedulerSide:
             return
         st.saved_upto = max(st.saved_upto, hit)
 
-    def _remote_prefill(self, st: _Req, max_chunks: int) -> bool | None:
-        """PD decoder: ``None`` while the metaserver has not answered, else whether this request is
-        a remote-prefill one (which loads whatever the pool holds, whatever the outcome)."""
-        if self.metaserver is None:
-            return False
-        req = st.req
-        if st.remote is None:
-            params = remote_prefill_params(getattr(req, "kv_transfer_params", None))
-            if params is None:
-                return False
-            if isinstance(params, str):
-                log.warning("lw-vllm: %s: %s; computing what the pool lacks", req.request_id, params)
-                st.remote = params
-                return True
-            # Post even when this request will not wait: the proxy dispatches the prefill only once
-            # every child of the parent has called.
-            self.metaserver.post(req.request_id, params)
-            if max_chunks <= 0 or getattr(req, "skip_reading_prefix_cache", False):
-                st.remote = "nothing to load"
-                return True
-            st.remote = "waiting"
-        if st.remote == "waiting":
-            out = self.metaserver.poll(req.request_id)
-            if out is None and self._last_step_empty and self._idle_waited_at != self._builds:
-                self._idle_waited_at = self._builds
-                self.metaserver.wait_for_answer(IDLE_WAIT_S)
-                out = self.metaserver.poll(req.request_id)
-            if out is None:
-                return None
-            st.remote = out
-            if self.metrics is not None:
-                self.metrics.observe("metaserver_wait_s", [out.wait_s])
-            if not out.ok:
-                log.warning("lw-vllm: %s: remote prefill unavailable (%s); computing what the pool lacks",
-                            req.request_id, out.detail)
-        return True
-
     # --- vLLM hooks ---
     def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.last_call_looked_up = False
         st = self._state(req)
-        max_chunks = (len(req.all_token_ids) - 1) // self.block_size  # leave one token to compute
-        remote = self._remote_prefill(st, max_chunks)
+        n_tokens = len(req.all_token_ids)
+        remote = self._remote_prefill(st, num_computed_tokens)
         if remote is None:
             return None, False  # vLLM asks again next step
+        if remote and st.remote is not None and st.remote.phase is RemotePhase.STREAMING:
+            n, is_async = self._stream_match(st, num_computed_tokens)
+            self.last_call_looked_up = is_async
+            return n, is_async
         if not (self.can_load or remote):
             if self.can_save:
                 self._skip_published(st)
             return 0, False
         st.local_computed = num_computed_tokens
-        hashes = self._hashes(st)
-        if max_chunks <= 0:
+        if remote and st.parent is not None:
+            # The whole prompt, partial chunk included: the decoder computes the last token only.
+            hashes = self._prompt_hashes(st)
+            limit = len(hashes)
+        else:
+            hashes = self._hashes(st)
+            limit = (n_tokens - 1) // self.block_size  # leave one token to compute
+        local = num_computed_tokens // self.block_size
+        if limit <= local:
             return 0, False
         self.last_call_looked_up = True
         try:
-            hit = self._lookup(hashes[:max_chunks])
+            # From the first chunk vLLM lacks: chained keys make chunk i valid after any valid prefix.
+            seen = st.pool_seen and hashes is st.pd_hashes
+            hit = limit if seen else local + self._lookup(hashes[local:limit])
+            src_tp = 0
+            if hit == local and self.readable_tp:
+                hit, src_tp = self._lookup_other_tp(hashes, local, limit)
         except Exception as e:  # a pool that cannot answer is a miss, never a failed request
             log.warning("lw-vllm: lookup failed for %s, treating as a miss: %s", req.request_id, e)
             return 0, False
-        st.pool_chunks = max(st.pool_chunks, hit)
-        st.saved_upto = max(st.saved_upto, hit)
-        return max(0, hit * self.block_size - num_computed_tokens), False
+        if remote:
+            self._check_prefill_visible(st, hashes, local, limit, hit)
+        st.load_hashes = hashes
+        st.load_src_tp = src_tp
+        full = min(hit, st.prompt_len // self.block_size)
+        st.pool_chunks = max(st.pool_chunks, full)
+        st.saved_upto = max(st.saved_upto, full)
+        tokens = min(hit * self.block_size, n_tokens - 1)
+        return max(0, tokens - num_computed_tokens), False
 
     def update_state_after_alloc(self, req: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._state(req)
         if num_external_tokens <= 0:
             return
         bs = self.block_size
-        # Local prefix-cache hits are block aligned; the pool hit extends them.
+        # Local prefix-cache hits are block aligned; the pool hit extends them (its last block may
+        # be the prompt's partial chunk).
         first = st.local_computed // bs
-        n = num_external_tokens // bs
-        st.load = (first, n)
+        end = st.local_computed + num_external_tokens
+        st.load = (first, -(-end // bs) - first)
         st.promised += num_external_tokens
+        if st.remote is not None and st.remote.phase is RemotePhase.STREAMING and not st.stream_sent:
+            st.block_ids = list(blocks.get_block_ids()[0])  # parked: no scheduler output will carry them
+            st.stream_pending = True
+            self._stream_pending.append(st)
 
     def build_connector_meta(self, so: Any) -> LayerwiseMeta:
         self._builds += 1
@@ -261,7 +268,7 @@ class SchedulerSide:
         self._flush_finishing(older_than=self._builds - 1 - self._lag)
         meta = LayerwiseMeta()
         bs = self.block_size
-        scheduled: list[tuple[_Req, int]] = []
+        scheduled: list[tuple[ReqState, int]] = []
         for nr in so.scheduled_new_reqs:
             st = self.reqs.get(nr.req_id)
             if st is None:
@@ -280,14 +287,22 @@ class SchedulerSide:
                 st.block_ids.extend(new[0])
             scheduled.append((st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)))
 
+        self._send_streams(meta)
+        self._cancel_failed_streams(meta)
+        meta.idle = self._last_step_empty
+        now = time.time()
         for st, computed_after in scheduled:
+            if "sched" not in st.t:
+                st.t["sched"] = now
+                self._first_step.append(st)
             if st.load is not None:
                 first, n = st.load
                 st.load = None
-                hashes = self._hashes(st)
+                hashes = st.load_hashes or self._hashes(st)
                 if n > 0 and first + n <= min(len(hashes), len(st.block_ids)):
-                    meta.loads.append(Xfer(st.req.request_id, hashes[first:first + n], st.block_ids[first:first + n]))
-                    st.saved_upto = max(st.saved_upto, first + n)
+                    meta.loads.append(Xfer(st.req.request_id, hashes[first:first + n], st.block_ids[first:first + n],
+                                           st.load_src_tp))
+                    st.saved_upto = max(st.saved_upto, min(first + n, st.prompt_len // bs))
                     st.last_xfer_build = self._builds
             if not self.can_save:
                 continue
@@ -300,9 +315,20 @@ class SchedulerSide:
                     meta.saves.append(Xfer(st.req.request_id, hashes[st.saved_upto:full], st.block_ids[st.saved_upto:full]))
                     st.saved_upto = full
                     st.last_xfer_build = self._builds
+            partial = self._partial_save(st, computed_after)
+            if partial is not None:  # PD prefill: the decoder loads it and computes one token only
+                meta.saves.append(Xfer(st.req.request_id, [partial[0]], [partial[1]]))
+                st.last_xfer_build = self._builds
+        if meta.loads and getattr(so, "total_num_scheduled_tokens", 0) <= BULK_LOAD_TOKENS_PER_REQ * len(scheduled):
+            meta.bulk_load = True  # nothing worth overlapping: layer pipelining would only add waits
         return meta
 
     def update_connector_output(self, out: Any) -> None:
+        if self._first_step:
+            now = time.time()
+            for st in self._first_step:
+                st.t.setdefault("step_done", now)
+            self._first_step.clear()
         wm = getattr(out, "kv_connector_worker_meta", None)
         if isinstance(wm, LayerwiseWorkerMeta):
             self._apply_report(wm)
@@ -310,12 +336,15 @@ class SchedulerSide:
         self._flush_finishing()
 
     def _apply_report(self, wm: LayerwiseWorkerMeta) -> None:
-        def get(rid: str) -> _Req | None:
+        def get(rid: str) -> ReqState | None:
             return self.reqs.get(rid) or self._finishing.get(rid)
 
         for rid, n in wm.loaded.items():
             if (st := get(rid)) is not None:
                 st.loaded_blocks += n
+        for rid, (a, b) in getattr(wm, "load_span", {}).items():
+            if (st := get(rid)) is not None and "load_start" not in st.t:
+                st.t["load_start"], st.t["load_done"] = a, b
         for rid, n in wm.failed.items():
             if (st := get(rid)) is not None:
                 st.failed_blocks += n
@@ -325,10 +354,13 @@ class SchedulerSide:
 
     def request_finished(self, req: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         st = self.reqs.pop(req.request_id, None)
+        self._streams.pop(req.request_id, None)
+        if st is not None:
+            st.t["finished"] = time.time()
         if self.metaserver is not None:
             # A request that finishes while still waiting was aborted: its call goes too. One that
             # never waited (nothing to load) leaves its call running for its siblings' sake.
-            self.metaserver.forget(req.request_id, cancel=st is None or st.remote == "waiting")
+            self.metaserver.forget(req.request_id, cancel=st is None or (st.remote is not None and st.remote.waiting))
         if st is not None and self.stats_path:
             # The report of the step that finished it is still to come only if that step moved
             # its KV (with async scheduling, one more step may have been built meanwhile).
@@ -345,19 +377,22 @@ class SchedulerSide:
                 del self._finishing[rid]
                 self._write_stats(st)
 
-    def _write_stats(self, st: _Req) -> None:
+    def _write_stats(self, st: ReqState) -> None:
         rec: dict[str, Any] = {
             "req_id": st.req.request_id,
             "prompt_tokens": st.prompt_len,
             "promised_tokens": st.promised,
-            "loaded_tokens": st.loaded_blocks * self.block_size,
+            "loaded_tokens": min(st.loaded_blocks * self.block_size, st.promised),
             "failed_blocks": st.failed_blocks,
             "saved_chunks": st.saved_chunks,
+            "t": {k: round(v, 4) for k, v in st.t.items()},
         }
+        if st.load_src_tp:
+            rec["load_src_tp"] = st.load_src_tp  # loaded KV saved at this other TP size
         if st.remote is not None:
-            out = st.remote
-            rec["remote_prefill"] = out.detail if isinstance(out, Outcome) else out
-            rec["metaserver_wait_s"] = round(out.wait_s, 4) if isinstance(out, Outcome) else None
+            rec["remote_prefill"] = st.remote.detail
+            wait_s = st.remote.wait_s
+            rec["metaserver_wait_s"] = None if wait_s is None else round(wait_s, 4)
         try:
             with self._stats_lock, open(self.stats_path, "a") as f:  # type: ignore[arg-type]
                 f.write(json.dumps(rec) + "\n")

@@ -10,15 +10,20 @@ outlives its step: ``get_finished`` has nothing to report and blocks are never f
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
+from lw_core.config import PoolConfig
+from lw_core.keys import KeySpace, rank_tag
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
+from lw_core.tp_split import HeadSplit, TpSplitError, split_heads
 
 from lw_vllm import pool
 from lw_vllm.copier import TorchCopier
-from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta
+from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector, EvictionWatch
+from lw_vllm.stream_recv import IDLE_WAIT_S, StreamReceiver
 
 log = logging.getLogger(__name__)
 
@@ -33,14 +38,14 @@ def _tp() -> tuple[int, int]:
 
 
 class WorkerSide:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: Any, role: str,
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, cfg: PoolConfig, role: str,
                  stats: Collector | None = None) -> None:
         self.vllm_config, self.kv_cache_config, self.cfg = vllm_config, kv_cache_config, cfg
         self.stats = stats if stats is not None else Collector()
         self._evictions: EvictionWatch | None = None
         self.tp_rank, self.tp_size = _tp()
         self.tag = pool.my_rank_tag(vllm_config, self.tp_rank)
-        self.keyspace = pool.key_space(vllm_config, kv_cache_config)
+        self.keyspace = pool.key_space(vllm_config, kv_cache_config, cfg)
         # MLA's latent KV is identical on every TP rank: rank 0 alone writes it, every rank reads.
         self.saves_here = not pool.is_mla(vllm_config) or self.tp_rank == 0
         self.layer_index: dict[str, int] = {}
@@ -53,6 +58,11 @@ class WorkerSide:
         self._save_owner: dict[str, str] = {}
         self._failed_blocks: set[int] = set()
         self._report = LayerwiseWorkerMeta()
+        self._load_t0 = self._load_t1 = 0.0  # wall clock: this step's load start / last layer in
+        # Per saver TP size whose GQA KV this rank reads: its head split and that size's key space.
+        self._sources: dict[int, tuple[HeadSplit, KeySpace]] = {}
+        self.role = role
+        self._recv: StreamReceiver | None = None  # streaming PD decoder (cfg.pd_streaming)
 
     # --- set-up ---
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -72,6 +82,7 @@ class WorkerSide:
         self.layer_index = {n: i for i, n in enumerate(names)}
         layout = ObjectLayout(tuple(copier.block_nbytes(i) for i in range(len(names))))
         self.backend = pool.acquire_backend(self.cfg)
+        pool.check_streaming(self.cfg, self.backend)
         self._evictions = EvictionWatch(self.backend)
         self.pipe = LayerPipeline(
             self.backend,
@@ -86,7 +97,11 @@ class WorkerSide:
             tp_size=self.tp_size,
             layer_timeout_s=self.cfg.layer_wait_timeout_s,
             save_timeout_s=self.cfg.save_timeout_s,
+            stream_publish=self.cfg.pd_streaming and self.role in ("kv_producer", "kv_both"),
         )
+        if self.cfg.pd_streaming and self.role in ("kv_consumer", "kv_both"):
+            self._recv = StreamReceiver(self.backend, copier, layout, self.cfg.metaserver_timeout_s,
+                                        threads=self.cfg.stream_recv_threads)
         log.info(
             "lw-vllm: %d layers, %d bytes per block and layer, %s mode, tag %s",
             len(names), page, "layerwise" if self.cfg.use_layerwise else "bulk", self.tag,
@@ -98,15 +113,96 @@ class WorkerSide:
         self._loading = self._saving = False
 
     def start_load_kv(self) -> None:
+        self._start_streams()
         meta, pipe = self._meta, self.pipe
         if meta is None or pipe is None or self._loading or not meta.loads:
             return
         loads = []
         for x in meta.loads:
-            loads.append(ReqLoad(x.req_id, self.keyspace.keys(self.tag, x.hashes), list(x.block_ids)))
+            load = self._req_load(x)
+            if load is None:
+                continue
+            loads.append(load)
             self._load_blocks[x.req_id] = list(x.block_ids)
+        if not loads:
+            return
         self._loading = True
-        pipe.start_load(loads)
+        self._load_t0, self._load_t1 = time.time(), 0.0
+        if meta.bulk_load and pipe.layerwise:
+            pipe.layerwise = False  # this step only: load every layer now (see LayerwiseMeta.bulk_load)
+            try:
+                pipe.start_load(loads)
+            finally:
+                pipe.layerwise = True
+        else:
+            pipe.start_load(loads)
+        if not pipe.layerwise or meta.bulk_load:
+            self._load_t1 = time.time()
+
+    def _start_streams(self) -> None:
+        meta, recv = self._meta, self._recv
+        if meta is not None and meta.stream_cancels and recv is not None:
+            recv.cancel(set(meta.stream_cancels))
+            meta.stream_cancels = []
+        if meta is None or not meta.stream_loads:
+            return
+        streams, meta.stream_loads = meta.stream_loads, []  # start_load_kv may run twice a step
+        for x in streams:
+            if recv is None:  # the scheduler asked although this worker has no receiver: a bug, recompute
+                log.error("lw-vllm: %s: streaming load without pd_streaming on this worker; recomputing", x.req_id)
+                self._failed_blocks |= set(x.block_ids)
+                continue
+            recv.start(x.req_id, self.keyspace.keys(self.tag, x.hashes), x.block_ids)
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        """Streaming receives that ended (``finished_recving``); their failed blocks go out in
+        this same pass through ``take_load_errors`` (vLLM calls it right after)."""
+        recv = self._recv
+        if recv is None:
+            return None
+        if finished_req_ids:
+            recv.cancel(finished_req_ids)
+        idle = self._meta is not None and self._meta.idle
+        done = recv.take_done(IDLE_WAIT_S if idle else 0.0)
+        if not done:
+            return None
+        for d in done:
+            bad = d.failed_blocks
+            self._failed_blocks |= set(bad)
+            self._report.load_span[d.req_id] = d.span
+            self._report.loaded[d.req_id] = self._report.loaded.get(d.req_id, 0) + d.good
+            if bad:
+                self._report.failed[d.req_id] = self._report.failed.get(d.req_id, 0) + len(bad)
+                log.warning("lw-vllm: %s: %d of %d streamed KV blocks did not arrive (%s); vLLM recomputes them",
+                            d.req_id, len(bad), len(d.block_ids), d.error or "unknown")
+        self.stats.add(load_failed_blocks=sum(len(d.failed_blocks) for d in done))
+        return {d.req_id for d in done}
+
+    def _req_load(self, x: Xfer) -> ReqLoad | None:
+        """The pipeline's load for ``x``: this rank's own objects, or (saved at another TP size,
+        GQA) ranged reads of the saver ranks' objects that hold this rank's heads."""
+        if not x.src_tp or x.src_tp == self.tp_size or pool.is_mla(self.vllm_config):
+            return ReqLoad(x.req_id, self.keyspace.keys(self.tag, x.hashes), list(x.block_ids))
+        try:
+            split, ks = self._source(x.src_tp)
+        except TpSplitError as e:  # the scheduler only asks for sizes that split: a bug, not a hang
+            log.error("lw-vllm: %s: cannot load KV saved at another TP size, recomputing: %s", x.req_id, e)
+            self._failed_blocks |= set(x.block_ids)
+            self._report.failed[x.req_id] = self._report.failed.get(x.req_id, 0) + len(x.block_ids)
+            return None
+        keys = [ks.keys(rank_tag(tp_rank=p, tp_size=x.src_tp), x.hashes) for p in split.src_ranks]
+        return ReqLoad(x.req_id, keys[0], list(x.block_ids), split=split, more_keys=keys[1:])
+
+    def _source(self, src_tp: int) -> tuple[HeadSplit, KeySpace]:
+        if src_tp not in self._sources:
+            total = pool.total_kv_heads(self.vllm_config)
+            if total is None:
+                raise TpSplitError(f"the model's kv head count is unknown; KV saved at tensor_parallel_size={src_tp} "
+                                   f"is not read at tensor_parallel_size={self.tp_size}")
+            split = split_heads(total, src_tp, self.tp_size, self.tp_rank)
+            ks = pool.key_space(self.vllm_config, self.kv_cache_config, self.cfg, src_tp)
+            self._sources[src_tp] = (split, ks)
+        return self._sources[src_tp]
 
     def _start_save(self) -> None:
         meta, pipe = self._meta, self.pipe
@@ -128,6 +224,8 @@ class WorkerSide:
             idx = self.layer_index.get(layer_name)
             if idx is not None:
                 self.pipe.wait_layer(idx)
+                if idx == len(self.layer_index) - 1 and not self._load_t1:
+                    self._load_t1 = time.time()
 
     def save_kv_layer(self, layer_name: str) -> None:
         if self.pipe is None or self._meta is None:
@@ -163,7 +261,9 @@ class WorkerSide:
         res = pipe.finish_load()
         failed = set(res.failed_block_ids)
         self._failed_blocks |= failed
+        span = (self._load_t0, self._load_t1 or time.time())
         for rid, blocks in self._load_blocks.items():
+            self._report.load_span[rid] = span
             bad = sum(1 for b in blocks if b in failed)
             self._report.loaded[rid] = self._report.loaded.get(rid, 0) + len(blocks) - bad
             if bad:
@@ -203,6 +303,9 @@ class WorkerSide:
         return rep
 
     def shutdown(self) -> None:
+        if self._recv is not None:
+            self._recv.close()
+            self._recv = None
         if self.pipe is not None:
             self.pipe.close()
             self.pipe = None

@@ -1,0 +1,294 @@
+"""PD parts of the scheduler-side connector (ARCHITECTURE §6), mixed into ``SchedulerSide``.
+
+Decoder: a request whose ``kv_transfer_params`` carry ``do_remote_prefill`` and a ``metaserver`` URL
+POSTs to the metaserver once (pd_metaserver, off this thread) and is reported "not ready yet"
+(``None``) until its prefill is there; then it is looked up and loaded. "There" is whichever comes
+first: the metaserver's 200, or the pool holding the whole prompt (the prefiller commits its objects
+before it answers, and the proxy's answer is three HTTP hops later; see ``POOL_POLL_S``).
+Before posting, the decoder checks whether its local prefix cache plus the pool already hold every
+full chunk of the prompt; if so its POST says ``needs_prefill: false`` and it does not wait.
+
+The whole prompt travels: the prefiller also saves the trailing partial chunk under a key scoped to
+the parent request (``lw_parent_id``, ``keys.partial_chunk_hash``) unless ``discard_partial_chunks``
+is true, and the decoder loads it, so it recomputes only the last prompt token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from lw_core.config import PoolConfig
+from lw_core.keys import HashExtra, KeySpace, chunk_hashes, partial_chunk_hash
+
+from lw_vllm import pool
+from lw_vllm.meta import LayerwiseMeta, Xfer
+from lw_vllm.metrics import Collector
+from lw_vllm.pd_metaserver import MetaserverClient, Outcome, remote_prefill_params
+from lw_vllm.request_state import RemotePhase, RemotePrefill, ReqState
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+# While requests wait for their remote prefill, vLLM runs an empty step about every millisecond
+# (scheduler + worker round trip): measured, that burns more than one CPU core, which on a
+# shared host starves the very prefiller being waited for. When the last step ran nothing, one
+# scheduling pass waits up to this long for a metaserver answer (waking at once on one, or when the
+# pool holds the waiting request's prompt); a new request arriving meanwhile is scheduled at most
+# this much later.
+IDLE_WAIT_S = 0.02
+# A waiting request looks at the pool for its prompt's last object at most this often.
+POOL_POLL_S = 0.001
+# "The prefill is committed but this pool holds none of it" is logged at most this often (each
+# occurrence is counted in ``pd_prefill_not_in_pool``).
+NOT_IN_POOL_LOG_S = 60.0
+
+
+def parent_id(req: Any) -> str | None:
+    """``lw_parent_id`` of a PD request (decoder or prefiller side), else ``None``."""
+    raw = getattr(req, "kv_transfer_params", None)
+    if not isinstance(raw, dict):
+        return None
+    pid = raw.get("lw_parent_id")
+    if not isinstance(pid, str) or not pid:
+        return None
+    return pid if raw.get("do_remote_decode") or raw.get("do_remote_prefill") else None
+
+
+class PdMixin:
+    """Needs from SchedulerSide the attributes declared below."""
+
+    cfg: PoolConfig
+    block_size: int
+    keyspace: KeySpace
+    tags: list[str]
+    other_tp: dict[int, tuple[KeySpace, list[str]]]
+    metaserver: MetaserverClient | None
+    metrics: Collector
+    _lookup: Callable[..., int]
+    _extra_of: Callable[[Any], HashExtra]
+    _last_step_empty: bool
+    _builds: int
+    _idle_waited_at: int
+    _stream_pending: list[ReqState]
+    _streams: dict[str, ReqState]
+    _vllm_config: Any
+    _not_in_pool_logged_at: float | None = None
+    _not_in_pool_unlogged = 0
+
+    def _saved_at_other_tp(self, first_hash: bytes) -> int | None:
+        """The TP size of an engine of this model that saved the chunk ``first_hash``, if not ours."""
+        for tp, (ks, tags) in self.other_tp.items():
+            try:
+                if self._lookup([first_hash], ks, tags[:1]) == 1:
+                    return tp
+            except Exception:
+                return None
+        return None
+
+    def _check_prefill_visible(self, st: ReqState, hashes: list[bytes], local: int, limit: int, hit: int) -> None:
+        """Decoder: the metaserver said the prefill is committed, yet the pool holds none of the
+        chunks this engine lacks. Nothing is wrong with the answer (vLLM computes the prompt), but
+        every such request pays a full prefill twice and the operator must hear why: counted in
+        ``pd_prefill_not_in_pool``, logged once per ``NOT_IN_POOL_LOG_S`` with the likely causes."""
+        if st.remote is None or not st.remote.answered_ok or st.pool_seen or hit > local or limit <= local:
+            return
+        self.metrics.add(pd_prefill_not_in_pool=1)
+        now = time.monotonic()
+        last = self._not_in_pool_logged_at
+        if last is not None and now - last < NOT_IN_POOL_LOG_S:
+            self._not_in_pool_unlogged += 1
+            return
+        other_tp = self._saved_at_other_tp(hashes[local])
+        if other_tp is not None:
+            # Never a silent miss: name both sizes (logged for every such request).
+            log.error("lw-vllm: %s: the pool holds its prefill, but %s. The prompt is computed here.",
+                      st.req.request_id, pool.tp_mismatch(self._vllm_config, other_tp))
+            return
+        more = self._not_in_pool_unlogged
+        self._not_in_pool_logged_at, self._not_in_pool_unlogged = now, 0
+        log.warning(
+            "lw-vllm: %s: the metaserver says its prefill is committed, but this decoder's pool holds none of "
+            "its %d chunk(s) (first key %s). Likely causes: the prefiller writes to another pool (e.g. each host "
+            "on its own embedded pool: use a pool both reach, such as backend memcache); a different model "
+            "identity (the key's model part is the model's config and weights, or model_id: check both "
+            "engines run the same weights, dtype and model_id); a different block size or KV layout (this "
+            "engine: block_size %d, layout %s); or the prefiller's saves failed (its "
+            "vllm:lw_pool_save_failed_objects_total). The prompt is computed here. Counted in "
+            "vllm:lw_pool_pd_prefill_not_in_pool_total; logged at most every %.0f s%s.",
+            st.req.request_id, limit - local, self.keyspace.key(self.tags[0], hashes[local]), self.block_size,
+            self.keyspace.layout_fp, NOT_IN_POOL_LOG_S,
+            f" ({more} more since the last message)" if more else "",
+        )
+
+    def _prompt_hashes(self, st: ReqState) -> list[bytes]:
+        """Full chunks of the prompt, then (PD, ``discard_partial_chunks`` false) the partial one."""
+        if st.pd_hashes is None:
+            toks = list(st.req.prompt_token_ids or ())
+            full = chunk_hashes(toks, self.block_size, self._extra_of(st.req))
+            out = list(full)
+            if st.parent is not None and not self.cfg.discard_partial_chunks:
+                ph = partial_chunk_hash(toks, self.block_size, st.parent, self._extra_of(st.req), full_hashes=full)
+                if ph is not None:
+                    out.append(ph)
+            st.pd_hashes = out
+        return st.pd_hashes
+
+    def _partial_save(self, st: ReqState, computed_after: int) -> tuple[bytes, int] | None:
+        """Prefiller: (hash, block) of the trailing partial chunk once the prompt is computed."""
+        if st.partial_saved or st.parent is None or self.cfg.discard_partial_chunks or computed_after < st.prompt_len:
+            return None
+        st.partial_saved = True
+        if not (getattr(st.req, "kv_transfer_params", None) or {}).get("do_remote_decode"):
+            return None  # only a prefill's partial chunk has a decoder waiting for it
+        i = st.prompt_len // self.block_size
+        hashes = self._prompt_hashes(st)
+        if st.prompt_len % self.block_size == 0 or len(hashes) <= i or i >= len(st.block_ids):
+            return None
+        return hashes[i], st.block_ids[i]
+
+    def _held(self, st: ReqState, local_tokens: int) -> bool:
+        """Whether the local prefix cache (``local_tokens``, block aligned) plus the pool hold every
+        full chunk of the prompt. A failed lookup says no (the decoder then waits as before)."""
+        n_full = st.prompt_len // self.block_size
+        local = local_tokens // self.block_size
+        if local >= n_full:
+            return True
+        try:
+            return self._lookup(self._prompt_hashes(st)[local:n_full]) == n_full - local
+        except Exception:
+            return False
+
+    def _pool_has_prompt(self, st: ReqState, force: bool = False) -> bool:
+        """Throttled: the prompt's last object first (cheap miss), then all of them."""
+        now = time.monotonic()
+        if now < st.next_pool_check and not force:
+            return False
+        st.next_pool_check = now + POOL_POLL_S
+        hashes = self._prompt_hashes(st)
+        if not hashes:
+            return False
+        try:
+            return self._lookup(hashes[-1:]) == 1 and self._lookup(hashes) == len(hashes)
+        except Exception:
+            return False
+
+    def _seen_in_pool(self, st: ReqState, force: bool = False) -> Outcome | None:
+        """The prefiller commits before it answers, and its answer reaches us three HTTP hops
+        later: a prompt already whole in the pool needs no answer."""
+        if not self._pool_has_prompt(st, force):
+            return None
+        st.t["in_pool"] = time.time()
+        st.pool_seen = True  # the load's lookup need not ask again (an eviction meanwhile = load error, recompute)
+        return Outcome(True, "ok", time.monotonic() - st.posted_mono)
+
+    def _stream_match(self, st: ReqState, num_computed_tokens: int) -> tuple[int, bool]:
+        """Streaming PD decoder: the whole prompt but its last token, loaded asynchronously (vLLM
+        allocates the blocks and parks the request in ``WAITING_FOR_REMOTE_KVS`` until the workers
+        report the receive in ``finished_recving``; blocks that did not arrive are recomputed)."""
+        if st.stream_pending or st.stream_sent:
+            return 0, False  # asked again after the receive: vLLM holds what arrived
+        hashes = self._prompt_hashes(st)
+        n = min(len(hashes) * self.block_size, st.prompt_len - 1) - num_computed_tokens
+        if n <= 0:
+            return 0, False
+        st.local_computed = num_computed_tokens
+        st.load_hashes, st.load_src_tp = hashes, 0
+        return n, True
+
+    def _send_streams(self, meta: LayerwiseMeta) -> None:
+        """Streaming PD: tell the workers to receive the requests vLLM just parked."""
+        pending, self._stream_pending = self._stream_pending, []
+        for st in pending:
+            if st.load is None or not st.stream_pending:
+                continue
+            first, n = st.load
+            st.load, st.stream_pending, st.stream_sent = None, False, True
+            hashes = st.load_hashes
+            if n > 0 and first + n <= min(len(hashes), len(st.block_ids)):
+                meta.stream_loads.append(Xfer(st.req.request_id, hashes[first:first + n],
+                                              st.block_ids[first:first + n]))
+                st.t.setdefault("stream_sent", time.time())
+                st.last_xfer_build = self._builds
+                self._streams[st.req.request_id] = st
+            else:  # cannot happen (vLLM allocated the promised blocks); never park a request for good
+                raise RuntimeError(f"lw-vllm: {st.req.request_id}: streaming load of chunks {first}+{n} "
+                                   f"but {len(st.block_ids)} blocks and {len(hashes)} hashes")
+
+    def _cancel_failed_streams(self, meta: LayerwiseMeta) -> None:
+        """Streaming PD: a receive whose prefill failed (the metaserver's error answer) ends now
+        instead of at its deadline; vLLM then recomputes what did not arrive."""
+        if self.metaserver is None:
+            return
+        for rid, st in list(self._streams.items()):
+            out = self.metaserver.poll(rid)
+            if out is None:
+                continue
+            del self._streams[rid]  # answered: nothing more to watch
+            if not out.ok:
+                meta.stream_cancels.append(rid)
+                st.t.setdefault("prefill_failed", time.time())
+                log.warning("lw-vllm: %s: remote prefill failed (%s); ending its streaming receive, "
+                            "computing what did not arrive", rid, out.detail)
+
+    def _remote_prefill(self, st: ReqState, local_tokens: int) -> bool | None:
+        """PD decoder: ``None`` while the prefill is not there yet, else whether this request is a
+        remote-prefill one (which loads whatever the pool holds, whatever the outcome)."""
+        if self.metaserver is None:
+            return False
+        req = st.req
+        if st.remote is None:
+            params = remote_prefill_params(getattr(req, "kv_transfer_params", None))
+            if params is None:
+                return False
+            if isinstance(params, str):
+                log.warning("lw-vllm: %s: %s; computing what the pool lacks", req.request_id, params)
+                st.remote = RemotePrefill(RemotePhase.BAD_PARAMS, error=params)
+                return True
+            skip = getattr(req, "skip_reading_prefix_cache", False)
+            short = st.prompt_len // self.block_size == 0
+            held = not skip and not short and self._held(st, local_tokens)
+            # Post even when this request will not wait: the proxy dispatches the prefill only once
+            # every child of the parent has called.
+            self.metaserver.post(req.request_id, params, needs_prefill=not (held or short))
+            st.t["posted"] = time.time()
+            st.posted_mono = time.monotonic()
+            if short or skip:
+                st.remote = RemotePrefill(RemotePhase.NOTHING_TO_LOAD)
+                return True
+            if held:
+                st.remote = RemotePrefill(RemotePhase.POOL_HOLDS_PROMPT)
+                return True
+            if self.cfg.pd_streaming and st.parent is not None:
+                st.remote = RemotePrefill(RemotePhase.STREAMING)
+                return True
+            st.remote = RemotePrefill(RemotePhase.WAITING)
+        if st.remote.waiting:
+            out = self.metaserver.poll(req.request_id)
+            if out is None:
+                out = self._seen_in_pool(st)
+            if out is None and self._last_step_empty and self._idle_waited_at != self._builds:
+                self._idle_waited_at = self._builds
+                deadline = time.monotonic() + IDLE_WAIT_S
+                while out is None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    other = self.metaserver.wait_for_answer(min(POOL_POLL_S, left))
+                    out = self.metaserver.poll(req.request_id) or self._seen_in_pool(st, force=True)
+                    if other:  # some call completed: let this scheduling pass handle it
+                        break
+            if out is None:
+                return None
+            st.remote.answer(out)
+            st.t["seen"] = time.time()
+            if "posted" in st.t:
+                st.t["answered"] = st.t["posted"] + out.wait_s
+            self.metrics.observe("metaserver_wait_s", [out.wait_s])
+            if not out.ok:
+                log.warning("lw-vllm: %s: remote prefill unavailable (%s); computing what the pool lacks",
+                            req.request_id, out.detail)
+        return True

@@ -1,0 +1,340 @@
+"""Streaming PD, decoder worker side (docs/streaming-pd.md §2): pull a request's prompt chunks
+layer by layer while the prefiller still computes them.
+
+vLLM's async-load flow: the scheduler parks the request in ``WAITING_FOR_REMOTE_KVS`` with blocks
+for the whole prompt; ``StreamReceiver.start`` queues one receive per request for a small pool of
+worker threads (``stream_recv_threads``, off the forward pass); ``take_done`` hands finished
+receives to ``get_finished`` (``finished_recving``) together with the blocks that did not load
+(``get_block_ids_with_load_errors``, same pass), which vLLM recomputes. Every started receive ends,
+by ``deadline_s`` after ``start`` at the latest (time spent queued counts), and is reported exactly
+once, also when its request was aborted meanwhile (vLLM frees the blocks only then).
+
+One receive: ``open_streaming`` every key, retrying with backoff while a key has neither a
+reservation nor an object yet (the prefiller has not reserved it); then per layer
+``wait_published`` for the chunks still good and a ranged ``read`` into that layer's blocks.
+Chunks are chained, so the good chunks are always a prefix: a chunk that cannot be opened, whose
+layer is not published in time (deadline, aborted reservation, dead prefiller) or whose read fails
+ends the prefix there; later chunks are failed too.
+
+The pool does not starve: a receive is a resumable state (``Receive``), and a worker waits for it
+one slice at a time (an open retry's pause, or ``WAIT_SLICE_S`` of ``wait_published``). When a
+slice brought nothing and other receives are queued, the worker puts it back at the end of the
+queue and takes the next one, so receives waiting for a prefill that comes later (or never) cannot
+hold the workers while another's layers are already published (no head-of-line blocking). With no
+one queued a worker stays on its receive, as a thread of its own would.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from lw_core.backend import BackendError
+from lw_core.plan import ObjectLayout
+
+log = logging.getLogger(__name__)
+
+OPEN_BACKOFF_S = (0.0005, 0.02)  # first and longest pause between open_streaming retries
+# While requests are parked receiving and the step ran nothing, vLLM spins through empty steps
+# (more than a core on a shared host, starving the prefiller being waited for): such a step waits
+# up to this long for a receive to end. A new request is then scheduled at most this much later.
+IDLE_WAIT_S = 0.005
+# A layer wait is cut in slices this long, so a cancel (request aborted, prefill failed) ends it,
+# and so a worker can turn to another queued receive.
+WAIT_SLICE_S = 0.05
+
+
+@dataclass(slots=True)
+class RecvDone:
+    req_id: str
+    block_ids: list[int]
+    good: int  # leading chunks whose every layer landed
+    span: tuple[float, float]  # wall clock: receive start, end
+    error: str | None = None
+
+    @property
+    def failed_blocks(self) -> list[int]:
+        return self.block_ids[self.good:]
+
+
+def _never() -> bool:
+    return False
+
+
+class Receive:
+    """One request's receive, advanced by ``advance`` until it ends (``result``)."""
+
+    def __init__(self, keys: Sequence[str], block_ids: Sequence[int], deadline: float,
+                 stop: threading.Event) -> None:
+        self.keys, self.block_ids, self.deadline, self.stop = list(keys), list(block_ids), deadline, stop
+        self.handles: list[Any] | None = None  # None: still opening
+        self._opening: list[Any] | None = None  # the handles opened so far
+        self.pause = OPEN_BACKOFF_S[0]
+        self.n = 0  # leading chunks still good
+        self.layer = 0  # next layer to pull
+        self.error: str | None = None
+        self.result: tuple[int, str | None] | None = None
+
+    def advance(self, backend: Any, copier: Any, layout: ObjectLayout,
+                others_waiting: Callable[[], bool] = _never) -> bool:
+        """Run until the receive ends (True; ``result`` is set) or until a wait slice brought
+        nothing while ``others_waiting()`` (False: call again later)."""
+        if self.handles is None and not self._open(backend, others_waiting):
+            return False
+        handles = self.handles
+        assert handles is not None  # _open answered True: every key is open
+        while self.layer < layout.num_layers and self.n:
+            if self.stop.is_set():
+                return self._end(0, "request finished before its prompt arrived")
+            upto = layout.offsets[self.layer] + layout.layer_nbytes[self.layer]
+            try:
+                ok, final = _wait_slice(backend, handles[:self.n], upto, self.deadline, self.stop)
+            except BackendError as e:
+                ok, final = [False] * self.n, True
+                self.error = self.error or f"wait for layer {self.layer}: {e}"
+            if self.stop.is_set() and not all(ok):
+                return self._end(0, "cancelled: the request finished or its prefill failed")
+            if not final:
+                if others_waiting():
+                    return False
+                continue
+            bad = next((i for i, o in enumerate(ok) if not o), self.n)
+            if bad < self.n:
+                self.n = bad
+                self.error = self.error or f"layer {self.layer} of chunk {bad} was not published in time (or was abandoned)"
+            if self.n:
+                got = _read_layer(backend, copier, layout, self.layer, handles[:self.n], self.block_ids[:self.n])
+                if got < self.n:
+                    self.n = got
+                    self.error = self.error or f"read of layer {self.layer} of chunk {got} failed"
+            self.layer += 1
+        return self._end(self.n, self.error)
+
+    def _open(self, backend: Any, others_waiting: Callable[[], bool]) -> bool:
+        """Open every key (retrying until the deadline); False: paused, others are waiting."""
+        if self._opening is None:
+            self._opening = [None] * len(self.keys)
+        handles = self._opening
+        while True:
+            missing = [i for i, h in enumerate(handles) if h is None]
+            if missing:
+                try:
+                    got = backend.open_streaming([self.keys[i] for i in missing])
+                except BackendError as e:
+                    log.debug("open_streaming failed (retrying until the deadline): %s", e)
+                    got = [None] * len(missing)
+                for i, h in zip(missing, got):
+                    handles[i] = h
+            left = self.deadline - time.monotonic()
+            if all(h is not None for h in handles) or left <= 0 or self.stop.is_set():
+                break
+            self.stop.wait(min(self.pause, left))
+            self.pause = min(self.pause * 2, OPEN_BACKOFF_S[1])
+            if others_waiting():
+                return False
+        self.handles = handles
+        self.n = next((i for i, h in enumerate(handles) if h is None), len(handles))
+        if self.n < len(self.keys):
+            self.error = f"chunk {self.n} of {len(self.keys)} was never reserved nor committed in time"
+        return True
+
+    def _end(self, good: int, error: str | None) -> bool:
+        self.result = (good, error)
+        return True
+
+    def release(self, backend: Any) -> None:
+        held = [h for h in (self._opening or []) if h is not None]
+        self.handles = self._opening = []
+        if held:
+            try:
+                backend.release(held)
+            except BackendError as e:
+                log.debug("release of streaming handles failed: %s", e)
+
+
+def receive(backend: Any, copier: Any, layout: ObjectLayout, keys: Sequence[str], block_ids: Sequence[int],
+            deadline: float, stop: threading.Event) -> tuple[int, str | None]:
+    """Pull ``keys[i]`` into block ``block_ids[i]``, layer by layer, on this thread; returns
+    (good prefix, error)."""
+    r = Receive(keys, block_ids, deadline, stop)
+    try:
+        while not r.advance(backend, copier, layout):
+            pass
+        assert r.result is not None
+        return r.result
+    finally:
+        r.release(backend)
+
+
+def _wait_slice(backend: Any, handles: list[Any], upto: int, deadline: float,
+                stop: threading.Event) -> tuple[list[bool], bool]:
+    """One ``wait_published`` of at most a slice; returns (answer, final). A ``False`` answered
+    well before its slice ended is final (abandoned reservation, dead writer), and so is any
+    answer at the deadline or after a cancel."""
+    left = deadline - time.monotonic()
+    step = max(0.0, min(left, WAIT_SLICE_S))
+    t0 = time.monotonic()
+    ok = list(backend.wait_published(handles, upto, step))
+    final = all(ok) or left <= WAIT_SLICE_S or stop.is_set() or time.monotonic() - t0 < step / 2
+    return ok, final
+
+
+def _read_layer(backend: Any, copier: Any, layout: ObjectLayout, layer: int, handles: list[Any],
+                blocks: list[int]) -> int:
+    """Read one layer of each handle into its block; returns how many leading ones landed."""
+    off, nb = layout.offsets[layer], layout.layer_nbytes[layer]
+    direct = copier.kv_views(layer, blocks)
+    if direct is not None:
+        dsts = direct
+        buf = None
+    else:
+        buf = np.empty(len(blocks) * nb, dtype=np.uint8)
+        dsts = [buf[j * nb:(j + 1) * nb] for j in range(len(blocks))]
+    good = len(handles)
+    try:
+        backend.read(handles, [off] * len(handles), dsts)
+    except BackendError:
+        good = 0
+        for j, h in enumerate(handles):  # find the first one that fails; the rest are chained after it
+            try:
+                backend.read([h], [off], [dsts[j]])
+            except BackendError:
+                break
+            good = j + 1
+    if buf is not None and good:
+        tok = copier.to_kv(layer, blocks[:good], dsts[:good])
+        if not copier.wait(tok, 30.0):
+            return 0
+    return good
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    req_id: str
+    recv: Receive
+    t0: float  # wall clock at start
+
+
+class StreamReceiver:
+    """Receives run by at most ``threads`` worker threads (started as needed); results are
+    collected by ``take_done``."""
+
+    def __init__(self, backend: Any, copier: Any, layout: ObjectLayout, deadline_s: float, *,
+                 threads: int = 4) -> None:
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            raise ValueError(f"StreamReceiver: threads={threads!r} must be an int >= 1 (stream_recv_threads)")
+        self.backend, self.copier, self.layout, self.deadline_s = backend, copier, layout, deadline_s
+        self.threads = threads
+        self._lock = threading.Lock()
+        self._ended = threading.Condition(self._lock)
+        self._work = threading.Condition(self._lock)
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._running: dict[str, _Job] = {}  # started, not yet reported done (queued or on a worker)
+        self._done: list[RecvDone] = []
+        self._workers: list[threading.Thread] = []
+        self._idle = 0
+        self._closing = False
+
+    def start(self, req_id: str, keys: Sequence[str], block_ids: Sequence[int]) -> None:
+        with self._lock:
+            if req_id in self._running:
+                raise RuntimeError(f"streaming receive for {req_id} started twice")
+            if self._closing:  # shutting down: reported failed at once, never parked for good
+                now = time.time()
+                self._done.append(RecvDone(req_id, list(block_ids), 0, (now, now), "the receiver is closed"))
+                self._ended.notify_all()
+                return
+            job = _Job(req_id, Receive(keys, block_ids, time.monotonic() + self.deadline_s, threading.Event()),
+                       time.time())
+            self._running[req_id] = job
+            self._queue.append(job)
+            # ``_idle`` may still count a worker that was woken but has not taken its job yet:
+            # compare with the queue, not with zero, so a burst of starts still gets its workers.
+            if len(self._queue) > self._idle and len(self._workers) < self.threads:
+                t = threading.Thread(target=self._work_loop, name=f"lw-recv-{len(self._workers)}", daemon=True)
+                self._workers.append(t)
+                t.start()
+            self._work.notify()
+
+    def _others_waiting(self) -> bool:
+        return bool(self._queue)
+
+    def _work_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._queue and not self._closing:
+                    self._idle += 1
+                    self._work.wait()
+                    self._idle -= 1
+                if not self._queue:
+                    return
+                job = self._queue.popleft()
+            self._step(job)
+
+    def _step(self, job: _Job) -> None:
+        r = job.recv
+        try:
+            ended = r.advance(self.backend, self.copier, self.layout, self._others_waiting)
+        except Exception as e:  # a bug must cost a recompute, never a request parked for good
+            log.exception("lw-vllm: streaming receive of %s failed", job.req_id)
+            ended, r.result = True, (0, f"receive failed: {e!r}")
+        if not ended:
+            with self._lock:
+                self._queue.append(job)
+            return
+        r.release(self.backend)
+        good, error = r.result or (0, "receive ended without a result")
+        with self._lock:
+            self._running.pop(job.req_id, None)
+            self._done.append(RecvDone(job.req_id, r.block_ids, good, (job.t0, time.time()), error))
+            self._ended.notify_all()
+
+    def cancel(self, req_ids: set[str]) -> None:
+        """Requests that finished (aborted) while receiving: stop soon (a queued one goes to the
+        front of the queue); they are still reported."""
+        with self._lock:
+            for rid in req_ids:
+                job = self._running.get(rid)
+                if job is None:
+                    continue
+                job.recv.stop.set()
+                if job in self._queue:
+                    self._queue.remove(job)
+                    self._queue.appendleft(job)
+
+    def take_done(self, idle_wait_s: float = 0.0) -> list[RecvDone]:
+        """Ended receives; with ``idle_wait_s``, wait that long for one while some still run."""
+        with self._lock:
+            if idle_wait_s > 0 and not self._done and self._running:
+                self._ended.wait(idle_wait_s)
+            out, self._done = self._done, []
+        return out
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._running)
+
+    @property
+    def worker_count(self) -> int:
+        with self._lock:
+            return len(self._workers)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop every receive (each is still reported) and end the workers."""
+        with self._lock:
+            self._closing = True
+            for job in self._running.values():
+                job.recv.stop.set()
+            workers = list(self._workers)
+            self._work.notify_all()
+        end = time.monotonic() + timeout_s
+        for t in workers:
+            t.join(max(0.0, end - time.monotonic()))

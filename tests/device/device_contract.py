@@ -1,0 +1,158 @@
+"""Copier and pipeline contract checks shared by the device tests: ``test_device_path_fake`` runs
+them on CPU tensors through the recording fake ops, ``test_device_copier`` on a real CUDA device.
+
+Each check takes ``make(tensors, num_blocks) -> TorchCopier`` and ``dev`` (where KV tensors live).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+from lw_core.backends.memory import MemoryBackend
+from lw_core.pipeline import LayerPipeline
+from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
+
+NB = 8
+Make = Callable[[list[torch.Tensor], int], object]
+
+
+def layouts() -> dict[str, torch.Tensor]:
+    """CPU float tensors in the KV layouts vLLM hands over (see tests/vllm/test_copier.py)."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "gqa": torch.randn(NB, 2, 16, 64, generator=g),
+        "kv_outer": torch.randn(2, NB, 16, 2, 32, generator=g),  # [2, nb, ...]: K and V apart
+        "mla_fp16": torch.randn(NB, 1, 16, 576, generator=g).half(),
+    }
+
+
+def block_bytes(t: torch.Tensor, b: int) -> bytes:
+    t = t.cpu()
+    if t.shape[0] == 2 and t.shape[1] == NB:
+        return b"".join(t[k, b].contiguous().view(torch.uint8).numpy().tobytes() for k in range(2))
+    return t[b].contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def check_round_trip(make: Make, dev: torch.device, name: str) -> None:
+    src_cpu = layouts()[name]
+    src, dst = src_cpu.to(dev), torch.zeros_like(src_cpu).to(dev)
+    a, b = make([src], NB), make([dst], NB)
+    n = a.block_nbytes(0)
+    ids = [5, 1, 3]
+    # pageable destinations: done when from_kv returns
+    pageable = [bytearray(n) for _ in ids]
+    assert a.wait(a.from_kv(0, ids, pageable, after=a.compute_event()), 10.0)
+    for i, buf in zip(ids, pageable):
+        assert bytes(buf) == block_bytes(src_cpu, i)
+    # pinned staging from host_buffer: done once the token is
+    staged = a.host_buffer(len(ids) * n)
+    views = [staged[j * n : (j + 1) * n] for j in range(len(ids))]
+    assert a.wait(a.from_kv(0, ids, views, after=a.compute_event()), 10.0)
+    assert staged.tobytes() == b"".join(block_bytes(src_cpu, i) for i in ids)
+    # loads from both kinds of host memory
+    b.begin_load()
+    b.make_visible(b.to_kv(0, [0, 7], pageable[:2]))
+    b.make_visible(b.to_kv(0, [2], views[2:]))
+    sync(dev)
+    out = dst.cpu()
+    assert block_bytes(out, 0) == block_bytes(src_cpu, 5)
+    assert block_bytes(out, 7) == block_bytes(src_cpu, 1)
+    assert block_bytes(out, 2) == block_bytes(src_cpu, 3)
+    for j in (1, 3, 4, 5, 6):
+        assert not any(block_bytes(out, j)), f"block {j} was never loaded but changed"
+
+
+class NoViews(MemoryBackend):
+    """A store that is not host-addressable: every transfer stages through read/write."""
+
+    def view(self, handle, offset, nbytes):
+        return None
+
+
+def _kv(dev: torch.device, layers: int, fill: bool) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    mk = (lambda: torch.randint(0, 256, (NB, 4, 96), generator=g, dtype=torch.uint8)) if fill else (
+        lambda: torch.zeros(NB, 4, 96, dtype=torch.uint8))
+    return [mk().to(dev) for _ in range(layers)]
+
+
+def check_pipeline_save_then_load(make: Make, dev: torch.device, views: bool) -> None:
+    layers = 3
+    backend = MemoryBackend(64 << 20) if views else NoViews(64 << 20)
+    src, dst = _kv(dev, layers, True), _kv(dev, layers, False)
+    cs, cd = make(src, NB), make(dst, NB)
+    layout = ObjectLayout(tuple(cs.block_nbytes(i) for i in range(layers)))
+    keys, blocks = ["k0", "k1", "k2", "k3", "k4"], [6, 0, 3, 5, 1]
+    with LayerPipeline(backend, cs, layout, max_transfer_blocks=2, save_timeout_s=10.0) as pipe:
+        pipe.start_save([ReqSave("r", keys, blocks)])
+        for layer in range(layers):
+            pipe.save_layer(layer)
+        res = pipe.finish_save()
+    assert res.ok and sorted(res.committed_keys) == sorted(keys), res.errors
+    targets = [2, 7, 4, 0, 1]
+    with LayerPipeline(backend, cd, layout, prefetch_depth=2, max_transfer_blocks=2, layer_timeout_s=10.0) as pipe:
+        pipe.start_load([ReqLoad("r", keys, targets)])
+        for layer in range(layers):
+            pipe.wait_layer(layer)
+        load = pipe.finish_load()
+    assert load.ok and not load.failed_block_ids, load.errors
+    sync(dev)
+    for layer in range(layers):
+        s, d = src[layer].cpu(), dst[layer].cpu()
+        for b_src, b_dst in zip(blocks, targets):
+            assert torch.equal(d[b_dst], s[b_src]), (layer, b_src, b_dst)
+        assert not d[[3, 5, 6]].any()  # never loaded
+    backend.close()
+
+
+class GatedReads(NoViews):
+    """Reads of the layer at ``offset`` block until ``gate`` is set; ``returned`` is set after."""
+
+    def __init__(self, *a, offset: int, **kw):
+        super().__init__(*a, **kw)
+        self.offset, self.gate, self.returned = offset, threading.Event(), threading.Event()
+
+    def read(self, handles, offsets, dsts):
+        if self.offset in offsets:
+            self.gate.wait(10.0)
+            super().read(handles, offsets, dsts)
+            self.returned.set()
+            return
+        super().read(handles, offsets, dsts)
+
+
+def check_late_load_never_lands(make: Make, dev: torch.device) -> None:
+    """A layer whose read misses its deadline: its bytes never reach the KV, even once they arrive."""
+    src = _kv(torch.device("cpu"), 2, True)
+    dst = _kv(dev, 2, False)
+    cd = make(dst, NB)
+    layout = ObjectLayout((cd.block_nbytes(0), cd.block_nbytes(1)))
+    backend = GatedReads(64 << 20, offset=layout.offsets[1])
+    hs = backend.reserve(["a", "b"], layout.nbytes)
+    for h, blk in zip(hs, (1, 2)):
+        backend.write([h], [0], [src[0][blk].numpy().tobytes() + src[1][blk].numpy().tobytes()])
+    backend.commit(hs)
+    try:
+        with LayerPipeline(backend, cd, layout, layer_timeout_s=0.3) as pipe:
+            pipe.start_load([ReqLoad("r", ["a", "b"], [4, 6])])
+            pipe.wait_layer(0)
+            pipe.wait_layer(1)  # misses: the read is held at the gate
+            res = pipe.finish_load()
+            assert sorted(res.failed_block_ids) == [4, 6] and res.deadline_misses == [1]
+            backend.gate.set()
+            assert backend.returned.wait(10.0)
+            time.sleep(0.2)  # the worker now finds the step cancelled and drops the batch
+        sync(dev)
+        assert not dst[1].cpu().any(), "a late load wrote into the KV cache"
+        assert torch.equal(dst[0].cpu()[4], src[0][1]) and torch.equal(dst[0].cpu()[6], src[0][2])
+    finally:
+        backend.gate.set()
+        backend.close()

@@ -12,16 +12,12 @@ validation with 418, so a valid body is visible (and can never make the mock gen
 from __future__ import annotations
 
 import asyncio
-import sys
-from pathlib import Path
 
 import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "proxy"))
-
-from proxy_mocks import harness, run  # noqa: E402
+from lw_dev.proxy_mocks import harness, run
 
 MAX_BODY = 4096
 ENDPOINTS = ["/v1/completions", "/v1/chat/completions", "/v1/metaserver"]

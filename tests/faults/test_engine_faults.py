@@ -1,6 +1,6 @@
 """A failing or stalling pool on real vLLM (CPU, tiny models): requests never break, outputs stay right.
 
-Each engine runs in its own process with the pool backend wrapped in FaultyBackend (fault_engine.py)
+Each engine runs in its own process with the pool backend wrapped in FaultyBackend (lw_dev.engine's ``faults`` jobs)
 and goes through phases on ONE engine, so recovery is shown without restarting vLLM:
 
 * ``recompute`` policy: a failed read of one layer, a read that misses its deadline, a failed open
@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import pytest
 
-from fault_runner import pool_dir, run_faulty, toks
-
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
-from lw_vllm.testing.harness import assert_same_greedy, run_engine  # noqa: E402
+from lw_dev.harness import assert_same_greedy, pool_dir, run_engine, run_faulty  # noqa: E402
+from lw_dev.harness import random_tokens as toks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

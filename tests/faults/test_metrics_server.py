@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -17,19 +16,15 @@ import urllib.request
 
 import pytest
 
-from fault_runner import pool_dir, toks
+from lw_dev.harness import pool_dir
+from lw_dev.harness import random_tokens as toks
+from lw_dev.ports import free_port
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
 pytestmark = pytest.mark.slow
 
 START_DEADLINE_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _get(url: str, timeout: float = 10) -> tuple[int, str]:
@@ -48,10 +43,10 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
 
 @pytest.fixture
 def server():
-    from lw_vllm.testing import models
+    from lw_bench import models
 
     model = str(models.gqa_model())
-    port = _free_port()
+    port = free_port()
     pool = pool_dir()
     ktc = {"kv_connector": "LayerwiseStoreConnector", "kv_role": "kv_both",
            "kv_connector_extra_config": {"embedded_path": pool, "embedded_capacity_bytes": 64 << 20,

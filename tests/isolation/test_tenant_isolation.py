@@ -1,6 +1,6 @@
 """Two tenants (different ``cache_salt``) never share pool objects, shown on real vLLM by content.
 
-One engine (fault_engine.py, no faults injected except a tripwire) runs the same prompt as tenant A,
+One engine (lw_dev.engine with a faulty pool, no faults injected except a tripwire) runs the same prompt as tenant A,
 then tenant B: B gets no pool hit, never even opens a pool object (a rule that would fail any
 ``open`` never fires), computes its output itself (equal to A's computed output), and its KV lands
 in objects of its own (the pool's object count doubles). Each tenant then hits only its own objects,
@@ -9,18 +9,12 @@ and a request without a salt hits neither.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "faults"))
-
-from fault_runner import pool_dir, run_faulty, toks  # noqa: E402
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
-from lw_vllm.testing.harness import assert_same_greedy  # noqa: E402
+from lw_dev.harness import assert_same_greedy, pool_dir, run_faulty  # noqa: E402
+from lw_dev.harness import random_tokens as toks  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pd_servers import Stack, start_stack
+from lw_bench.pd.stack import Stack, start_stack
 
 # Decoders give up on the metaserver after this; the never-called-back test waits it out. Generous:
 # a tiny prefill takes ~0.1 s once warmed up, but a shared 2-core host can stall it for seconds.

@@ -8,7 +8,7 @@ import threading
 
 from aiohttp import web
 
-from pd_servers import free_port
+from lw_bench.pd.stack import free_port
 
 
 class FakeMetaserver:

@@ -13,7 +13,7 @@ from lw_core.wire import DecodeTransferParams
 from lw_vllm.pd_metaserver import MetaserverClient, remote_prefill_params
 
 from pd_fakes import FakeMetaserver
-from pd_servers import free_port
+from lw_bench.pd.stack import free_port
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +53,8 @@ def test_ok_posts_the_wire_body_once(server: FakeMetaserver, client: MetaserverC
     client.post("req-A", _params(server.url, "parent-A"))  # vLLM asks again: no second POST
     out, _ = _wait(client, "req-A")
     assert out.ok and out.detail == "ok" and out.wait_s >= 0
-    assert server.bodies == [{"lw_parent_id": "parent-A", "request_id": "req-A"}]
+    # needs_prefill: None from a caller that does not say (what an older decoder's body means)
+    assert server.bodies == [{"lw_parent_id": "parent-A", "request_id": "req-A", "needs_prefill": None}]
     assert client.poll("req-A") is out  # the outcome sticks
 
 

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import time
 
 import pytest
 
 from pd_fakes import FakeMetaserver
-from pd_flow import assert_remote_prefill_used, baseline, text, through
-from pd_oracle import SAMPLING, assert_same, by_index, chat_choice, completion_choice, completion_stream
-from pd_servers import Stack, free_port, http, post_json
+from lw_dev.pd_flow import assert_remote_prefill_used, baseline, text, through
+from lw_dev.pd_oracle import SAMPLING, assert_same, by_index, chat_choice, completion_choice, completion_stream
+from lw_bench.pd.stack import Stack, free_port, http, post_json
 
 pytestmark = pytest.mark.slow
 
@@ -74,6 +75,89 @@ def test_prompt_list_fans_in_to_one_prefill(gqa_stack: Stack) -> None:
     assert_remote_prefill_used(gqa_stack, ex, len(prompts))
 
 
+def _token_prompt(seed: int, n: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(10, 500) for _ in range(n)]
+
+
+@pytest.mark.parametrize("n_tokens", [4 * 32, 4 * 32 + 1, 4 * 32 + 31], ids=["aligned", "plus1", "plus31"])
+def test_decoder_computes_one_token_whatever_the_alignment(gqa_stack: Stack, n_tokens: int) -> None:
+    assert gqa_stack.block_size == 32
+    body = _completion(_token_prompt(n_tokens, n_tokens))
+    ref = completion_choice(baseline(gqa_stack, "/v1/completions", body)["choices"][0])
+    ex = through(gqa_stack, "/v1/completions", body)
+    assert ex.status == 200, ex.out
+    assert_same(ref, completion_choice(ex.out["choices"][0]), f"{n_tokens} tokens")
+    assert_remote_prefill_used(gqa_stack, ex, 1)  # promised = loaded = prompt - 1
+
+
+def test_second_turn_prefill_loads_the_first_turn(gqa_stack: Stack) -> None:
+    """producer_is_to_load (default on): turn 2 extends turn 1; the prefiller loads turn 1's chunks
+    from the pool and computes only the new tokens; the greedy output is unchanged."""
+    bs = gqa_stack.block_size
+    turn1 = [{"role": "user", "content": text(31, 120)}]
+    ex1 = through(gqa_stack, "/v1/chat/completions", _chat(turn1[0]["content"]))
+    assert ex1.status == 200, ex1.out
+    (p1,) = ex1.prefill_stats
+    n1 = p1["prompt_tokens"]
+    messages = [*turn1, {"role": "assistant", "content": ex1.out["choices"][0]["message"]["content"]},
+                {"role": "user", "content": text(32, 30)}]
+    body = {**_chat(""), "messages": messages}
+    ref = chat_choice(baseline(gqa_stack, "/v1/chat/completions", body)["choices"][0])
+    ex2 = through(gqa_stack, "/v1/chat/completions", body)
+    assert ex2.status == 200, ex2.out
+    assert_same(ref, chat_choice(ex2.out["choices"][0]), "turn 2")
+    assert_remote_prefill_used(gqa_stack, ex2, 1)
+    (p2,) = ex2.prefill_stats
+    n2 = p2["prompt_tokens"]
+    assert n2 > n1 + bs, (n1, n2)
+    # Turn 1's full chunks come from the pool (its last one may differ if the tokenizer merges
+    # across the turn boundary); the prefill computes only what turn 2 added, plus at most a chunk.
+    assert p2["loaded_tokens"] >= (n1 // bs - 1) * bs > 0, p2
+    assert n2 - p2["loaded_tokens"] <= (n2 - n1) + bs, p2
+
+
+def test_decoder_that_holds_the_prompt_does_not_wait(gqa_stack: Stack) -> None:
+    """The same prompt again: every full chunk is in the pool, so the decoder's metaserver POST says
+    needs_prefill=false and it decodes without waiting; output unchanged."""
+    body = _completion(text(33, 110))
+    ref = completion_choice(baseline(gqa_stack, "/v1/completions", body)["choices"][0])
+    first = through(gqa_stack, "/v1/completions", body)
+    # "pool holds the prompt" too when the early-dispatched prefill saved it before the decoder looked
+    assert first.status == 200 and first.decode_stats[0]["remote_prefill"] in ("ok", "pool holds the prompt"), \
+        first.decode_stats
+    again = through(gqa_stack, "/v1/completions", body)
+    assert again.status == 200, again.out
+    assert_same(ref, completion_choice(again.out["choices"][0]), "held prompt")
+    (rec,) = again.decode_stats
+    n = rec["prompt_tokens"]
+    assert rec["remote_prefill"] == "pool holds the prompt" and rec["metaserver_wait_s"] is None, rec
+    assert rec["loaded_tokens"] == min(n // gqa_stack.block_size * gqa_stack.block_size, n - 1), rec
+
+
+def test_bench_pd_quick_reports_a_breakdown(gqa_stack: Stack) -> None:
+    """``lw-bench pd --quick``'s measurement on this module's stack: well-formed, no timing claims."""
+    import argparse
+
+    from lw_bench.pd import mode as bench_pd
+
+    p = argparse.ArgumentParser()
+    bench_pd.add_arguments(p)
+    cfg = {**bench_pd.config(p.parse_args(["--quick"])), "block_size": gqa_stack.block_size}
+    r = bench_pd.summarize(cfg, bench_pd.measure(gqa_stack, cfg))
+    (L,) = [str(x) for x in cfg["lengths"]]
+    assert r["problems"] == [], r["problems"]
+    assert sorted(rec["kind"] for rec in r["records"]) == ["alone", "pd", "turn2"]
+    assert r["ttft_s"]["pd"][L] > 0 and r["ttft_s"]["alone"][L] > 0 and r["ratio_pd_vs_alone"][L] > 0
+    assert r["ttft_s"]["turn2"][L] > 0 and r["ratio_turn2_vs_cold_pd"][L] > 0
+    bs = gqa_stack.block_size
+    assert r["turn2_prefiller_loaded_tokens"][L] == (int(L) // 2) // bs * bs  # turn 1's full chunks
+    pd = next(rec for rec in r["records"] if rec["kind"] == "pd")
+    assert set(pd["phases"]) == set(bench_pd.PHASES) and pd["phases"]["prefill"] > 0, pd
+    assert pd["decoder"]["loaded_tokens"] == pd["decoder"]["prompt_tokens"] - 1, pd
+    json.dumps(r)  # --save writes this
+
+
 def test_prefiller_down_decoder_recomputes(gqa_stack: Stack) -> None:
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proxy = gqa_stack.add_proxy("proxy-no-prefiller", dead, gqa_stack.decode.url, "--max-retries", "1")
@@ -122,7 +206,7 @@ def test_metaserver_never_answers_decoder_recomputes_after_timeout(gqa_stack: St
     (rec,) = gqa_stack.decode.new_stats()
     assert rec["remote_prefill"] == f"no metaserver answer within {timeout_s:g} s", rec
     assert rec["loaded_tokens"] == 0 and rec["metaserver_wait_s"] >= timeout_s, rec
-    assert fake.bodies == [{"lw_parent_id": "parent-silent", "request_id": rec["req_id"]}]
+    assert fake.bodies == [{"lw_parent_id": "parent-silent", "request_id": rec["req_id"], "needs_prefill": True}]
 
 
 def test_killed_decoder_behind_the_proxy_is_a_clear_error(gqa_stack: Stack) -> None:

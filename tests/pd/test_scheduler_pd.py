@@ -23,6 +23,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.
 
 from lw_core.config import parse_config  # noqa: E402
 from lw_vllm import scheduler_side  # noqa: E402
+from lw_vllm.request_state import RemotePhase  # noqa: E402
 from lw_vllm.scheduler_side import SchedulerSide  # noqa: E402
 
 from pd_fakes import FakeMetaserver  # noqa: E402
@@ -103,30 +104,31 @@ def test_not_ready_while_the_metaserver_holds_then_timeout_and_lookup(meta, pool
         meta.mode, meta.bodies = "silent", []
         req = _req("r-hold", 5 * BLOCK + 3, meta.url, "par-hold")
         assert side.get_num_new_matched_tokens(req, 0) == (None, False)
-        _publish(side, req, 5)  # the prefiller commits while the decoder waits
+        _publish(side, req, 4)  # the prefiller commits part of the prompt while the decoder waits
         for _ in range(20):
             assert side.get_num_new_matched_tokens(req, 0) == (None, False)
             assert side.last_call_looked_up is False  # "not ready" is no lookup (metrics)
         n, slowest = _ask(side, req)  # the 2 s deadline passes
         assert side.last_call_looked_up is True
-        assert side.reqs["r-hold"].remote.detail == "no metaserver answer within 2 s"
+        assert side.reqs["r-hold"].remote.outcome.detail == "no metaserver answer within 2 s"
         # Recompute path, yet committed objects are valid KV: the lookup still uses them.
-        assert n == 5 * BLOCK and slowest < 0.1
-        assert meta.bodies == [{"lw_parent_id": "par-hold", "request_id": "r-hold"}]  # once, however often asked
+        assert n == 4 * BLOCK and slowest < 0.1
+        # once, however often asked
+        assert meta.bodies == [{"lw_parent_id": "par-hold", "request_id": "r-hold", "needs_prefill": True}]
     finally:
         side.shutdown()
 
 
-def test_ok_answer_loads_every_full_chunk(meta, pool_dir) -> None:
+def test_ok_answer_loads_what_the_pool_holds(meta, pool_dir) -> None:
     side = _side(pool_dir)
     try:
         assert side.can_load is False  # a plain request sent to this decoder would not load
         meta.mode, meta.bodies = "ok", []
-        req = _req("r-a", 4 * BLOCK, meta.url)
-        _publish(side, req, 4)
+        req = _req("r-a", 4 * BLOCK + 5, meta.url)
+        _publish(side, req, 3)
         n, _ = _ask(side, req)
-        assert n == 3 * BLOCK  # 4 full chunks, but one token must be left to compute
-        assert side.reqs["r-a"].remote.ok
+        assert n == 3 * BLOCK  # what the pool holds after the answer; vLLM computes the rest
+        assert side.reqs["r-a"].remote.answered_ok
     finally:
         side.shutdown()
 
@@ -139,7 +141,7 @@ def test_error_answer_computes_what_the_pool_lacks(meta, pool_dir) -> None:
         n, _ = _ask(side, req)
         assert n == 0
         st = side.reqs["r-e"]
-        assert not st.remote.ok and "502" in st.remote.detail
+        assert not st.remote.answered_ok and "502" in st.remote.outcome.detail
     finally:
         side.shutdown()
 
@@ -174,7 +176,7 @@ def test_short_prompt_posts_without_waiting_and_its_call_outlives_the_request(me
         while not meta.bodies:
             assert time.monotonic() < deadline, "the short request's POST never arrived"
             time.sleep(0.01)
-        assert meta.bodies == [{"lw_parent_id": "par-short", "request_id": "r-short"}]
+        assert meta.bodies == [{"lw_parent_id": "par-short", "request_id": "r-short", "needs_prefill": False}]
         time.sleep(0.2)
         assert "r-short" not in meta.cancelled_ids  # siblings of this parent still need the prefill dispatched
     finally:
@@ -246,9 +248,14 @@ def test_prefiller_saves_what_the_pool_lacks_and_reports_it_with_the_answer(pool
         assert side.metaserver is None  # a prefiller never calls the metaserver
         req = _req("p-1", 3 * BLOCK + 5, None)
         _publish(side, req, 2)  # an earlier prefill of the same prefix
-        assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # a producer never loads
-        meta = side.build_connector_meta(_step("p-1", [10, 11, 12, 13], 3 * BLOCK + 5))
-        assert meta.loads == [] and len(meta.saves) == 1
+        assert side.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, False)  # producer_is_to_load
+        side.update_state_after_alloc(req, None, 2 * BLOCK)
+        step = _step("p-1", [10, 11, 12, 13], BLOCK + 5)
+        step.scheduled_new_reqs[0].num_computed_tokens = 2 * BLOCK  # what vLLM sets after the alloc
+        meta = side.build_connector_meta(step)
+        (ld,) = meta.loads
+        assert ld.block_ids == [10, 11] and len(meta.saves) == 1
+        assert not meta.bulk_load  # a real tail to compute: the load stays layerwise
         (x,) = meta.saves
         assert x.block_ids == [12] and x.hashes == side._hashes(side._state(req))[2:3]  # only chunk 2
         # max_tokens=1: vLLM finishes the request before handing over that step's worker report.
@@ -259,5 +266,109 @@ def test_prefiller_saves_what_the_pool_lacks_and_reports_it_with_the_answer(pool
 
         (rec,) = [json.loads(line) for line in stats.read_text().splitlines()]
         assert rec["req_id"] == "p-1" and rec["saved_chunks"] == 1 and "remote_prefill" not in rec
+    finally:
+        side.shutdown()
+    # producer_is_to_load=false: the producer never loads, and still skips what the pool holds.
+    cfg = parse_config({"embedded_path": pool_dir, "embedded_capacity_bytes": 4 << 20, "producer_is_to_load": False})
+    side = SchedulerSide(vc, kc, cfg, "kv_producer")
+    try:
+        req = _req("p-2", 3 * BLOCK + 5, None)
+        assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+        meta = side.build_connector_meta(_step("p-2", [10, 11, 12, 13], 3 * BLOCK + 5))
+        (x,) = meta.saves
+        assert meta.loads == [] and x.block_ids == [12]
+    finally:
+        side.shutdown()
+
+
+def _publish_keys(side: SchedulerSide, hashes: list[bytes]) -> None:
+    handles = side.backend.reserve(side.keyspace.keys(side.tags[0], hashes), LAYERS * PAGE)
+    assert all(h is not None for h in handles)
+    side.backend.commit(handles)
+
+
+def _prefill_req(rid: str, toks: list[int], parent: str) -> SimpleNamespace:
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "lw_parent_id": parent}
+    return SimpleNamespace(request_id=rid, all_token_ids=toks, prompt_token_ids=toks, kv_transfer_params=params,
+                           lora_request=None, cache_salt=None, mm_features=None, skip_reading_prefix_cache=False)
+
+
+@pytest.mark.parametrize("tail", [0, 5], ids=["aligned", "partial"])
+def test_whole_prompt_travels_and_the_decoder_computes_one_token(meta, pool_dir, tail: int) -> None:
+    """The prefiller saves the partial chunk under a parent-scoped key; the decoder, seeing the whole
+    prompt in the pool, proceeds without the metaserver's answer and loads all of it but the last token."""
+    cfg = parse_config({"embedded_path": pool_dir, "embedded_capacity_bytes": 4 << 20, "use_layerwise": True})
+    vc, kc = _configs()
+    prod = SchedulerSide(vc, kc, cfg, "kv_producer")
+    side = _side(pool_dir, use_layerwise=True, metaserver_timeout_s=30.0)
+    try:
+        n_tok = 3 * BLOCK + tail
+        meta.mode, meta.bodies = "silent", []
+        dreq = _req("d-w", n_tok, meta.url, "par-w")
+        assert side.get_num_new_matched_tokens(dreq, 0) == (None, False)  # nothing committed yet
+        preq = _prefill_req("p-w", list(dreq.prompt_token_ids), "par-w")
+        assert prod.get_num_new_matched_tokens(preq, 0) == (0, False)
+        blocks = [20, 21, 22, 23][: -(-n_tok // BLOCK)]
+        plan = prod.build_connector_meta(_step("p-w", blocks, n_tok))
+        saved = [h for x in plan.saves for h in x.hashes]
+        assert [b for x in plan.saves for b in x.block_ids] == blocks  # every block, the partial one too
+        want = side._prompt_hashes(side._state(dreq))
+        assert saved == want and len(want) == len(blocks)
+        _publish_keys(prod, saved)  # what the prefiller's worker commits
+        n, _ = _ask(side, dreq)
+        assert n == n_tok - 1
+        assert side.reqs["d-w"].remote.answered_ok and "in_pool" in side.reqs["d-w"].t
+        side.update_state_after_alloc(dreq, None, n)
+        plan = side.build_connector_meta(_step("d-w", [5, 6, 7, 8][: len(blocks)], 1))
+        (x,) = plan.loads
+        assert x.hashes == want and x.block_ids == [5, 6, 7, 8][: len(blocks)]
+        assert plan.bulk_load  # one token to compute: nothing for layer pipelining to hide
+        # Another parent's decoder never matches this prompt's partial chunk.
+        other = _req("d-o", n_tok, None)
+        other.kv_transfer_params = {**dreq.kv_transfer_params, "lw_parent_id": "par-other"}
+        if tail:
+            assert side._prompt_hashes(side._state(other))[-1] != want[-1]
+    finally:
+        side.shutdown()
+        prod.shutdown()
+
+
+def test_discard_partial_chunks_keeps_the_partial_chunk_home(meta, pool_dir) -> None:
+    cfg = parse_config({"embedded_path": pool_dir, "embedded_capacity_bytes": 4 << 20, "use_layerwise": True,
+                        "discard_partial_chunks": True})
+    vc, kc = _configs()
+    prod = SchedulerSide(vc, kc, cfg, "kv_producer")
+    try:
+        toks = list(range(3, 3 + 2 * BLOCK + 7))
+        prod.get_num_new_matched_tokens(_prefill_req("p-d", toks, "par-d"), 0)
+        plan = prod.build_connector_meta(_step("p-d", [1, 2, 3], len(toks)))
+        assert [b for x in plan.saves for b in x.block_ids] == [1, 2]
+    finally:
+        prod.shutdown()
+
+
+def test_decoder_that_holds_the_prompt_says_so_and_does_not_wait(meta, pool_dir) -> None:
+    side = _side(pool_dir, metaserver_timeout_s=30.0)
+    try:
+        meta.mode, meta.bodies = "silent", []
+        req = _req("r-held", 3 * BLOCK + 4, meta.url, "par-held")
+        _publish(side, req, 3)  # the pool holds every full chunk already
+        t = time.perf_counter()
+        assert side.get_num_new_matched_tokens(req, 0) == (3 * BLOCK, False)  # no "not ready yet"
+        assert time.perf_counter() - t < 1.0
+        assert side.reqs["r-held"].remote.phase is RemotePhase.POOL_HOLDS_PROMPT
+        deadline = time.monotonic() + 5
+        while not meta.bodies:
+            assert time.monotonic() < deadline, "the POST never arrived"
+            time.sleep(0.01)
+        assert meta.bodies == [{"lw_parent_id": "par-held", "request_id": "r-held", "needs_prefill": False}]
+        # Local prefix cache (2 chunks) plus the pool (the 3rd) count together.
+        side2 = _side(pool_dir, metaserver_timeout_s=30.0)
+        try:
+            req2 = _req("r-held2", 3 * BLOCK + 4, meta.url, "par-held2")
+            assert side2.get_num_new_matched_tokens(req2, 2 * BLOCK) == (BLOCK, False)
+            assert side2.reqs["r-held2"].remote.phase is RemotePhase.POOL_HOLDS_PROMPT
+        finally:
+            side2.shutdown()
     finally:
         side.shutdown()

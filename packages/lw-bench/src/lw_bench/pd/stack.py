@@ -1,4 +1,4 @@
-"""Processes for the PD tests: vLLM OpenAI servers (``python -m vllm.entrypoints.openai.api_server``)
+"""Processes for the PD tests and ``lw-bench pd``: vLLM OpenAI servers (``python -m vllm.entrypoints.openai.api_server``)
 with LayerwiseStoreConnector, ``lw-proxy``, all on 127.0.0.1 free ports, each in its own process
 group so a teardown kills the engine core and workers too. Every wait has a deadline; a process
 that dies or does not come up raises with the tail of its log.
@@ -10,15 +10,17 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from aiohttp.test_utils import unused_port
 
 # vLLM's API server imports for ~1-2 min on a loaded 2-core machine.
 SERVER_START_TIMEOUT_S = 420.0
@@ -33,9 +35,7 @@ CHAT_TEMPLATE = (
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return unused_port()
 
 
 def http(method: str, url: str, body: Any = None, timeout: float = REQUEST_TIMEOUT_S) -> tuple[int, bytes]:
@@ -119,10 +119,12 @@ class Proc:
             pass
 
 
-def _spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path, url: str) -> Proc:
+def _spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path, url: str,
+           launcher: Sequence[str] = ()) -> Proc:
+    """``launcher``: an argv prefix that runs the process elsewhere, e.g. ``ip netns exec HOST``."""
     log_path = log_dir / f"{name}.log"
     f = open(log_path, "wb")
-    p = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    p = subprocess.Popen([*launcher, *argv], stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     f.close()
     return Proc(name, p, log_path, url)
 
@@ -170,16 +172,21 @@ class VllmServer:
 
 
 def start_vllm(name: str, model_dir: str, *, kv_role: str, extra: dict[str, Any], cpu: str, log_dir: Path,
-               block_size: int, mla: bool) -> VllmServer:
-    port = free_port()
+               block_size: int, mla: bool, max_model_len: int = 1024, kv_cache_bytes: int = 32 << 20,
+               host: str = "127.0.0.1", launcher: Sequence[str] = (), port: int | None = None,
+               env_extra: dict[str, str] | None = None) -> VllmServer:
+    """``host``/``launcher``/``port``: bind another address, started through ``launcher`` (another
+    host's network namespace, where this process cannot pick a free port: pass one). ``env_extra``:
+    more environment for the server (e.g. ``PYTHONPATH``)."""
+    port = port or free_port()
     stats = log_dir / f"{name}-stats.jsonl"
     template = log_dir / "chat_template.jinja"
     template.write_text(CHAT_TEMPLATE)
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--host", "127.0.0.1", "--port", str(port), "--model", model_dir, "--served-model-name", "tiny",
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-        "--kv-cache-memory-bytes", str(32 << 20), "--no-enable-prefix-caching", "--seed", "0",
+        "--host", host, "--port", str(port), "--model", model_dir, "--served-model-name", "tiny",
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
+        "--kv-cache-memory-bytes", str(kv_cache_bytes), "--no-enable-prefix-caching", "--seed", "0",
         "--chat-template", str(template),
         "--kv-transfer-config", json.dumps({"kv_connector": "LayerwiseStoreConnector", "kv_role": kv_role,
                                             "kv_connector_extra_config": extra}),
@@ -191,19 +198,22 @@ def start_vllm(name: str, model_dir: str, *, kv_role: str, extra: dict[str, Any]
     env = dict(os.environ)
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes sizes the cache
     env.update({"VLLM_CPU_OMP_THREADS_BIND": cpu, "LW_VLLM_STATS_FILE": str(stats), "PYTHONUNBUFFERED": "1"})
-    proc = _spawn(name, argv, env, log_dir, f"http://127.0.0.1:{port}")
+    env.update(env_extra or {})
+    proc = _spawn(name, argv, env, log_dir, f"http://{host}:{port}", launcher)
     return VllmServer(proc, stats, block_size)
 
 
-def start_proxy(name: str, prefill_url: str, decode_url: str, log_dir: Path, *extra: str) -> Proc:
-    port = free_port()
+def start_proxy(name: str, prefill_url: str, decode_url: str, log_dir: Path, *extra: str,
+                host: str = "127.0.0.1", launcher: Sequence[str] = (), port: int | None = None) -> Proc:
+    """``host`` is also the address decoders call back (``/v1/metaserver``)."""
+    port = port or free_port()
     p_host, p_port = prefill_url.rsplit("/", 1)[-1].rsplit(":", 1)
     d_host, d_port = decode_url.rsplit("/", 1)[-1].rsplit(":", 1)
     lw_proxy = Path(sys.executable).with_name("lw-proxy")
-    argv = [str(lw_proxy), "--host", "127.0.0.1", "--port", str(port),
+    argv = [str(lw_proxy), "--host", host, "--port", str(port),
             "--prefiller-hosts", p_host, "--prefiller-ports", p_port,
             "--decoder-hosts", d_host, "--decoder-ports", d_port, *extra]
-    proc = _spawn(name, argv, dict(os.environ), log_dir, f"http://127.0.0.1:{port}")
+    proc = _spawn(name, argv, dict(os.environ), log_dir, f"http://{host}:{port}", launcher)
     wait_ready([proc], "/metrics", PROXY_START_TIMEOUT_S)
     return proc
 
@@ -237,25 +247,27 @@ class Stack:
                 p.stop()
 
 
-def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout_s: float) -> Stack:
+def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout_s: float,
+                extra: dict[str, Any] | None = None, max_model_len: int = 1024,
+                kv_cache_bytes: int = 32 << 20, block_size: int | None = None) -> Stack:
     """Start prefiller and decoder at once (start-up is mostly imports), warm both up with a chat
     and a completion straight at them, then the proxy. First uses are slow (lazy imports; the
     first request asking for log-probs took ~5 s on the CPU build), so warm-ups use every feature
     the tests use."""
-    from lw_vllm.testing import models
+    from lw_bench import models
 
     mla = model == "mla"
     model_dir = str(models.mla_model() if mla else models.gqa_model())
-    block = 16 if mla else 32  # vLLM's CPU MLA backend forces 16
+    block = 16 if mla else (block_size or 32)  # vLLM's CPU MLA backend forces 16
     extra = {"embedded_path": pool_path, "embedded_capacity_bytes": 64 << 20, "use_layerwise": True,
-             "metaserver_timeout_s": metaserver_timeout_s}
+             "metaserver_timeout_s": metaserver_timeout_s, **(extra or {})}
     c0, c1 = cpu_ids()
     prefill = start_vllm("prefill", model_dir, kv_role="kv_producer", extra=extra, cpu=c0, log_dir=log_dir,
-                         block_size=block, mla=mla)
+                         block_size=block, mla=mla, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes)
     decode = proxy = None
     try:
         decode = start_vllm("decode", model_dir, kv_role="kv_consumer", extra=extra, cpu=c1, log_dir=log_dir,
-                            block_size=block, mla=mla)
+                            block_size=block, mla=mla, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes)
         wait_ready([prefill.proc, decode.proc], "/health", SERVER_START_TIMEOUT_S)
         for s in (prefill, decode):
             for path, body in (("/v1/completions", {"prompt": "warm up", "logprobs": 2}),

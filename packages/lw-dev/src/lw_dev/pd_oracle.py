@@ -1,7 +1,7 @@
 """Turn OpenAI responses into the greedy oracle's shape ({"tokens", "top2"}) and compare.
 
 Requests ask ``return_tokens_as_token_ids`` so tokens come back as ``"token_id:<n>"``, and 2
-top log-probs per position; the rule is lw_vllm.testing.harness.assert_same_greedy: equal tokens,
+top log-probs per position; the rule is lw_dev.harness.assert_same_greedy: equal tokens,
 or a first divergence only at a near-tie, with log-probs agreeing before it.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lw_vllm.testing.harness import assert_same_greedy
+from lw_dev.harness import assert_same_greedy
 
 SAMPLING = {"temperature": 0.0, "ignore_eos": True, "return_tokens_as_token_ids": True}
 

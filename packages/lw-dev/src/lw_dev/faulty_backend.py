@@ -142,6 +142,10 @@ class FaultyBackend:
         self._fire(op, [self._layer(offset, nbytes)])
         return self.inner.view(handle, offset, nbytes)
 
+    def intact(self, handles: Any) -> list[bool]:
+        intact = getattr(self.inner, "intact", None)
+        return intact(handles) if intact is not None else [True] * len(handles)
+
     def stats(self) -> dict[str, int]:
         return self.inner.stats()
 

@@ -1,0 +1,5 @@
+import sys
+
+from lw_bench.cli import main
+
+sys.exit(main())

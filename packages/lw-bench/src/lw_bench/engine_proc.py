@@ -1,0 +1,64 @@
+"""What every "one vLLM engine in a fresh process, JSON job on stdin" runner shares: the engine's
+environment (in-process engine core), the connector's per-request stats side channel
+(``LW_VLLM_STATS_FILE``, read by lw_vllm.scheduler_side), and the stdout protocol. Used by
+``lw_bench.serve.engine`` and by the tests' runner (``lw_dev.engine``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+
+def in_process_engine(prefix: str, *, force: bool = True) -> str:
+    """Set this process up for one in-process vLLM engine whose connector writes a stats line per
+    request; returns the stats file's path (the caller unlinks it). ``force=False`` keeps a
+    ``VLLM_ENABLE_V1_MULTIPROCESSING`` the caller set (multi-process engines, e.g. TP)."""
+    # In-process engine core: the scheduler, the model and the connector share this process (no
+    # IPC hop in measured wall times, one backend shared by the connector's two sides).
+    if force:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    else:
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=".jsonl")
+    os.close(fd)
+    os.environ["LW_VLLM_STATS_FILE"] = path
+    return path
+
+
+def read_stats(path: str) -> dict[str, Any]:
+    """The connector's stats records in ``path``, by request id."""
+    out: dict[str, Any] = {}
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                out[rec["req_id"]] = rec
+    return out
+
+
+def stats_for(stats: dict[str, Any], request_id: str) -> Any:
+    """The record of ``request_id``; vLLM's engine core appends a random suffix to the caller's id."""
+    if request_id in stats:
+        return stats[request_id]
+    for rid, rec in stats.items():
+        if rid.startswith(request_id + "-"):
+            return rec
+    return None
+
+
+def emit(line: str) -> None:
+    """One protocol line on stdout, on a line of its own (vLLM's log shares the stream)."""
+    sys.stdout.write("\n" + line + "\n")
+    sys.stdout.flush()
+
+
+def main(run: Callable[[dict[str, Any]], None]) -> None:
+    """Read the job from stdin, run it, exit at once: vLLM's shutdown of an in-process engine can
+    linger (stalled daemon threads included), and every result is out already."""
+    run(json.loads(sys.stdin.read()))
+    os._exit(0)

@@ -1,0 +1,179 @@
+"""Tiny local models for tests and benchmarks: built here, never downloaded.
+
+Random float32 weights from a transformers config plus a BPE tokenizer trained locally, saved
+with ``save_pretrained`` so vLLM and transformers load them like any checkpoint. Built once and
+cached under ``$LW_TEST_MODELS`` (default ``~/.cache/lw-test-models``) keyed by a hash of
+everything that shapes the files, so config changes never reuse stale weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# Bump when the build recipe changes in a way the spec hash cannot see.
+_RECIPE = 2
+VOCAB_SIZE = 512
+
+# Random weights with transformers' default init (std 0.02) give nearly flat logits: greedy output
+# would be a string of near-ties. A larger init spreads logits so that ties are rare.
+_INIT_STD = 0.15
+
+GQA_SPEC: dict[str, Any] = {
+    "arch": "llama",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    # vLLM's CPU attention kernels support head sizes 32, 64, 80, 96, 112, 128, 256 only.
+    "head_dim": 32,
+}
+
+# vLLM's CPU MLA backend needs kv_lora_rank + qk_rope_head_dim == 576.
+MLA_SPEC: dict[str, Any] = {
+    "arch": "deepseek_v2",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 2,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    # The CPU linear kernels refuse 16 input features: keep every projection width >= 32.
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+}
+
+
+def _corpus() -> list[str]:
+    # Deterministic pseudo-text: enough variety for a few hundred merges.
+    import random
+
+    rng = random.Random(1234)
+    syll = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "qu", "dr", "st", "en", "or"]
+    words = ["".join(rng.choice(syll) for _ in range(rng.randint(1, 4))) for _ in range(400)]
+    return [" ".join(rng.choice(words) for _ in range(rng.randint(5, 30))) + "." for _ in range(3000)]
+
+
+def _build_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    fast.model_max_length = 1 << 16
+    fast.save_pretrained(out)
+
+
+def _hf_config(spec: dict[str, Any], max_len: int):
+    common = dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=spec["hidden_size"],
+        intermediate_size=spec["intermediate_size"],
+        num_hidden_layers=spec["num_hidden_layers"],
+        num_attention_heads=spec["num_attention_heads"],
+        max_position_embeddings=max_len,
+        initializer_range=_INIT_STD,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        rms_norm_eps=1e-6,
+        dtype="float32",
+    )
+    if spec["arch"] == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(num_key_value_heads=spec["num_key_value_heads"], head_dim=spec["head_dim"], **common)
+    if spec["arch"] == "deepseek_v2":
+        from transformers import DeepseekV2Config
+
+        n = spec["num_hidden_layers"]
+        return DeepseekV2Config(
+            kv_lora_rank=spec["kv_lora_rank"],
+            q_lora_rank=None,
+            qk_rope_head_dim=spec["qk_rope_head_dim"],
+            qk_nope_head_dim=spec["qk_nope_head_dim"],
+            v_head_dim=spec["v_head_dim"],
+            num_key_value_heads=spec["num_attention_heads"],
+            # Dense MLP in every layer: MoE adds nothing to KV tests and slows CPU runs.
+            first_k_dense_replace=n,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=spec["intermediate_size"],
+            **common,
+        )
+    raise ValueError(f"spec['arch']={spec['arch']!r}; accepted: 'llama', 'deepseek_v2'")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("LW_TEST_MODELS", Path.home() / ".cache" / "lw-test-models"))
+
+
+def build_model(spec: dict[str, Any], *, max_len: int = 4096, seed: int = 0) -> Path:
+    """Directory of a checkpoint for ``spec`` (built on first use, then cached)."""
+    key = json.dumps({"spec": spec, "max_len": max_len, "seed": seed, "recipe": _RECIPE}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    out = cache_root() / f"{spec['arch']}-{digest}"
+    if (out / "done").exists():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
+    try:
+        torch.manual_seed(seed)
+        cfg = _hf_config(spec, max_len)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.save_pretrained(tmp)
+        _build_tokenizer(tmp)
+        (tmp / "spec.json").write_text(key)
+        (tmp / "done").write_text("ok\n")
+        try:
+            os.rename(tmp, out)  # atomic: a concurrent builder's result wins, ours is dropped
+        except OSError:
+            if not (out / "done").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def gqa_model(**kw: Any) -> Path:
+    return build_model(GQA_SPEC, **kw)
+
+
+def mla_model(**kw: Any) -> Path:
+    return build_model(MLA_SPEC, **kw)
+
+
+# ``lw-bench serve``: big enough that prefill compute dominates a 2k-token miss on a CPU, small
+# enough to build in seconds (~134M parameters, 0.54 GB in float32). Not used by the tests.
+BENCH_SPEC: dict[str, Any] = {
+    "arch": "llama",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+}
+
+
+def bench_model(**kw: Any) -> Path:
+    return build_model(BENCH_SPEC, **kw)

@@ -1,0 +1,397 @@
+"""``lw-bench pipeline``: how much of the pool->KV transfer the layer pipeline hides behind compute.
+
+Real transfers: the KV bytes are first saved through the pipeline into a pool (the embedded
+backend by default, on tmpfs), then loaded back into a numpy "KV cache" (``HostCopier``). Compute
+is a real CPU kernel: a float32 matmul per layer, sized at start-up to a target time per layer
+(by default the measured per-layer transfer time, so compute and transfer are of similar size).
+
+Scenarios, each timed ``--reps`` times (median reported):
+
+* no pool   -- compute only, every layer: ``t_compute_s``
+* transfer  -- bulk load alone, no compute: ``t_transfer_s``
+* bulk      -- load every layer, then compute every layer: ``t_bulk_s``
+* layerwise -- for each layer: ``wait_layer`` then compute, prefetch depth 1..N: ``t_layerwise_s``
+
+``hidden_fraction[d] = (t_bulk - t_layerwise[d]) / min(t_compute, t_transfer)``: 1.0 means the
+shorter of transfer and compute is entirely hidden; 0 means no overlap at all. Depth 1 has no
+prefetch (the load of layer L starts at ``wait_layer(L)``), so expect ~0 there.
+
+The measurement runs in a child process whose BLAS is limited to one thread
+(``OPENBLAS_NUM_THREADS=1`` etc. must be set before numpy loads): the matmul then holds one core
+and the transfer thread (numpy memcpy, GIL released) gets the other.
+
+Returned dict (stable keys):
+
+* ``config``: ``layers``, ``blocks``, ``block_bytes``, ``layer_bytes``, ``total_bytes``, ``reps``,
+  ``depths``, ``backend``, ``backend_keys`` (``--backend-key``), ``compute_ms_target``, ``matmul_n``, ``blas_threads_env``
+* ``t_compute_s``, ``t_transfer_s``, ``t_bulk_s``: medians, seconds
+* ``t_layerwise_s``: ``{"1": s, "2": s, ...}`` keyed by prefetch depth
+* ``hidden_fraction``: ``{"1": f, ...}`` keyed by prefetch depth
+* ``per_layer_compute_ms``, ``per_layer_transfer_ms``, ``transfer_gbps``
+* ``t_raw_copy_s``, ``t_raw_overlap_s``, ``raw_hidden_fraction``: the machine's own ceiling -- a
+  plain numpy memcpy of the same bytes (KV to KV, no pool, no pipeline) alone, and in one thread
+  next to the same compute. On a 2-core machine shared with other work this is well below 1.0,
+  and the pipeline cannot do better than it.
+* ``layer_wait_ms``: ``{"1": ms, ...}`` median total time the forward pass blocked in ``wait_layer``
+* ``samples``: every repetition's times (``compute``, ``transfer``, ``bulk``, ``layerwise_<d>``)
+* ``load_failures``: failed blocks over all runs (should be 0); ``errors``: their messages
+* ``verified``: every load put exactly the saved bytes into the KV cache
+
+``--kv-device DEV`` puts the KV cache on a torch device (``pipeline_device``; same keys, and
+``config`` adds ``kv_device``, ``device_name``, ``torch``; ``save_s`` times the initial save).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Any
+
+from lw_bench import bench_store
+from lw_bench.bench_store import open_for_pipeline as open_backend  # noqa: F401 (pipeline_device's import)
+
+_CFG_ENV = "LW_PIPELINE_BENCH_CFG"
+_BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, default=32, help="number of layers (default 32)")
+    p.add_argument("--blocks", type=int, default=64, help="KV blocks loaded per step (default 64)")
+    p.add_argument("--block-bytes", type=int, default=128 << 10, help="bytes of one block of one layer (default 131072)")
+    p.add_argument("--compute-ms", type=float, default=None, help="target compute per layer in ms (default: the measured per-layer transfer time)")
+    p.add_argument("--depths", type=str, default="1,2,3,4", help="prefetch depths to run, comma-separated (default 1,2,3,4)")
+    p.add_argument("--reps", type=int, default=7, help="repetitions per scenario; medians are reported (default 7)")
+    p.add_argument("--backend", default="embedded", help="memory, or a backend plugin on its throwaway bench pool "
+                   "(embedded, mooncake: run it in a network namespace, its clients listen on every address)")
+    bench_store.add_argument(p)
+    p.add_argument("--pool-path", default=None, help="embedded pool directory (default: a fresh one on /dev/shm, removed after)")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="write a bar chart (needs matplotlib: pip install 'lw-bench[plot]')")
+    p.add_argument("--quick", action="store_true", help="tiny smoke run (4 layers, 8 blocks, 1 rep, depths 1,2)")
+    p.add_argument("--timeout-s", type=float, default=1800.0, help="give up on the measurement after this long (default 1800)")
+    p.add_argument(
+        "--kv-device", default="cpu", metavar="DEV",
+        help="where the KV cache lives: cpu (numpy, default) or a torch device such as cuda, cuda:1, npu:0 "
+        "(device copies through lw_vllm's TorchCopier, compute = a matmul on that device; needs torch); "
+        "cpu-torch runs the device mode's code on CPU tensors (a smoke test, no overlap to show)",
+    )
+
+
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = {
+        "layers": args.layers,
+        "blocks": args.blocks,
+        "block_bytes": args.block_bytes,
+        "compute_ms": args.compute_ms,
+        "depths": args.depths,
+        "reps": args.reps,
+        "backend": args.backend,
+        "pool_path": args.pool_path,
+        "backend_keys": bench_store.parse_keys("pipeline", getattr(args, "backend_key", None)),
+        "kv_device": getattr(args, "kv_device", "cpu") or "cpu",
+    }
+    if args.quick:
+        cfg.update(layers=4, blocks=8, block_bytes=16 << 10, reps=1, depths="1,2")
+    try:
+        depths = sorted({int(d) for d in str(cfg["depths"]).split(",") if d.strip()})
+    except ValueError:
+        raise SystemExit(f"lw-bench pipeline: --depths={cfg['depths']!r} must be comma-separated integers >= 1, e.g. 1,2,4") from None
+    cfg["depths"] = depths
+    for name in ("layers", "blocks", "block_bytes", "reps"):
+        if cfg[name] < 1:
+            raise SystemExit(f"lw-bench pipeline: --{name.replace('_', '-')}={cfg[name]} must be >= 1")
+    if not depths or depths[0] < 1:
+        raise SystemExit(f"lw-bench pipeline: --depths={args.depths!r} must list integers >= 1")
+    if cfg["compute_ms"] is not None and not cfg["compute_ms"] > 0:
+        raise SystemExit(f"lw-bench pipeline: --compute-ms={cfg['compute_ms']} must be > 0")
+    if cfg["backend"] == "memory":
+        if cfg["backend_keys"]:
+            raise SystemExit("lw-bench pipeline --backend-key: the memory backend has no keys")
+    else:
+        bench_store.check_keys("pipeline", cfg["backend"], cfg["backend_keys"])
+        bench_store.plugin_of("pipeline", cfg["backend"])
+    if cfg["kv_device"] != "cpu-torch" and not re.fullmatch(r"[a-z]+(:[0-9]+)?", str(cfg["kv_device"])):
+        raise SystemExit(f"lw-bench pipeline: --kv-device={cfg['kv_device']!r} must be cpu, cpu-torch or a torch device such as cuda, cuda:0, npu:0")
+    return cfg
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = _config(args)
+    if args.plot:
+        _require_matplotlib()
+    env = dict(os.environ, **{k: "1" for k in _BLAS_ENV}, **{_CFG_ENV: json.dumps(cfg)})
+    cmd = [sys.executable, "-c", "from lw_bench.pipeline import _child; _child()"]
+    try:
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True, timeout=args.timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        raise SystemExit(f"lw-bench pipeline: the measurement did not finish within --timeout-s={args.timeout_s}") from None
+    if proc.returncode != 0:
+        raise SystemExit(f"lw-bench pipeline: the measurement process failed (exit {proc.returncode}); see its messages above")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if args.plot:
+        _plot(result, args.plot)
+        result["plot"] = args.plot
+    if not getattr(args, "json", False):
+        _print_table(result)
+    return result
+
+
+def _child() -> None:
+    cfg = json.loads(os.environ[_CFG_ENV])
+    if cfg.get("kv_device", "cpu") != "cpu":
+        from lw_bench.pipeline_device import measure_device  # imports torch: device mode only
+
+        print(json.dumps(measure_device(cfg)))
+        return
+    print(json.dumps(measure(cfg)))
+
+
+def _require_matplotlib() -> None:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise SystemExit("lw-bench pipeline --plot needs matplotlib: pip install 'lw-bench[plot]' (or pip install matplotlib)") from None
+
+
+def _plot(r: dict[str, Any], out: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    depths = sorted(r["t_layerwise_s"], key=int)
+    labels = ["compute\n(no pool)", "transfer\nonly", "bulk"] + [f"layerwise\ndepth {d}" for d in depths]
+    vals = [r["t_compute_s"], r["t_transfer_s"], r["t_bulk_s"]] + [r["t_layerwise_s"][d] for d in depths]
+    fig, ax = plt.subplots(figsize=(2 + 1.1 * len(labels), 4))
+    bars = ax.bar(labels, [v * 1e3 for v in vals], color=["#888", "#bbb", "#c44"] + ["#48c"] * len(depths))
+    for b, d in zip(bars[3:], depths):
+        ax.annotate(f"hidden {r['hidden_fraction'][d]:.0%}", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    c = r["config"]
+    ax.set_ylabel("ms per step (median)")
+    ax.set_title(f"{c['layers']} layers x {c['blocks']} blocks x {c['block_bytes'] // 1024} KiB, {c['backend']} pool", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def _print_table(r: dict[str, Any]) -> None:
+    c = r["config"]
+    print(
+        f"pipeline bench: {c['layers']} layers, {c['blocks']} blocks x {c['block_bytes']} B per layer "
+        f"({c['total_bytes'] / 2**20:.1f} MiB per step), {c['backend']} pool, KV on {c.get('kv_device', 'cpu')}, "
+        f"median of {c['reps']}"
+    )
+    print(f"  compute only   {r['t_compute_s'] * 1e3:8.2f} ms   ({r['per_layer_compute_ms']:.3f} ms/layer, matmul n={c['matmul_n']})")
+    print(f"  transfer only  {r['t_transfer_s'] * 1e3:8.2f} ms   ({r['per_layer_transfer_ms']:.3f} ms/layer, {r['transfer_gbps']:.2f} GB/s)")
+    print(f"  bulk           {r['t_bulk_s'] * 1e3:8.2f} ms")
+    for d in sorted(r["t_layerwise_s"], key=int):
+        print(
+            f"  layerwise d={d}  {r['t_layerwise_s'][d] * 1e3:8.2f} ms   hidden {r['hidden_fraction'][d]:6.1%}   "
+            f"blocked in wait_layer {r['layer_wait_ms'][d]:.2f} ms"
+        )
+    raw = "host->device DMA on a side stream" if c.get("kv_device", "cpu") != "cpu" else "memcpy thread"
+    print(
+        f"  machine ceiling: plain {raw} next to compute hides {r['raw_hidden_fraction']:.1%} "
+        f"(copy {r['t_raw_copy_s'] * 1e3:.2f} ms alone, {r['t_raw_overlap_s'] * 1e3:.2f} ms with compute)"
+    )
+    print(f"  verified={r['verified']} load_failures={r['load_failures']}")
+
+
+# --- the measurement (runs in the child; numpy is imported only here, after the BLAS env is set) ---
+
+
+def _median(xs: list[float]) -> float:
+    import statistics
+
+    return statistics.median(xs)
+
+
+def _calibrate_matmul(target_s: float) -> tuple[int, Any]:
+    """Pick n so that one float32 n x n matmul takes about ``target_s``; returns (n, kernel)."""
+    import time
+
+    import numpy as np
+
+    def kernel_for(n: int) -> Any:
+        rng = np.random.default_rng(0)
+        a = rng.standard_normal((n, n), dtype=np.float32)
+        b = rng.standard_normal((n, n), dtype=np.float32)
+        c = np.empty((n, n), dtype=np.float32)
+        return lambda: np.matmul(a, b, out=c)
+
+    def timed(k: Any) -> float:
+        k()
+        ts = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            k()
+            ts.append(time.perf_counter() - t0)
+        return _median(ts)
+
+    n = 128
+    for _ in range(6):
+        t = timed(kernel_for(n))
+        new = max(8, min(8192, round(n * (target_s / max(t, 1e-7)) ** (1 / 3))))
+        if abs(new - n) <= max(2, n // 50):
+            break
+        n = new
+    return n, kernel_for(n)
+
+
+def measure(cfg: dict[str, Any]) -> dict[str, Any]:
+    import shutil
+    import threading
+    import time
+
+    import numpy as np
+    from tqdm import tqdm
+
+    from lw_core.host_copier import HostCopier
+    from lw_core.pipeline import LayerPipeline
+    from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
+
+    layers, blocks, bb, reps, depths = cfg["layers"], cfg["blocks"], cfg["block_bytes"], cfg["reps"], cfg["depths"]
+    layout = ObjectLayout(layer_nbytes=(bb,) * layers)
+    total = layout.nbytes * blocks
+    keys = [f"bench/{i}" for i in range(blocks)]
+    backend, tmp = open_backend(cfg, total)
+    try:
+        src = HostCopier.allocate(layers, blocks, bb, fill=None)
+        rng = np.random.default_rng(1)
+        for a in src.kv:
+            a[:] = rng.integers(0, 256, a.shape, dtype=np.uint8)
+        dst = HostCopier.allocate(layers, blocks, bb, fill=0)
+        with LayerPipeline(backend, src, layout, save_timeout_s=60.0) as pipe:
+            pipe.start_save([ReqSave("bench", keys, list(range(blocks)))])
+            for layer in range(layers):
+                pipe.save_layer(layer)
+            saved = pipe.finish_save()
+        if len(saved.committed_keys) + len(saved.skipped_keys) != blocks:
+            raise SystemExit(f"lw-bench pipeline: could not fill the pool: {saved.errors}")
+        loads = [ReqLoad("bench", keys, list(range(blocks)))]
+        failures: list[int] = []
+        errors: list[str] = []
+        verified = True
+        waits: dict[str, list[float]] = {}
+
+        def step(pipe: Any, compute: Any, tag: str) -> float:
+            nonlocal verified
+            dst.kv[0][:1] = 0  # cheap marker: a run that loads nothing would leave it 0
+            t0 = time.perf_counter()
+            pipe.start_load(loads)
+            if pipe.layerwise:
+                for layer in range(layers):
+                    pipe.wait_layer(layer)
+                    compute()
+            elif compute is not None:
+                for _ in range(layers):
+                    compute()
+            res = pipe.finish_load()
+            dt = time.perf_counter() - t0
+            failures.append(len(res.failed_block_ids))
+            errors.extend(e for e in res.errors if e not in errors)
+            waits.setdefault(tag, []).append(sum(res.layer_wait_s))
+            if not all(np.array_equal(dst.kv[i], src.kv[i]) for i in range(layers)):
+                verified = False
+            return dt
+
+        def fresh(**kw: Any) -> Any:
+            return LayerPipeline(backend, dst, layout, layer_timeout_s=30.0, **kw)
+
+        bulk_pipe = fresh(layerwise=False)
+        step(bulk_pipe, None, "warmup")
+        t_transfer_layer = _median([step(bulk_pipe, None, "warmup") for _ in range(3)]) / layers
+        target = cfg["compute_ms"] / 1e3 if cfg["compute_ms"] else t_transfer_layer
+        n, kernel = _calibrate_matmul(target)
+        lw_pipes = {d: fresh(prefetch_depth=d) for d in depths}
+        samples: dict[str, list[float]] = {
+            k: [] for k in ["compute", "transfer", "bulk", *(f"layerwise_{d}" for d in depths), "raw_copy", "raw_overlap"]
+        }
+        raw_src = [a.reshape(-1) for a in src.kv]
+        raw_dst = [a.reshape(-1) for a in dst.kv]
+
+        def raw_copy() -> None:
+            for i in range(layers):
+                np.copyto(raw_dst[i], raw_src[i])
+
+        def raw_overlap() -> float:
+            # the machine's own limit: one plain numpy memcpy thread next to the same compute
+            t0 = time.perf_counter()
+            th = threading.Thread(target=raw_copy)
+            th.start()
+            for _ in range(layers):
+                kernel()
+            th.join()
+            return time.perf_counter() - t0
+
+        try:
+            for p in lw_pipes.values():
+                step(p, kernel, "warmup")
+            with tqdm(total=reps * len(samples), desc="lw-bench pipeline", file=sys.stderr, unit="run") as bar:
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    for _ in range(layers):
+                        kernel()
+                    samples["compute"].append(time.perf_counter() - t0)
+                    bar.update()
+                    samples["transfer"].append(step(bulk_pipe, None, "transfer"))
+                    bar.update()
+                    samples["bulk"].append(step(bulk_pipe, kernel, "bulk"))
+                    bar.update()
+                    for d, p in lw_pipes.items():
+                        samples[f"layerwise_{d}"].append(step(p, kernel, str(d)))
+                        bar.update()
+                    t0 = time.perf_counter()
+                    raw_copy()
+                    samples["raw_copy"].append(time.perf_counter() - t0)
+                    bar.update()
+                    samples["raw_overlap"].append(raw_overlap())
+                    bar.update()
+        finally:
+            bulk_pipe.close()
+            for p in lw_pipes.values():
+                p.close()
+    finally:
+        backend.close()
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    config = {"layers": layers, "blocks": blocks, "block_bytes": bb, "layer_bytes": bb * blocks,
+              "total_bytes": total, "reps": reps, "depths": depths, "backend": cfg["backend"],
+              "backend_keys": cfg.get("backend_keys") or {},
+              "compute_ms_target": target * 1e3, "matmul_n": n,
+              "blas_threads_env": {k: os.environ.get(k) for k in _BLAS_ENV[:2]}}
+    return summarize(config, samples, waits, failures, errors, verified)
+
+
+def summarize(config: dict[str, Any], samples: dict[str, list[float]], waits: dict[str, list[float]],
+              failures: list[int], errors: list[str], verified: Any, **extra: Any) -> dict[str, Any]:
+    """The report of one pipeline bench run (host or device): medians, hidden fractions, rates;
+    ``extra`` adds mode-specific figures (e.g. the device bench's save time)."""
+    layers, total, depths = config["layers"], config["total_bytes"], config["depths"]
+    med = {k: _median(v) for k, v in samples.items()}
+    t_c, t_t, t_b = med["compute"], med["transfer"], med["bulk"]
+    t_lw = {str(d): med[f"layerwise_{d}"] for d in depths}
+    return {
+        "config": config,
+        "t_compute_s": t_c,
+        "t_transfer_s": t_t,
+        "t_bulk_s": t_b,
+        "t_layerwise_s": t_lw,
+        "hidden_fraction": {d: (t_b - t) / min(t_c, t_t) for d, t in t_lw.items()},
+        "t_raw_copy_s": med["raw_copy"],
+        "t_raw_overlap_s": med["raw_overlap"],
+        "raw_hidden_fraction": (t_c + med["raw_copy"] - med["raw_overlap"]) / min(t_c, med["raw_copy"]),
+        "per_layer_compute_ms": t_c / layers * 1e3,
+        "per_layer_transfer_ms": t_t / layers * 1e3,
+        "transfer_gbps": total / t_t / 1e9,
+        **extra,
+        "layer_wait_ms": {str(d): _median(waits[str(d)]) * 1e3 for d in depths},
+        "samples": samples,
+        "load_failures": sum(failures),
+        "errors": errors[:20],
+        "verified": verified,
+    }

@@ -1,0 +1,169 @@
+"""Run one vLLM engine (CPU) over phases of token prompts; used by the tests through a subprocess,
+so every engine is a fresh process (as a second instance would be).
+
+    python -m lw_dev.engine < job.json   ->  last stdout line: LW-ENGINE-RESULT {"phases": [...], ...}
+
+Job keys: ``model`` ("gqa" | "mla" | a path), ``phases``, ``max_tokens``, ``extra``
+(kv_connector_extra_config, or null for no connector), ``kv_role``, ``connector``, ``engine``
+(extra ``LLM(...)`` keyword arguments), ``max_model_len``, ``kv_cache_memory_bytes``.
+A phase is a list of prompts run on the same engine one phase after another; a prompt is a list of
+token ids or ``{"ids": [...], "salt": "tenant"}`` (vLLM's ``cache_salt``).
+Result per prompt: generated token ids, per position the top-2 (token, logprob) pairs, the finish
+reason, vLLM's cached-token count and the connector's per-request stats when a connector ran.
+
+``"faults": true`` wraps the job's pool backend (default "embedded") in ``lw_dev.faulty_backend``
+through lw-core's ``register_backend`` seam (plugin "faulty"), and a phase may then be
+``{"prompts": [...], "rules": [...], "wipe_pool": bool}``: rules change at the start of each phase
+(a pool that fails, then recovers, without restarting vLLM); ``wipe_pool`` closes the pool,
+deletes its directory and opens a new, empty one under the same wrapper. Such phases also report
+how often each rule fired (``rule_hits``), the connector's metrics from vLLM's Prometheus registry
+(``metrics``) and the pool's object count (``pool_objects``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+from lw_bench.engine_proc import emit, in_process_engine, main, read_stats, stats_for
+
+RESULT_MARK = "LW-ENGINE-RESULT "
+
+
+def _model_path(name: str) -> tuple[str, dict[str, Any]]:
+    from lw_bench import models
+
+    if name == "gqa":
+        return str(models.gqa_model()), {}
+    if name == "mla":
+        # The AMX MLA backend needs bf16 weights; the tiny models are float32.
+        return str(models.mla_model()), {"attention_backend": "CPU_MLA"}
+    return name, {}
+
+
+def _prompt(p: Any) -> dict[str, Any]:
+    if isinstance(p, dict):
+        return {"prompt_token_ids": p["ids"], "cache_salt": p["salt"]}
+    return {"prompt_token_ids": p}
+
+
+def _metrics(llm: Any) -> dict[str, float]:
+    """Our connector metrics, summed over labels (histograms: their sample count and sum)."""
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if not m.name.startswith("vllm:lw_pool_"):
+            continue
+        if hasattr(m, "count"):
+            out[m.name + ":count"] = out.get(m.name + ":count", 0) + m.count
+            out[m.name + ":sum"] = out.get(m.name + ":sum", 0.0) + m.sum
+        else:
+            out[m.name] = out.get(m.name, 0.0) + float(getattr(m, "value", 0.0))
+    return out
+
+
+def _faulty_pool(extra: Any) -> tuple[dict[str, Any], list[Any], Any]:
+    """Register plugin "faulty" wrapping ``extra``'s backend; returns the extra config selecting
+    it, the list its wrappers land in, and the real plugin."""
+    from lw_core.backends.registry import BackendPlugin, get_backend, register_backend
+    from lw_dev.faulty_backend import FaultyBackend
+
+    wrappers: list[Any] = []
+    real = get_backend(extra.get("backend", "embedded"))
+
+    def open_faulty(cfg: Any, **kw: Any) -> Any:
+        w: Any = FaultyBackend(real.open(cfg, **kw))
+        w.cfg = cfg  # for wipe_pool
+        wrappers.append(w)
+        return w
+
+    register_backend("faulty", lambda: BackendPlugin(name="faulty", open=open_faulty, keys=real.keys, check=real.check))
+    return {**extra, "backend": "faulty"}, wrappers, real
+
+
+def run(job: dict[str, Any]) -> dict[str, Any]:
+    stats_path = in_process_engine("lw-stats-", force=False)
+    faults = bool(job.get("faults"))
+    extra: Any = job.get("extra")
+    wrappers: list[Any] = []
+    real: Any = None
+    if faults:
+        extra, wrappers, real = _faulty_pool(extra)
+    from vllm import LLM, SamplingParams
+
+    path, model_kw = _model_path(job["model"])
+    kw: dict[str, Any] = dict(
+        model=path,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=job.get("max_model_len", 1024 if faults else 2048),
+        kv_cache_memory_bytes=job.get("kv_cache_memory_bytes", 32 << 20),
+        seed=0,
+        **model_kw,
+    )
+    if faults:
+        kw["disable_log_stats"] = False  # the connector's metrics reach llm.get_metrics()
+    if extra is not None:
+        kw["kv_transfer_config"] = {
+            "kv_connector": job.get("connector", "LayerwiseStoreConnector"),
+            "kv_role": job.get("kv_role", "kv_both"),
+            "kv_connector_extra_config": extra,
+        }
+    kw.update(job.get("engine", {}))
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    start_s = time.perf_counter() - t0
+    if faults:
+        assert len(wrappers) == 1, f"expected one shared pool backend, got {len(wrappers)}"
+    sp = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=2, ignore_eos=True)
+    phases = []
+    for i, ph in enumerate(job["phases"]):
+        ph = ph if isinstance(ph, dict) else {"prompts": ph}
+        if faults:
+            fb = wrappers[0]
+            if ph.get("wipe_pool"):
+                fb.inner.close()
+                shutil.rmtree(fb.cfg.backend_keys.embedded_path, ignore_errors=True)
+                fb.inner = real.open(fb.cfg)
+            fb.phase = i
+            fb.set_rules(ph.get("rules", []))
+        res, wall = generate_phase(llm, [_prompt(p) for p in ph["prompts"]], sp, stats_path)
+        phase: dict[str, Any] = {"outputs": res, "wall_s": wall}
+        if faults:
+            phase.update(rule_hits=list(fb.hits), metrics=_metrics(llm), pool_objects=fb.inner.stats().get("objects"))
+        phases.append(phase)
+    os.unlink(stats_path)
+    return {"start_s": start_s, "phases": phases}
+
+
+def generate_phase(llm: Any, prompts: list[Any], sp: Any, stats_path: str) -> tuple[list[dict[str, Any]], float]:
+    """Generate ``prompts`` on ``llm``; per prompt the tokens, the top-2 (token, logprob) pairs per
+    position, the finish reason, vLLM's cached-token count and the connector's stats line for it
+    (``stats_path`` is the connector's LW_VLLM_STATS_FILE, emptied first). Also the wall time."""
+    open(stats_path, "w").close()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t
+    stats = read_stats(stats_path)
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        top2 = [sorted(((tid, lp.logprob) for tid, lp in d.items()), key=lambda x: -x[1])[:2] for d in (c.logprobs or [])]
+        res.append({
+            "tokens": list(c.token_ids),
+            "top2": top2,
+            "finish_reason": c.finish_reason,
+            "num_cached_tokens": o.num_cached_tokens,
+            "stats": stats_for(stats, o.request_id),
+        })
+    return res, wall
+
+
+def _main(job: dict[str, Any]) -> None:
+    emit(RESULT_MARK + json.dumps(run(job)))
+
+
+if __name__ == "__main__":
+    main(_main)

@@ -1,0 +1,131 @@
+"""Fault injection for the real-vLLM PD stacks: catch the prefiller mid-prefill (a reservation of
+the prompt's chunks is open in the embedded pool, not committed), freeze, kill or resume its whole
+process group.
+
+"Mid-prefill" is read from the pool itself: a watcher backend in this process polls the pool's
+``reserved_objects`` counter; the moment a reservation appears the prefiller's process group is
+stopped (SIGSTOP, checked in ``/proc``), and the counter is read again: still open means the
+prefiller is frozen between reserving and committing the prompt. A tiny model's prefill is over in
+tens of milliseconds, so a caller retries with a new prompt when the prefill ended first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lw_core.backends.embedded import EmbeddedBackend
+
+from lw_bench.pd.stack import VllmServer, post_json
+
+
+def connector_extra(server: VllmServer) -> dict[str, Any]:
+    """The ``kv_connector_extra_config`` the server was started with (from its command line)."""
+    argv = list(server.proc.popen.args)
+    cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    return dict(cfg["kv_connector_extra_config"])
+
+
+def watcher(server: VllmServer) -> EmbeddedBackend:
+    """A backend on the server's embedded pool, for its counters (the caller closes it)."""
+    extra = connector_extra(server)
+    return EmbeddedBackend(extra["embedded_path"], capacity_bytes=extra["embedded_capacity_bytes"])
+
+
+def group_pids(pgid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{d}/stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:  # after "pid (comm)": state, ppid, pgrp
+            out.append(int(d))
+    return out
+
+
+def _all_stopped(pgid: int) -> bool:
+    for pid in group_pids(pgid):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+        if state not in ("T", "t", "Z", "X"):
+            return False
+    return True
+
+
+def signal_group(server: VllmServer, sig: signal.Signals) -> None:
+    try:
+        os.killpg(server.proc.popen.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def freeze(server: VllmServer, timeout_s: float = 5.0) -> None:
+    """SIGSTOP the server's process group and wait until every member is stopped."""
+    signal_group(server, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while not _all_stopped(server.proc.popen.pid):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{server.proc.name} did not stop within {timeout_s} s")
+        time.sleep(0.001)
+
+
+def freeze_mid_prefill(server: VllmServer, pool: EmbeddedBackend, done: Callable[[], bool],
+                       timeout_s: float) -> bool:
+    """Poll the pool until a reservation is open, then freeze the server. True: frozen with the
+    reservation still open (mid-prefill); False: ``done()`` (the request ended) or the timeout came
+    first, the server left running."""
+    base = pool.stats()["reserved_objects"]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and not done():
+        if pool.stats()["reserved_objects"] > base:
+            freeze(server)
+            if pool.stats()["reserved_objects"] > base:
+                return True
+            signal_group(server, signal.SIGCONT)  # committed between the two reads: too late
+        time.sleep(0.0005)
+    return False
+
+
+class Call:
+    """A request on its own thread: ``answer`` is (status, body) once it ended."""
+
+    def __init__(self, url: str, body: dict[str, Any], timeout_s: float) -> None:
+        self.answer: tuple[int, Any] | None = None
+        self.t0 = time.monotonic()
+        self.took = -1.0
+        self._t = threading.Thread(target=self._run, args=(url, body, timeout_s), daemon=True)
+        self._t.start()
+
+    def _run(self, url: str, body: dict[str, Any], timeout_s: float) -> None:
+        try:
+            self.answer = post_json(url, body, timeout=timeout_s)
+        except OSError as e:
+            self.answer = (0, repr(e))
+        self.took = time.monotonic() - self.t0
+
+    def done(self) -> bool:
+        return not self._t.is_alive()
+
+    def join(self, timeout_s: float) -> tuple[int, Any]:
+        self._t.join(timeout_s)
+        assert self.answer is not None, f"no answer within {timeout_s} s"
+        return self.answer
+
+
+def kill(server: VllmServer) -> None:
+    signal_group(server, signal.SIGKILL)
+    server.proc.popen.wait(30)
+    deadline = time.monotonic() + 30
+    while group_pids(server.proc.popen.pid) and time.monotonic() < deadline:  # the engine core too
+        time.sleep(0.05)

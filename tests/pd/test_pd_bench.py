@@ -1,0 +1,165 @@
+"""``lw-bench pd`` (lw_bench.pd.compare*, lw_bench.pd.throttle): the throttled store, the per-layer
+timeline, the report's shape; and one quick run on real vLLM (one store, tiny prompt, one rep).
+No timing claims beyond what the throttle itself guarantees (it sleeps at least nbytes/bandwidth)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from lw_core.backends.memory import MemoryBackend
+from lw_core.backends.registry import register_backend, unregister_backend
+from lw_core.config import ConfigError, parse_config
+
+from lw_bench.pd import compare, compare_report
+from lw_bench.pd import mode as bench_pd
+from lw_bench.pd.throttle import NAME, ThrottledBackend
+
+MB = 1 << 20
+
+
+def test_throttle_serialises_transfers_on_one_link_and_records_them(tmp_path: Path) -> None:
+    tl = tmp_path / "tl.jsonl"
+    be = ThrottledBackend(MemoryBackend(16 * MB), bytes_per_s=20 * MB, timeline_path=str(tl))
+    try:
+        (h,) = be.reserve(["k"], 2 * MB)
+        assert be.view(h, 0, MB) is None  # throttled: every byte goes through write/read
+        t0 = time.monotonic()
+        be.write([h], [0], [bytearray(MB)])
+        be.write([h], [MB], [bytearray(MB)])
+        assert time.monotonic() - t0 >= 2 * MB / (20 * MB) * 0.95  # 2 MiB at 20 MiB/s, one after the other
+        be.publish([h], MB)
+        be.commit([h])
+        (r,) = be.open(["k"])
+        dst = bytearray(MB)
+        be.read([r], [MB], [dst])
+        be.release([r])
+    finally:
+        be.close()
+    evs = [json.loads(x) for x in tl.read_text().splitlines()]
+    assert [e["op"] for e in evs] == ["reserve", "write", "write", "publish", "commit", "read"]
+    assert evs[0]["nbytes"] == 2 * MB and evs[2]["off"] == MB and evs[3]["upto"] == MB and evs[5]["off"] == MB
+    assert all(e["t"] >= e["t0"] > 0 for e in evs)
+
+
+def test_unthrottled_keeps_views_and_the_plugin_parses_strictly(tmp_path: Path) -> None:
+    be = ThrottledBackend(MemoryBackend(4 * MB))
+    try:
+        (h,) = be.reserve(["k"], MB)
+        be.view(h, 0, MB)  # passed through (the memory backend's own answer)
+        be.abort([h])
+    finally:
+        be.close()
+    register_backend(NAME, "lw_bench.pd.throttle:PLUGIN")
+    try:
+        cfg = parse_config({"backend": NAME, "embedded_path": str(tmp_path / "pool"), "throttle_bytes_per_s": 5})
+        assert cfg.backend_keys.throttle_bytes_per_s == 5
+        with pytest.raises(ConfigError, match="throttle_bytes_per_s"):
+            parse_config({"backend": NAME, "throttle_bytes_per_s": -1})
+    finally:
+        unregister_backend(NAME)
+
+
+def _events(t: float, layer_nbytes: int) -> tuple[list[dict], list[dict]]:
+    """A 4-layer streamed PD request: the prefiller writes and publishes layer i at t+10i ms, the
+    decoder reads it 3 ms later, taking 2 ms."""
+    pev = [{"op": "reserve", "t0": t, "t": t, "n": 2, "nbytes": 4 * layer_nbytes}]
+    dev = []
+    for i in range(4):
+        ts = t + 0.010 * (i + 1)
+        pev += [{"op": "write", "t0": ts - 0.001, "t": ts, "n": 2, "nbytes": 2 * layer_nbytes, "off": i * layer_nbytes},
+                {"op": "publish", "t0": ts, "t": ts + 0.0005, "n": 2, "nbytes": 0, "upto": (i + 1) * layer_nbytes}]
+        dev.append({"op": "read", "t0": ts + 0.001, "t": ts + 0.003, "n": 2, "nbytes": 2 * layer_nbytes,
+                    "off": i * layer_nbytes})
+    return pev, dev
+
+
+def test_timeline_puts_each_layer_on_the_clients_clock() -> None:
+    pev, dev = _events(100.0, 4096)
+    tl = compare.timeline(pev, dev, 100.0, 100.050)
+    assert [x["layer"] for x in tl["layers"]] == [0, 1, 2, 3]
+    assert tl["layers"][3]["prefill_saved"] == 40.0 and tl["layers"][3]["prefill_published"] == 40.5
+    assert tl["layers"][3]["decoder_landed"] == 43.0 and tl["layer_transfer_ms"] == 2.0 and tl["ttft_ms"] == 50.0
+    assert compare.ready_after_last_layer(tl) == 2.5
+    # Chunked prefill: a second step publishes layers 0.. again; the decoder waits for that one.
+    later = [{**e, "t0": e["t0"] + 0.1, "t": e["t"] + 0.1} for e in pev if e["op"] in ("write", "publish")]
+    tl2 = compare.timeline(pev + later, dev, 100.0, 100.2)
+    assert tl2["layers"][0]["prefill_published"] == 110.5 and tl2["layers"][3]["prefill_published"] == 140.5
+    empty = compare.timeline([], [], 100.0, 100.1)
+    assert empty["layers"] == [] and compare.ready_after_last_layer(empty) is None
+
+
+def _records() -> list[dict]:
+    out = []
+    for store in ("embedded", "throttled"):
+        for rep in range(2):
+            for kind, ttft in (("alone", 0.10), ("pd", 0.13), ("pd_stream", 0.11), ("pd_relay", 0.105)):
+                rec = {"store": store, "kind": kind, "length": 256, "rep": rep, "status": 200, "ttft_s": ttft,
+                       "after_prefill_s": ttft - 0.09}
+                if kind == "alone":
+                    rec["phases"] = {"prefill": 0.09}
+                else:
+                    pev, dev = _events(1000.0, 4096)
+                    rec["phases"] = {ph: 0.01 for ph in bench_pd.PHASES}
+                    rec["decoder"] = {"prompt_tokens": 256, "promised_tokens": 255, "loaded_tokens": 255,
+                                      "remote_prefill": "streaming" if kind == "pd_stream" else "ok"}
+                    rec["timeline"] = compare.timeline(pev, dev, 1000.0, 1000.0 + ttft)
+                out.append(rec)
+    return out
+
+
+def test_summary_shape_and_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = {"lengths": [256], "reps": 2, "block_size": 128, "pd_max_tokens": 2, "throttle_bytes_per_s": 50_000_000}
+    r = compare.summarize(cfg, _records())
+    assert r["problems"] == [] and r["stores"] == ["embedded", "throttled"]
+    for store in r["stores"]:
+        assert set(r["ttft_s"][store]["256"]) == {"alone", "pd", "pd_stream", "pd_relay"}
+        ra = r["ratios"][store]["256"]
+        assert ra["pd_vs_alone"] == pytest.approx(1.3) and ra["pd_stream_vs_alone"] == pytest.approx(1.1)
+        assert ra["pd_relay_vs_alone"] == pytest.approx(1.05) and ra["pd_stream_vs_pd"] > 0 and ra["pd_relay_vs_pd"] > 0
+        assert r["transfer_hidden"][store]["256"]["pd_stream"]["ready_after_last_layer_ms"] == 2.5
+        assert r["after_prefill_s"][store]["256"]["pd"] == pytest.approx(0.04)
+    compare_report.print_table(r)
+    assert "| throttled (50 MB/s link per engine) | 256 |" in capsys.readouterr().out
+    compare_report.plot_ttft(r, str(tmp_path / "ttft.png"))
+    compare_report.plot_timeline(r, str(tmp_path / "timeline.png"))
+    assert (tmp_path / "ttft.png").stat().st_size > 1000 and (tmp_path / "timeline.png").stat().st_size > 1000
+
+
+def test_bad_flags_name_the_flag() -> None:
+    p = argparse.ArgumentParser()
+    bench_pd.add_arguments(p)
+    for argv, flag in ((["--stores", "disk"], "--stores"), (["--lengths", "5000"], "--lengths"),
+                       (["--throttle-mb-s", "0"], "--throttle-mb-s")):
+        with pytest.raises(SystemExit, match=flag):
+            bench_pd.config(p.parse_args(argv))
+
+
+@pytest.mark.slow
+def test_quick_run_on_real_vllm(tmp_path: Path) -> None:
+    """One store, one tiny prompt per kind: the report has every row, positive figures, a timeline
+    per PD request, and the JSON and both figures under --out."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
+    p = argparse.ArgumentParser()
+    bench_pd.add_arguments(p)
+    p.add_argument("--json", action="store_true")
+    out = tmp_path / "out"
+    r = bench_pd.run(p.parse_args(["--quick", "--stores", "throttled", "--out", str(out), "--json",
+                                   "--log-dir", str(tmp_path / "logs")]))
+    assert r["problems"] == [], r["problems"]
+    assert r["stores"] == ["throttled"]
+    tt = r["ttft_s"]["throttled"]["200"]
+    assert set(tt) == {"alone", "pd", "pd_stream", "pd_relay", "turn2"} and all(v > 0 for v in tt.values()), tt
+    assert all(v > 0 for v in r["ratios"]["throttled"]["200"].values())
+    assert set(r["after_prefill_s"]["throttled"]["200"]) == set(tt)
+    for rec in r["records"]:
+        if rec["kind"] in compare.PD_KINDS:
+            layers = rec["timeline"]["layers"]
+            assert len(layers) == compare.NUM_LAYERS, rec
+            assert all(x["decoder_landed"] is not None and x["prefill_saved"] is not None for x in layers), rec
+    assert json.loads((out / "result.json").read_text())["stores"] == ["throttled"]
+    assert (out / "ttft.png").stat().st_size > 1000 and (out / "timeline.png").stat().st_size > 1000

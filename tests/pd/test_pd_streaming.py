@@ -1,0 +1,154 @@
+"""Streaming PD (``pd_streaming``, docs/streaming-pd.md) on real vLLM (CPU), tiny GQA model,
+embedded pool, prefiller + decoder + lw-proxy: the decoder pulls the prompt's layers while the
+prefiller publishes them (vLLM's async load), the greedy output equals the single engine's, and a
+prefill that never comes turns into a recompute at the deadline."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from pd_fakes import FakeMetaserver
+from pd_streaming_flow import streaming_stack, streams_in_decoder_first
+from lw_dev.pd_flow import baseline, text, through
+from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
+from lw_bench.pd.stack import Stack, free_port, post_json
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+MAX_TOKENS = 8
+TIMEOUT_S = 10.0  # metaserver_timeout_s: the whole receive's deadline
+
+
+@pytest.fixture(scope="module")
+def stream_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from streaming_stack("gqa", TIMEOUT_S, tmp_path_factory)
+
+
+def _completion(prompt, **kw):
+    return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "logprobs": 2, **SAMPLING, **kw}
+
+
+def _token_prompt(seed: int, n: int) -> list[int]:
+    r = random.Random(seed)
+    return [r.randrange(10, 500) for _ in range(n)]
+
+
+def _loaded_whole(rec: dict, *, streamed: bool = False) -> None:
+    """The decoder loaded the whole prompt but its last token, every chunk landed. Through the
+    proxy the prefill is dispatched with the decoder's request and may have committed the whole
+    prompt before the decoder first looks ("pool holds the prompt": a plain load); ``streamed``
+    requires the streaming receive."""
+    n = rec["prompt_tokens"]
+    assert rec["remote_prefill"] in (("streaming",) if streamed else ("streaming", "pool holds the prompt")), rec
+    assert rec["promised_tokens"] == rec["loaded_tokens"] == n - 1 and rec["failed_blocks"] == 0, rec
+    if rec["remote_prefill"] == "streaming":
+        assert "stream_sent" in rec["t"] and "load_done" in rec["t"], rec
+
+
+@pytest.mark.parametrize("prompt", [text(41, 110), _token_prompt(5, 4 * 32), _token_prompt(6, 4 * 32 + 1)],
+                         ids=["text", "aligned", "plus1"])
+def test_streamed_prompt_gives_the_single_engine_output(stream_stack: Stack, prompt) -> None:
+    body = _completion(prompt)
+    ref = completion_choice(baseline(stream_stack, "/v1/completions", body)["choices"][0])
+    ex = through(stream_stack, "/v1/completions", body)
+    assert ex.status == 200, ex.out
+    assert_same(ref, completion_choice(ex.out["choices"][0]), "streaming PD")
+    (rec,) = ex.decode_stats
+    assert rec["prompt_tokens"] > 3 * stream_stack.block_size
+    _loaded_whole(rec)
+    (p,) = ex.prefill_stats  # the prefiller saved (and so published) every chunk of the prompt
+    assert p["saved_chunks"] == -(-rec["prompt_tokens"] // stream_stack.block_size), p
+
+
+def test_stalled_prefill_is_recomputed_at_the_deadline(stream_stack: Stack) -> None:
+    """No prefiller ever reserves the prompt (the metaserver is silent, nothing prefills): the
+    receive gives up at metaserver_timeout_s, every block is reported failed, vLLM recomputes the
+    prompt and the output is the single engine's -- no hang, no wrong output."""
+    fake = FakeMetaserver()
+    fake.mode = "silent"
+    try:
+        body = _completion(text(43, 100))
+        ref = completion_choice(baseline(stream_stack, "/v1/completions", body)["choices"][0])
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": fake.url,
+                  "lw_parent_id": "parent-stalled", "lw_children": 1}
+        stream_stack.decode.mark()
+        t0 = time.monotonic()
+        status, out = post_json(stream_stack.decode.url + "/v1/completions", {**body, "kv_transfer_params": params})
+        took = time.monotonic() - t0
+    finally:
+        fake.close()
+    assert status == 200, out
+    assert_same(ref, completion_choice(out["choices"][0]), "stalled prefill")
+    assert TIMEOUT_S <= took < TIMEOUT_S + 30, f"answered after {took:.1f} s; receive deadline {TIMEOUT_S} s"
+    (rec,) = stream_stack.decode.new_stats()
+    n = rec["prompt_tokens"]
+    assert rec["remote_prefill"] == "streaming" and rec["loaded_tokens"] == 0, rec
+    assert rec["failed_blocks"] == -(-(n - 1) // stream_stack.block_size), rec
+
+
+def test_prefiller_down_ends_the_receive_at_the_metaserver_error(stream_stack: Stack) -> None:
+    """The proxy's prefill fails at once (nothing listens): its metaserver error answer ends the
+    decoder's streaming receive long before the deadline; the decoder computes the prompt."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    proxy = stream_stack.add_proxy("proxy-no-prefiller", dead, stream_stack.decode.url, "--max-retries", "1")
+    body = _completion(text(46, 100))
+    ref = completion_choice(baseline(stream_stack, "/v1/completions", body)["choices"][0])
+    t0 = time.monotonic()
+    ex = through(stream_stack, "/v1/completions", body, proxy_url=proxy.url)
+    took = time.monotonic() - t0
+    assert ex.status == 200, ex.out
+    assert_same(ref, completion_choice(ex.out["choices"][0]), "prefiller down")
+    assert took < TIMEOUT_S / 2, f"{took:.1f} s: the receive waited for its deadline"
+    (rec,) = ex.decode_stats
+    n = rec["prompt_tokens"]
+    assert rec["remote_prefill"] == "streaming" and rec["loaded_tokens"] == 0, rec
+    assert rec["failed_blocks"] == -(-(n - 1) // stream_stack.block_size) and "prefill_failed" in rec["t"], rec
+
+
+def test_second_request_after_the_stall_streams_again(stream_stack: Stack) -> None:
+    """The engine is not left in a bad state by the failed receive."""
+    body = _completion(text(44, 90))
+    ref = completion_choice(baseline(stream_stack, "/v1/completions", body)["choices"][0])
+    ex = through(stream_stack, "/v1/completions", body)
+    assert ex.status == 200, ex.out
+    assert_same(ref, completion_choice(ex.out["choices"][0]), "after the stall")
+    (rec,) = ex.decode_stats
+    _loaded_whole(rec)
+
+
+def test_decoder_first_then_the_prefill_streams_in(stream_stack: Stack) -> None:
+    """The decoder parks and opens its chunks before the prefill exists (no reservation yet: it
+    retries); the prefill then runs and the decoder pulls what it publishes: the output is the
+    single engine's, every chunk arrived, long before the deadline."""
+    body = _completion(text(45, 110))
+    rec = streams_in_decoder_first(stream_stack, body, "parent-late-prefill", "decoder first", TIMEOUT_S)
+    _loaded_whole(rec, streamed=True)
+
+
+def test_bench_pd_streaming_rows_on_this_stack(stream_stack: Stack) -> None:
+    """``lw-bench pd --streaming``'s measurement of the streaming stack (rows pd_stream and
+    alone_stream, same prompts as the non-streaming rows): well-formed, every chunk streamed."""
+    import argparse
+
+    from lw_bench.pd import mode as bench_pd
+
+    p = argparse.ArgumentParser()
+    bench_pd.add_arguments(p)
+    cfg = {**bench_pd.config(p.parse_args(["--quick", "--streaming"])), "block_size": stream_stack.block_size}
+    assert cfg["streaming"] is True
+    recs = bench_pd.measure(stream_stack, cfg, suffix="_stream")
+    assert sorted(r["kind"] for r in recs) == ["alone_stream", "pd_stream"]
+    r = bench_pd.summarize(cfg, recs)
+    (L,) = [str(x) for x in cfg["lengths"]]
+    assert r["problems"] == [], r["problems"]
+    assert r["ttft_s"]["pd_stream"][L] > 0 and r["ttft_s"]["alone_stream"][L] > 0
+    assert r["streaming_ratios"]["pd_stream_vs_alone_stream"][L] > 0
+    assert r["streaming_ratios"]["pd_stream_vs_pd"][L] is None  # no non-streaming rows in this run
+    (pd,) = [x for x in recs if x["kind"] == "pd_stream"]
+    assert pd["decoder"]["remote_prefill"] in ("streaming", "pool holds the prompt"), pd
+    assert pd["decoder"]["loaded_tokens"] == pd["decoder"]["prompt_tokens"] - 1, pd
+    bench_pd.print_table(r)

@@ -1,0 +1,316 @@
+"""Streaming PD without vLLM: the decoder worker's receive state machine (lw_vllm.stream_recv)
+against the in-process streaming backend, and the prefiller's per-layer publish in the save
+pipeline (lw_core.pipeline_save, ``stream_publish``)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from lw_core.backend import ObjectMissing
+from lw_core.backends.memory import MemoryBackend
+from lw_core.config import ConfigError, parse_config
+from lw_core.host_copier import HostCopier
+from lw_core.pipeline import LayerPipeline
+from lw_core.plan import ObjectLayout, ReqSave
+
+from lw_vllm.stream_recv import StreamReceiver, receive
+
+pytestmark = pytest.mark.timeout(60)
+
+NL, LB, NBLK = 4, 4096, 16
+LAYOUT = ObjectLayout((LB,) * NL)
+
+
+def payload(key: str, layer: int) -> np.ndarray:
+    return np.random.default_rng(abs(hash((key, layer))) % (1 << 32)).integers(0, 256, LB, dtype=np.uint8)
+
+
+class NpCopier:
+    """KV blocks as numpy rows; ``direct``: reads land straight in them (like host KV)."""
+
+    def __init__(self, direct: bool) -> None:
+        self.kv = [np.zeros((NBLK, LB), np.uint8) for _ in range(NL)]
+        self.direct = direct
+
+    def kv_views(self, layer, blocks):
+        return [memoryview(self.kv[layer][b]) for b in blocks] if self.direct else None
+
+    def to_kv(self, layer, blocks, srcs):
+        for b, s in zip(blocks, srcs):
+            self.kv[layer][b] = np.frombuffer(s, np.uint8)
+
+    def wait(self, token, timeout_s):
+        return True
+
+
+class Writer:
+    """A prefiller: reserves ``keys`` (after ``reserve_after_s``), writes and publishes layer by
+    layer; ``stop_after`` layers then stalls (``abort``: aborts instead); else commits."""
+
+    def __init__(self, be, keys, *, reserve_after_s=0.0, layer_s=0.01, stop_after=None, abort=False):
+        self.be, self.keys = be, keys
+        self.args = (reserve_after_s, layer_s, stop_after, abort)
+        self.t = threading.Thread(target=self.run, daemon=True)
+        self.t.start()
+
+    def run(self):
+        reserve_after_s, layer_s, stop_after, abort = self.args
+        time.sleep(reserve_after_s)
+        hs = self.be.reserve(self.keys, LAYOUT.nbytes)
+        for layer in range(NL):
+            if stop_after is not None and layer == stop_after:
+                if abort:
+                    self.be.abort(hs)
+                return
+            time.sleep(layer_s)
+            self.be.write(hs, [LAYOUT.offsets[layer]] * len(hs), [payload(k, layer) for k in self.keys])
+            self.be.publish(hs, LAYOUT.offsets[layer] + LB)
+        self.be.commit(hs)
+
+
+def check_loaded(cp: NpCopier, keys, blocks, n):
+    for i in range(n):
+        for layer in range(NL):
+            assert np.array_equal(cp.kv[layer][blocks[i]], payload(keys[i], layer)), (i, layer)
+
+
+@pytest.fixture
+def be():
+    b = MemoryBackend(capacity_bytes=8 << 20)
+    yield b
+    b.close()
+
+
+KEYS = [f"c{i}" for i in range(3)]
+BLOCKS = [5, 2, 9]
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["kv-views", "staged"])
+def test_receive_pulls_every_layer_of_a_reservation_made_after_it_started(be, direct):
+    w = Writer(be, KEYS, reserve_after_s=0.1)  # the receiver retries open_streaming meanwhile
+    cp = NpCopier(direct)
+    good, err = receive(be, cp, LAYOUT, KEYS, BLOCKS, time.monotonic() + 10, threading.Event())
+    w.t.join(5)
+    assert (good, err) == (3, None)
+    check_loaded(cp, KEYS, BLOCKS, 3)
+
+
+def test_committed_objects_are_read_as_they_are(be):
+    Writer(be, KEYS, layer_s=0).t.join(5)
+    assert be.lookup(KEYS) == 3
+    cp = NpCopier(True)
+    assert receive(be, cp, LAYOUT, KEYS, BLOCKS, time.monotonic() + 5, threading.Event()) == (3, None)
+    check_loaded(cp, KEYS, BLOCKS, 3)
+
+
+def test_stalled_prefill_fails_every_chunk_at_the_deadline(be):
+    Writer(be, KEYS, stop_after=2)  # layers 0, 1 published, then nothing
+    cp = NpCopier(True)
+    t0 = time.monotonic()
+    good, err = receive(be, cp, LAYOUT, KEYS, BLOCKS, t0 + 0.8, threading.Event())
+    took = time.monotonic() - t0
+    assert good == 0 and "layer 2" in err, err
+    assert 0.7 <= took < 3.0, took
+
+
+def test_abandoned_chunk_ends_the_prefix_promptly(be):
+    Writer(be, KEYS[:1], layer_s=0).t.join(5)  # chunk 0 committed earlier
+    Writer(be, KEYS[1:], stop_after=1, abort=True)  # chunks 1, 2: layer 0 then aborted
+    cp = NpCopier(False)
+    t0 = time.monotonic()
+    good, err = receive(be, cp, LAYOUT, KEYS, BLOCKS, t0 + 20, threading.Event())
+    assert good == 1 and err, err
+    assert time.monotonic() - t0 < 5  # the abort answers, not the 20 s deadline
+    check_loaded(cp, KEYS, BLOCKS, 1)
+
+
+def test_never_reserved_key_keeps_the_prefix_before_it(be):
+    Writer(be, KEYS[:2], layer_s=0)
+    cp = NpCopier(True)
+    good, err = receive(be, cp, LAYOUT, KEYS, BLOCKS, time.monotonic() + 0.5, threading.Event())
+    assert good == 2 and "chunk 2" in err, err
+    check_loaded(cp, KEYS, BLOCKS, 2)
+
+
+def test_receiver_reports_each_request_once_with_its_failed_blocks_and_cancel_ends_it(be):
+    rx = StreamReceiver(be, NpCopier(True), LAYOUT, deadline_s=30)
+    w = Writer(be, KEYS[:2])
+    rx.start("ok", KEYS[:2], BLOCKS[:2])
+    rx.start("stuck", ["never"], [7])
+    with pytest.raises(RuntimeError, match="twice"):
+        rx.start("ok", KEYS[:2], BLOCKS[:2])
+    w.t.join(5)
+    done = []
+    deadline = time.monotonic() + 10
+    while not done and time.monotonic() < deadline:
+        done = rx.take_done(idle_wait_s=0.05)
+    assert [(d.req_id, d.good, d.failed_blocks) for d in done] == [("ok", 2, [])]
+    assert rx.busy
+    t0 = time.monotonic()
+    rx.cancel({"stuck"})
+    got = []
+    while not got and time.monotonic() - t0 < 5:
+        got = rx.take_done(idle_wait_s=0.05)
+    assert [(d.req_id, d.good, d.failed_blocks) for d in got] == [("stuck", 0, [7])]
+    assert not rx.busy and rx.take_done() == []
+    rx.close()
+
+
+class Recording(MemoryBackend):
+    def __init__(self):
+        super().__init__(capacity_bytes=8 << 20)
+        self.calls: list[tuple[str, int]] = []
+
+    def publish(self, handles, upto):
+        self.calls.append(("publish", upto))
+        super().publish(handles, upto)
+        # A streaming reader reads the layer just published, and nothing beyond it, before the commit.
+        (r,) = self.open_streaming([handles[0].key])
+        out = np.empty(LB, np.uint8)
+        self.read([r], [upto - LB], [out])
+        assert (out == 3).all()  # the KV blocks' bytes (HostCopier fill)
+        if upto < LAYOUT.nbytes:
+            with pytest.raises(ObjectMissing):
+                self.read([r], [upto], [out])
+        self.release([r])
+
+    def commit(self, handles):
+        self.calls.append(("commit", len(handles)))
+        return super().commit(handles)
+
+
+@pytest.mark.parametrize("stream_publish", [True, False])
+def test_save_pipeline_publishes_each_layer_in_order_before_the_commit(stream_publish):
+    be = Recording()
+    try:
+        cp = HostCopier.allocate(NL, NBLK, LB, fill=3)
+        pipe = LayerPipeline(be, cp, LAYOUT, layerwise=True, save_threads=2, stream_publish=stream_publish)
+        try:
+            pipe.start_save([ReqSave("r", ["a", "b"], [1, 2])])
+            for layer in range(NL):
+                pipe.save_layer(layer)
+            res = pipe.finish_save()
+        finally:
+            pipe.close()
+        assert sorted(res.committed_keys) == ["a", "b"], res
+        want = [("publish", (i + 1) * LB) for i in range(NL)] if stream_publish else []
+        assert be.calls == [*want, ("commit", 2)]
+    finally:
+        be.close()
+
+
+def test_pd_streaming_is_off_by_default_and_refused_on_a_backend_without_streaming():
+    from lw_vllm import pool
+
+    assert parse_config({}).pd_streaming is False
+    cfg = parse_config({"pd_streaming": True})
+    assert cfg.pd_streaming is True
+
+    class Plain:
+        name = "plain"
+
+    with pytest.raises(ConfigError, match=r"pd_streaming=true.*backend 'plain' does not have it"):
+        pool.check_streaming(cfg, Plain())  # type: ignore[arg-type]
+    pool.check_streaming(cfg, MemoryBackend(capacity_bytes=1 << 20))  # has the extension: accepted
+
+
+def test_cancel_ends_a_layer_wait_long_before_the_deadline(be):
+    """The prefill failed (metaserver error) while the receive waits for a layer: the cancel ends
+    it within a wait slice, not at the 30 s deadline, and nothing counts as landed."""
+    Writer(be, KEYS, stop_after=2)  # layers 0, 1 published, then the prefill stalls
+    rx = StreamReceiver(be, NpCopier(True), LAYOUT, deadline_s=30)
+    rx.start("r", KEYS, BLOCKS)
+    time.sleep(0.3)  # the receive is now waiting for layer 2
+    assert rx.busy
+    t0 = time.monotonic()
+    rx.cancel({"r"})
+    got = []
+    while not got and time.monotonic() - t0 < 5:
+        got = rx.take_done(idle_wait_s=0.05)
+    assert time.monotonic() - t0 < 2.0
+    assert [(d.req_id, d.good, d.failed_blocks) for d in got] == [("r", 0, BLOCKS)]
+    assert "cancelled" in got[0].error
+    rx.close()
+
+
+def _recv_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("lw-recv")]
+
+
+def _collect(rx: StreamReceiver, n: int, timeout_s: float) -> dict[str, tuple[int, float]]:
+    """req_id -> (good, seconds after the call) for ``n`` reports, within ``timeout_s``."""
+    got: dict[str, tuple[int, float]] = {}
+    t0 = time.monotonic()
+    while len(got) < n and time.monotonic() - t0 < timeout_s:
+        for d in rx.take_done(idle_wait_s=0.05):
+            assert d.req_id not in got, f"{d.req_id} reported twice"
+            got[d.req_id] = (d.good, time.monotonic() - t0)
+    return got
+
+
+def test_receive_threads_are_bounded_and_a_ready_request_is_not_stuck_behind_late_ones(be):
+    """More receiving requests than ``threads``: at most that many worker threads exist, and
+    requests whose prefill never comes (they wait for keys nobody reserves) do not hold the
+    workers while a later request's layers are published: it lands long before their deadline."""
+    before = len(_recv_threads())
+    rx = StreamReceiver(be, NpCopier(True), LAYOUT, deadline_s=20, threads=2)
+    try:
+        for i in range(6):
+            rx.start(f"late{i}", [f"never{i}"], [10 + i])
+        rx.start("ready", KEYS, BLOCKS)
+        t0 = time.monotonic()
+        Writer(be, KEYS, reserve_after_s=0.2)
+        got = _collect(rx, 1, 10)
+        assert list(got) == ["ready"] and got["ready"][0] == 3, got
+        assert time.monotonic() - t0 < 5, "the ready request waited behind the late ones"
+        assert len(_recv_threads()) - before <= 2 and rx.worker_count == 2
+        check_loaded(rx.copier, KEYS, BLOCKS, 3)
+        assert rx.busy  # the late ones still wait for their deadline
+    finally:
+        rx.close()
+    got = _collect(rx, 6, 5)  # close stops them; each is reported once, failed
+    assert sorted(got) == [f"late{i}" for i in range(6)] and all(g == 0 for g, _ in got.values()), got
+
+
+def test_queued_receives_keep_their_deadline_and_recompute_at_it(be):
+    """One worker, three requests that never get their prefill: their deadlines all count from
+    ``start``, so they end together at about the deadline, not one deadline after another."""
+    rx = StreamReceiver(be, NpCopier(True), LAYOUT, deadline_s=0.8, threads=1)
+    try:
+        for i in range(3):
+            rx.start(f"r{i}", [f"never{i}"], [i])
+        got = _collect(rx, 3, 10)
+        assert sorted(got) == ["r0", "r1", "r2"], got
+        assert all(g == 0 for g, _ in got.values()), got
+        assert max(t for _, t in got.values()) < 0.8 + 1.0, got  # sequential deadlines would take 2.4 s
+    finally:
+        rx.close()
+
+
+def test_stream_recv_threads_is_a_bounded_config_key():
+    assert parse_config({}).stream_recv_threads == 4
+    assert parse_config({"stream_recv_threads": 1}).stream_recv_threads == 1
+    for bad in (0, 257, "4", 2.5):
+        with pytest.raises(ConfigError, match="stream_recv_threads"):
+            parse_config({"stream_recv_threads": bad})
+    with pytest.raises(ValueError, match="threads"):
+        StreamReceiver(None, None, LAYOUT, 1.0, threads=0)
+
+
+def test_a_burst_of_receives_gets_its_workers_after_the_pool_went_idle(be):
+    """Workers are started as receives queue up, also right after the pool was idle (a woken
+    worker that has not taken its receive yet does not count as free)."""
+    Writer(be, KEYS, layer_s=0).t.join(5)
+    rx = StreamReceiver(be, NpCopier(True), LAYOUT, deadline_s=20, threads=3)
+    try:
+        rx.start("first", KEYS, BLOCKS)  # committed: ends at once, its worker goes idle
+        assert list(_collect(rx, 1, 5)) == ["first"]
+        time.sleep(0.1)
+        for i in range(3):
+            rx.start(f"late{i}", [f"never{i}"], [i])
+        assert rx.worker_count == 3
+    finally:
+        rx.close()

@@ -8,8 +8,10 @@ cd "$(dirname "$0")/.."
 if ! command -v uv >/dev/null 2>&1; then
     python3 -m pip install --quiet --disable-pip-version-check 'uv>=0.5,<1'
 fi
-# --inexact: keep what install-vllm.sh added outside the lock.
-uv sync --inexact --all-packages --all-extras --quiet
+bash scripts/install-mooncake-deps.sh  # libibverbs1 for lw-mooncake[store]
+# --inexact: keep what install-vllm.sh added outside the lock. Every workspace member with all its
+# extras, plus the root's dev group (pytest, ruff, mypy, lw-dev: the test support).
+uv sync --inexact --all-packages --all-extras --group dev --quiet
 if [ -f scripts/install-vllm.sh ] && [ "${LW_SKIP_VLLM:-0}" != "1" ]; then
     bash scripts/install-vllm.sh
 fi

@@ -118,13 +118,20 @@ def test_holder_killed_mid_run_requests_recompute_and_hits_resume(stack: Stack, 
         d1 = _counters(stack.decode.url, ("lookup_tokens", "hit_tokens"))
         assert p1 == p0 and d1["hit_tokens"] == d0["hit_tokens"], (p0, p1, d0, d1)
         assert d1["lookup_tokens"] > d0["lookup_tokens"], (d0, d1)
+        # The log says why. Which of two things it says depends on when the MetaService notices:
+        # while it still lists the dead holder's segment, allocations land there and the write
+        # stalls connecting to it until the save deadline; once it has dropped the segment, the
+        # pool has no memory and refuses the allocation ("no room").
         logs = _log_since(stack.prefill.proc.log_path, log0)
-        assert "lw-memcache: the memcache pool had no room" in logs, logs[-3000:]
+        no_room = "lw-memcache: the memcache pool had no room" in logs
+        missed = "lw-vllm: saves failed" in logs and "missed its" in logs
+        assert no_room or missed, logs[-3000:]
     finally:
         if c.holder is None or c.holder.poll() is not None:
             c.start_holder()
     _loaded_all(stack, _pd(stack, 43))  # hits resume
-    assert "lw-memcache: the memcache pool takes objects again" in _log_since(stack.prefill.proc.log_path, log0)
+    if no_room:  # said once when the refusals began, so once when they end
+        assert "lw-memcache: the memcache pool takes objects again" in _log_since(stack.prefill.proc.log_path, log0)
 
 
 def test_metaservice_killed_misses_without_hanging_then_recovers(stack: Stack, on_host_a: Cluster) -> None:

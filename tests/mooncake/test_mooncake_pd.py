@@ -16,7 +16,7 @@ import pytest
 from mc_cluster import start_cluster
 from lw_bench.pd.stack import SERVER_START_TIMEOUT_S, Stack, metric_sum, post_json, start_proxy, start_vllm, wait_ready
 from lw_dev.netns import Hosts
-from lw_dev.pd_flow import assert_remote_prefill_used, baseline, text, through
+from lw_dev.pd_flow import assert_remote_prefill_used, baseline, settle, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
 from lw_mooncake.local import LocalMooncake
 
@@ -112,6 +112,7 @@ def test_pd_across_hosts_matches_single_engine_and_loads_every_chunk(stack: Stac
                                                                     request: pytest.FixtureRequest) -> None:
     _, layerwise = STACKS[request.node.callspec.params["stack"]]
     with hosts.entered("a"):
+        settle(stack)  # the stack's warm-up prefill may still be reporting its saves
         rx0, _ = hosts.link_bytes("b")
         saved0 = metric_sum(stack.prefill.url, "vllm:lw_pool_saved_bytes_total")
         ex = _pd(stack, 31)

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 from cluster import Cluster
-from lw_dev.pd_flow import assert_remote_prefill_used, baseline, text, through
+from lw_dev.pd_flow import assert_remote_prefill_used, baseline, settle, text, through
 from pd_hosts import start_cross_host_stack
 from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
 from lw_bench.pd.stack import Stack, metric_sum
@@ -32,6 +32,7 @@ def mla_stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Ite
 def test_mla_pd_across_hosts_matches_single_engine(mla_stack: Stack, on_host_a: Cluster) -> None:
     body = {"model": "tiny", "prompt": text(21, 100), "max_tokens": 8, "logprobs": 2, **SAMPLING}
     ref = completion_choice(baseline(mla_stack, "/v1/completions", body)["choices"][0])
+    settle(mla_stack)  # the stack's warm-up prefill may still be reporting its saves
     rx0, _ = on_host_a.hosts.link_bytes("b")
     saved0 = metric_sum(mla_stack.prefill.url, "vllm:lw_pool_saved_bytes_total")
     ex = through(mla_stack, "/v1/completions", body)

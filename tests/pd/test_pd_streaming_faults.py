@@ -24,7 +24,7 @@ from pd_faults_flow import Call, connector_extra, freeze_mid_prefill, kill, sign
 from pd_streaming_flow import streaming_stack
 from lw_core.backends.embedded import EmbeddedBackend
 from lw_core.backends.embedded.records import POOL_CHECK_S
-from lw_dev.pd_flow import _settle, baseline, through
+from lw_dev.pd_flow import baseline, settle, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
 from lw_bench.pd.stack import Stack, post_json
 
@@ -69,7 +69,7 @@ def _mid_prefill(stack: Stack, pool: EmbeddedBackend, seed: int) -> tuple[dict[s
     for i in range(TRIES):
         body = _completion(seed + i)
         ref = completion_choice(baseline(stack, "/v1/completions", body)["choices"][0])
-        _settle(stack, stack.proxy.url)
+        settle(stack)
         stack.decode.mark()
         call = Call(stack.proxy.url + "/v1/completions", body, timeout_s=TIMEOUT_S + 2 * SLACK_S)
         if freeze_mid_prefill(stack.prefill, pool, call.done, timeout_s=30):

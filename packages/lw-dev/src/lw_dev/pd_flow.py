@@ -45,12 +45,12 @@ def through(stack: Stack, path: str, body: dict[str, Any], *, proxy_url: str | N
     url = (proxy_url or stack.proxy.url) + path
     # Also before: the previous exchange (or the stack's warm-up) may have answered from the pool
     # while its prefill still ran; that prefill's record must not count as this exchange's.
-    _settle(stack, proxy_url or stack.proxy.url)
+    settle(stack, proxy_url)
     stack.decode.mark()
     stack.prefill.mark()
     before = metric_sum(stack.prefill.url, REQUESTS_DONE)
     status, out = post_sse(url, body) if body.get("stream") else post_json(url, body)
-    _settle(stack, proxy_url or stack.proxy.url)
+    settle(stack, proxy_url)
     prefill_stats = _stable(stack.prefill.new_stats)
     moved = metric_sum(stack.prefill.url, REQUESTS_DONE) - before
     return Exchange(status, out, stack.decode.new_stats(), prefill_stats, moved)
@@ -69,10 +69,12 @@ def _stable(read: Any, quiet_s: float = 0.3, timeout_s: float = 5.0) -> list[dic
     return recs
 
 
-def _settle(stack: Stack, proxy_url: str, timeout_s: float = 15.0) -> None:
+def settle(stack: Stack, proxy_url: str | None = None, timeout_s: float = 15.0) -> None:
     """Wait until no prefill is in flight. A decoder answers as soon as the prompt is in the pool (or
     at once when it holds it), which can be before the prefiller's own answer: its stats record and
-    finished-request counter then trail the client's response, and must not leak into the next test."""
+    its metrics (finished requests, saved bytes) then trail the client's response, and must not leak
+    into the next test. Call it before taking a "before" sample of the prefiller's counters."""
+    proxy_url = proxy_url or stack.proxy.url
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

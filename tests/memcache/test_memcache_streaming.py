@@ -1,37 +1,38 @@
-"""The streaming contract of tests/core/test_streaming_backends.py (the very test functions, loaded
-from that file) over MemcacheBackend(streaming=True) on a real MetaService, plus what memcache
-adds: reads never come from an address alone (tests/memcache/test_memcache_stream_reuse.py has
+"""The streaming contract (lw_dev.streaming_contract, the test functions tests/core runs) over
+MemcacheBackend(streaming=True) on a real MetaService, plus what memcache adds: reads never come from an address alone (tests/memcache/test_memcache_stream_reuse.py has
 the reuse of an aborted reservation's address by another writer)."""
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
-from pathlib import Path
 
 import numpy as np
 import pytest
 from mc_support import HAVE_MEMCACHE, needs_memcache
 from lw_core.backend import BackendError, ObjectMissing, publish_layers, wait_layers
 
+# The contract, unchanged: each function takes the fixture ``be`` below.
+from lw_dev import streaming_contract
+from lw_dev.streaming_contract import (  # noqa: F401  (pytest collects the contract's tests here)
+    LB,
+    NB,
+    NL,
+    test_supports_streaming,
+    test_layers_become_readable_in_order_with_the_published_bytes,
+    test_published_is_not_visible_to_lookup_or_open_until_commit,
+    test_waiter_times_out_at_its_deadline,
+    test_concurrent_writer_and_waiting_reader,
+    test_abort_fails_waiters_promptly_and_leaves_nothing,
+    test_reader_never_gets_a_layer_of_a_later_reservation_of_the_same_key,
+    test_bad_arguments_name_the_field,
+)
+
 pytestmark = [needs_memcache, pytest.mark.slow, pytest.mark.timeout(120)]
 
-_spec = importlib.util.spec_from_file_location("lw_streaming_contract", Path(__file__).parents[1] / "core" / "test_streaming_backends.py")
-contract = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(contract)
-NL, LB, NB = contract.NL, contract.LB, contract.NB
 
-# The contract, unchanged: each function takes the fixture ``be`` below.
-test_supports_streaming = contract.test_supports_streaming
-test_layers_become_readable_in_order_with_the_published_bytes = contract.test_layers_become_readable_in_order_with_the_published_bytes
-test_published_is_not_visible_to_lookup_or_open_until_commit = contract.test_published_is_not_visible_to_lookup_or_open_until_commit
-test_waiter_times_out_at_its_deadline = contract.test_waiter_times_out_at_its_deadline
-test_concurrent_writer_and_waiting_reader = contract.test_concurrent_writer_and_waiting_reader
-test_abort_fails_waiters_promptly_and_leaves_nothing = contract.test_abort_fails_waiters_promptly_and_leaves_nothing
-test_reader_never_gets_a_layer_of_a_later_reservation_of_the_same_key = (
-    contract.test_reader_never_gets_a_layer_of_a_later_reservation_of_the_same_key
-)
-test_bad_arguments_name_the_field = contract.test_bad_arguments_name_the_field
+def test_this_module_runs_the_whole_contract():
+    assert all(name in globals() for name in streaming_contract.TESTS), streaming_contract.TESTS
+
 
 _KEYED = ("lookup", "reserve", "open", "open_streaming")
 _n = itertools.count()
@@ -81,14 +82,14 @@ def test_streaming_reads_never_touch_an_unfinished_object(be):
     (w,) = be.reserve(["k"], NB)
     (r,) = be.open_streaming(["k"])
     assert r.token is not None and not r.leased
-    contract.write_layer(be, w, 4, 0)
+    streaming_contract.write_layer(be, w, 4, 0)
     publish_layers(be, [w], 0, LB)
     assert wait_layers(be, [r], 0, LB, 1.0) == [True]
-    assert np.array_equal(contract.read_layer(be, r, 0), contract.layer_bytes(4, 0))
+    assert np.array_equal(streaming_contract.read_layer(be, r, 0), streaming_contract.layer_bytes(4, 0))
     with pytest.raises(ObjectMissing, match="write ranges"):  # half a layer: not a range the writer wrote
         be.read([r], [0], [np.empty(LB // 2, np.uint8)])
     be.commit([w])
-    assert np.array_equal(contract.read_layer(be, r, 0), contract.layer_bytes(4, 0))
+    assert np.array_equal(streaming_contract.read_layer(be, r, 0), streaming_contract.layer_bytes(4, 0))
     assert r.leased  # switched to the committed object, after checking its token
     be.release([r])
 
@@ -125,11 +126,11 @@ def test_from_config_follows_pd_streaming():
 def test_a_released_handle_on_a_committed_object_reads_nothing(be):
     (w,) = be.reserve(["k"], NB)
     for layer in range(NL):
-        contract.write_layer(be, w, 6, layer)
+        streaming_contract.write_layer(be, w, 6, layer)
     be.commit([w])
     (r,) = be.open_streaming(["k"])
     assert r.leased and wait_layers(be, [r], NL - 1, LB, 0) == [True]
     be.release([r])  # the lease that pinned the object is gone: so is the handle
     assert wait_layers(be, [r], 0, LB, 0) == [False]
     with pytest.raises(ObjectMissing):
-        contract.read_layer(be, r, 0)
+        streaming_contract.read_layer(be, r, 0)

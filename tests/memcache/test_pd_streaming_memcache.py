@@ -4,15 +4,11 @@ decoder, parked before its prefill exists, pulls each layer as the prefiller pub
 the memcache streaming extension: token-named segment objects), and the greedy output equals the
 single engine's, every chunk streamed, well before the deadline. One stack (~2 min to start).
 
-The stack and the decoder-first exchange are tests/pd's (pd_streaming_flow.py, pd_fakes.py),
-loaded from their files."""
+The decoder-first exchange is the one tests/pd's streaming modules use (lw_dev.pd_streaming_flow)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from mc_support import HAVE_MEMCACHE, needs_memcache
@@ -21,22 +17,12 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.
 
 from lw_bench.pd.stack import Stack, start_stack  # noqa: E402
 from lw_dev.pd_flow import text  # noqa: E402
+from lw_dev.pd_streaming_flow import streams_in_decoder_first  # noqa: E402
 from lw_dev.pd_oracle import SAMPLING  # noqa: E402
 
 pytestmark = [needs_memcache, pytest.mark.slow, pytest.mark.timeout(600)]
 
 TIMEOUT_S = 20.0
-PD_DIR = Path(__file__).parents[1] / "pd"
-
-
-def _pd_module(name: str):
-    """A tests/pd helper module, by its file (the same module object when tests/pd ran first)."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, PD_DIR / f"{name}.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +46,6 @@ def mc_stream_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]
 
 
 def test_memcache_decoder_first_then_the_prefill_streams_in(mc_stream_stack: Stack) -> None:
-    check = _pd_module("pd_fakes") and _pd_module("pd_streaming_flow").streams_in_decoder_first
     body = {"model": "tiny", "prompt": text(61, 160), "max_tokens": 8, "logprobs": 2, **SAMPLING}
-    rec = check(mc_stream_stack, body, "parent-memcache-late", "memcache streaming", TIMEOUT_S)
+    rec = streams_in_decoder_first(mc_stream_stack, body, "parent-memcache-late", "memcache streaming", TIMEOUT_S)
     assert rec["prompt_tokens"] > 4 * mc_stream_stack.block_size, rec

@@ -12,7 +12,7 @@ import pytest
 from lw_core.wire import DecodeTransferParams
 from lw_vllm.pd_metaserver import MetaserverClient, remote_prefill_params
 
-from pd_fakes import FakeMetaserver
+from lw_dev.fake_metaserver import FakeMetaserver
 from lw_bench.pd.stack import free_port
 
 

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pd_fakes import FakeMetaserver
+from lw_dev.fake_metaserver import FakeMetaserver
 from lw_dev.pd_flow import assert_remote_prefill_used, baseline, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, by_index, chat_choice, completion_choice, completion_stream
 from lw_bench.pd.stack import Stack, free_port, http, post_json

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from pd_faults_flow import Call, connector_extra, freeze_mid_prefill, kill, signal_group, watcher
-from pd_streaming_flow import streaming_stack
+from lw_dev.pd_streaming_flow import streaming_stack
 from lw_core.backends.embedded import EmbeddedBackend
 from lw_core.backends.embedded.records import POOL_CHECK_S
 from lw_dev.pd_flow import baseline, settle, through

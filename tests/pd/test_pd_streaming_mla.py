@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pd_streaming_flow import streaming_stack, streams_in_decoder_first
+from lw_dev.pd_streaming_flow import streaming_stack, streams_in_decoder_first
 from lw_dev.pd_flow import text
 from lw_dev.pd_oracle import SAMPLING
 from lw_bench.pd.stack import Stack

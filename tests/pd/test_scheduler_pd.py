@@ -26,7 +26,7 @@ from lw_vllm import scheduler_side  # noqa: E402
 from lw_vllm.request_state import RemotePhase  # noqa: E402
 from lw_vllm.scheduler_side import SchedulerSide  # noqa: E402
 
-from pd_fakes import FakeMetaserver  # noqa: E402
+from lw_dev.fake_metaserver import FakeMetaserver
 
 BLOCK = 16
 LAYERS = 2

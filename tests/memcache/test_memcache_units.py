@@ -13,6 +13,7 @@ from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 from lw_core.config import parse_config
 
 from lw_memcache import backend as mb
+from lw_memcache import copies
 from lw_memcache import errors
 from lw_memcache.conf import ConfError, local_config_fields, parse_size, read_conf, write_local_conf, write_meta_conf
 
@@ -197,28 +198,28 @@ def _bare_backend():
 
 def test_copy_direction_follows_where_memory_lives():
     b = _bare_backend()
-    h = mb.MemcacheHandle("k", 4096, 0x1000_0000, True)
+    h = copies.MemcacheHandle("k", 4096, 0x1000_0000, True)
     b._writing["k"] = h
     host = np.zeros(1024, np.uint8)
-    b.write([h, h], [0, 1024], [host, mb.DeviceRegion(0xDEAD000, 1024)])
-    assert sorted((d, g) for d, g, _ in b._store.copies) == [(mb.L2G, [0x1000_0000 + 1024]), (mb.H2G, [0x1000_0000])]
+    b.write([h, h], [0, 1024], [host, copies.DeviceRegion(0xDEAD000, 1024)])
+    assert sorted((d, g) for d, g, _ in b._store.copies) == [(copies.L2G, [0x1000_0000 + 1024]), (copies.H2G, [0x1000_0000])]
     b._store.copies.clear()
     dev = np.zeros(2048, np.uint8)
     b.register_buffer(dev, device=True)  # e.g. an NPU KV cache handed over as a region
     b.read([h, h], [0, 2048], [dev[:1024], bytearray(512)])
-    assert sorted(d for d, _, _ in b._store.copies) == [mb.G2L, mb.G2H]
+    assert sorted(d for d, _, _ in b._store.copies) == [copies.G2L, copies.G2H]
 
 
 def test_copy_rejects_out_of_range_and_readonly():
     b = _bare_backend()
-    h = mb.MemcacheHandle("k", 4096, 0x1000_0000, True)
+    h = copies.MemcacheHandle("k", 4096, 0x1000_0000, True)
     b._writing["k"] = h
     with pytest.raises(ValueError, match=r"range \[4000, 4200\) outside the object's 4096 bytes"):
         b.write([h], [4000], [bytes(200)])
     with pytest.raises(ValueError, match="read-only"):
         b.read([h], [0], [bytes(16)])
     with pytest.raises(BackendError, match="not a reservation"):
-        b.write([mb.MemcacheHandle("other", 4096, 1, True)], [0], [bytes(16)])
+        b.write([copies.MemcacheHandle("other", 4096, 1, True)], [0], [bytes(16)])
     assert b._store.copies == []
 
 
@@ -227,7 +228,7 @@ def test_copy_passes_each_buffers_own_address_on_every_path():
     # non-numpy buffers take the general path. Both must hand the store the same addresses.
     b = _bare_backend()
     b._store.batch_copy = lambda g, p, n, d, f: b._store.copies.append((d, list(g), list(p), list(n))) or 0
-    h = mb.MemcacheHandle("k", 1 << 16, 0x1000_0000, True)
+    h = copies.MemcacheHandle("k", 1 << 16, 0x1000_0000, True)
     b._writing["k"] = h
     staging = np.arange(4096, dtype=np.uint8)
     ro = staging[1024:2048].copy()
@@ -236,7 +237,7 @@ def test_copy_passes_each_buffers_own_address_on_every_path():
     srcs = [staging[:1024], staging[2048:3072], ro, ba]
     b.write([h] * 4, [0, 1024, 2048, 3072], srcs)
     (d, gvas, ptrs, sizes), = b._store.copies
-    assert d == mb.H2G and gvas == [h.gva, h.gva + 1024, h.gva + 2048, h.gva + 3072]
+    assert d == copies.H2G and gvas == [h.gva, h.gva + 1024, h.gva + 2048, h.gva + 3072]
     assert ptrs == [staging.ctypes.data, staging.ctypes.data + 2048, ro.ctypes.data, np.frombuffer(ba, np.uint8).ctypes.data]
     assert sizes == [1024, 1024, 1024, 100]
     with pytest.raises(ValueError, match="read-only"):

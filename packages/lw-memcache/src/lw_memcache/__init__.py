@@ -3,7 +3,8 @@
 Importing this package never imports memcache_hybrid; that happens when a backend is created.
 """
 
-from lw_memcache.backend import DeviceRegion, MemcacheBackend, MemcacheHandle
+from lw_memcache.backend import MemcacheBackend
+from lw_memcache.copies import DeviceRegion, MemcacheHandle
 
 __version__ = "0.1.0"
 __all__ = ["DeviceRegion", "MemcacheBackend", "MemcacheHandle"]

@@ -83,6 +83,25 @@ def test_decoder_failing_after_the_relay_ends_the_stream_with_an_error():
     run(body(), timeout=20)
 
 
+def test_a_decoder_that_picks_another_first_token_is_resumed_after_the_relayed_one():
+    """A near-tie decided the other way by the decoder: none of its answer reaches the client, the
+    choice continues from the prefiller's token (a single engine's), and the output is whole."""
+    async def body():
+        async with harness(prefill_first=True) as h:
+            dec = h.decoders[0]
+            dec.knobs.delay = 1.0
+            dec.knobs.first_word = " w999"
+            first, texts, errors, _ = await _sse(h, {**GREEDY, "max_tokens": 5})
+            assert errors == [] and first < 0.7
+            assert "".join(texts) == "".join(generate("p", 5)) and " w999" not in "".join(texts)
+            assert dec.knobs.first_word is None  # the decoder did pick the other token
+            resumed = [b for b in dec.bodies if b.get("prompt") != "p"]
+            assert [(b["prompt"], b["max_tokens"]) for b in resumed] == [("p" + generate("p", 1)[0], 4)]
+            assert 'lw_proxy_errors_total{kind="relay_mismatch"} 1.0' in await h.metrics()
+
+    run(body())
+
+
 def test_eligible_only_for_plain_greedy_single_prompt_streams():
     def req(**kw):
         return parse_completion(msgspec.json.encode({**GREEDY, **kw}))

@@ -60,6 +60,9 @@ class Knobs:
     wait_metaserver: bool = True  # decoder: a failing request waits for its metaserver answers (False: fails at once)
     needs_prefill: bool | None = None  # decoder: sent in the metaserver body when not None
     send_token: bool = True  # decoder: send lw_token back on metaserver calls (an older connector does not)
+    # decoder: the next streamed answer starts with this word instead of the model's (a near-tie the
+    # decoder decides the other way than the prefiller); used once, then cleared
+    first_word: str | None = None
 
 
 @dataclass
@@ -233,6 +236,10 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
     limit = max_tokens if cut is None else min(cut, max_tokens)
     sent = 0
     gen = {idx: generate(ctx, limit) for idx, ctx in choices}
+    if k.first_word is not None and st.role == "decoder" and limit:
+        for words in gen.values():
+            words[0] = k.first_word
+        k.first_word = None
     try:
         for t in range(limit):
             for idx, _ in choices:

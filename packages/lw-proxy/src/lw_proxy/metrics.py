@@ -19,7 +19,8 @@ class ProxyMetrics:
         self.errors = Counter(
             "lw_proxy_errors_total",
             "Failures by kind: bad_request, auth, upstream_connect, upstream_status, upstream_died, timeout, "
-            "client_disconnect, prefill_failed, recompute_exhausted, forbidden, relay_mismatch (--prefill-first)",
+            "client_disconnect, prefill_failed, recompute_exhausted, forbidden, relay_mismatch (--prefill-first: "
+            "the decoder's first token differed; the choice was resumed after the relayed one)",
             ["kind"], registry=r,
         )
         self.retries = Counter("lw_proxy_retries_total", "Backend calls retried, by backend role", ["role"], registry=r)

@@ -16,9 +16,13 @@ event or how text is held back). Every other request takes the normal path. The 
 relayed only when its choice ended with ``finish_reason: "length"`` (not an EOS or stop token), with
 non-empty text and no U+FFFD (a partial UTF-8 sequence that later tokens would change). The decoder
 request then carries ``X-Request-Id: lw-<parent>`` so its events' ``id`` is the one the relayed event
-used. Should the decoder's text not start with the relayed text (it never did in the tests), the
-stream ends with an error event rather than output that differs from a single engine's
-(``lw_proxy_errors_total{kind="relay_mismatch"}``).
+used. Should the decoder's text not start with the relayed text (a near-tie the decoder, which
+recomputes the last prompt token over loaded KV, decides the other way; it never happened in the
+tests), the proxy drops the decoder's answer before any of it reaches the client and resumes the
+choice after the relayed token, as it resumes a recomputed choice (``lw_proxy.recompute``): the
+prefiller computed the whole prompt, as a single engine does, so its token is the single engine's
+and the rest follows from it (``lw_proxy_errors_total{kind="relay_mismatch"}`` counts these, and
+``lw_proxy_recomputes_total`` the resubmissions).
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ provides ``_decode``, ``_finish``, ``cfg``, ``m`` and ``deadline_error``."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 import aiohttp
@@ -15,6 +16,7 @@ from . import relay as relay_mod
 from .errors import ProxyError
 from .validate import ClientRequest
 
+log = logging.getLogger("lw_proxy")
 _DONE = b"data: [DONE]\n\n"
 _MAX_EVENT = 16 << 20  # the most bytes one SSE event may hold while the proxy waits for its end
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
@@ -142,8 +144,15 @@ class Streaming:
                     try:
                         block = self._filter(block, held, state, rewrite)
                     except relay_mod.Mismatch as e:
-                        return ProxyError(502, f"--prefill-first: {e}; the stream ends here rather than "
-                                          "differ from a single engine's output", kind="relay_mismatch")
+                        # Nothing of the decoder's answer has reached the client (the mismatch is in
+                        # the text that stood for the relayed token). Drop it and resume choice 0
+                        # after the relayed token, as a recomputed choice is: the prefiller's token is
+                        # the one a single engine gives, so the rest must follow from it.
+                        log.warning("lw-proxy --prefill-first: %s; resuming after the relayed token", e)
+                        self.m.errors.labels("relay_mismatch").inc()
+                        state["skip"] = ""
+                        held.append(0)
+                        return True
                 if block:
                     ledger.feed_block(block)
                     await out.write(block)

@@ -55,6 +55,7 @@ def writer(pool_path):
 
 def test_killed_writer_leaves_nothing_and_fails_waiters_promptly(writer):
     be, p = writer
+    assert list(be.open_reservations().values()) == [("chunk", LB, NL * LB)]  # the other process's, layer 0 out
     (r,) = be.open_streaming(["chunk"])
     assert r is not None
     assert wait_layers(be, [r], 0, LB, 5.0) == [True]
@@ -80,9 +81,10 @@ def test_killed_writer_leaves_nothing_and_fails_waiters_promptly(writer):
     assert w is not None
     be.write([w], [0], [np.zeros(NL * LB, np.uint8)])
     be.publish([w], NL * LB)
+    assert list(be.open_reservations().values()) == [("chunk", NL * LB, NL * LB)]  # only the new one
     assert wait_layers(be, [r], 0, LB, 0) == [False]
     with pytest.raises(ObjectMissing):
         be.read([r], [0], [out])
     be.commit([w])
-    assert be.lookup(["chunk"]) == 1
+    assert be.lookup(["chunk"]) == 1 and be.open_reservations() == {}
     be.verify()

@@ -4,9 +4,11 @@ process group.
 
 "Mid-prefill" is read from the pool itself: a watcher backend in this process polls the pool's
 ``reserved_objects`` counter; the moment a reservation appears the prefiller's process group is
-stopped (SIGSTOP, checked in ``/proc``), and the counter is read again: still open means the
-prefiller is frozen between reserving and committing the prompt. A tiny model's prefill is over in
-tens of milliseconds, so a caller retries with a new prompt when the prefill ended first.
+stopped (SIGSTOP, checked in ``/proc``), and the open reservations are read: one still short of
+its last byte means the prefiller is frozen mid-prefill (streaming publishes layer by layer, so a
+reservation can be open with every layer readable; that one does not count). A tiny model's
+prefill is over in tens of milliseconds, so a caller retries with a new prompt when the prefill
+ended first.
 """
 
 from __future__ import annotations
@@ -80,19 +82,27 @@ def freeze(server: VllmServer, timeout_s: float = 5.0) -> None:
         time.sleep(0.001)
 
 
+def _unfinished(pool: EmbeddedBackend) -> set[int]:
+    """Ids of the open reservations whose writer has not published all of them yet."""
+    return {oid for oid, (_, published, nbytes) in pool.open_reservations().items() if published < nbytes}
+
+
 def freeze_mid_prefill(server: VllmServer, pool: EmbeddedBackend, done: Callable[[], bool],
                        timeout_s: float) -> bool:
-    """Poll the pool until a reservation is open, then freeze the server. True: frozen with the
-    reservation still open (mid-prefill); False: ``done()`` (the request ended) or the timeout came
-    first, the server left running."""
+    """Poll the pool until a reservation is open, then freeze the server. True: frozen with a new
+    reservation still open AND short of its last published byte (mid-prefill: a streaming reader
+    cannot finish either; a reservation whose every layer is published, caught just before its
+    commit, would let a streaming decoder complete as if nothing happened); False: ``done()`` (the
+    request ended) or the timeout came first, the server left running."""
     base = pool.stats()["reserved_objects"]
+    before = _unfinished(pool)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline and not done():
         if pool.stats()["reserved_objects"] > base:
             freeze(server)
-            if pool.stats()["reserved_objects"] > base:
+            if _unfinished(pool) - before:
                 return True
-            signal_group(server, signal.SIGCONT)  # committed between the two reads: too late
+            signal_group(server, signal.SIGCONT)  # committed or fully published already: too late
         time.sleep(0.0005)
     return False
 

@@ -13,6 +13,8 @@ from lw_core.backends.embedded.records import (
     NBYTES,
     OBJ_REC,
     OFF,
+    OID,
+    RESERVED,
     ST,
     STAMP,
     unpack_resv,
@@ -20,7 +22,7 @@ from lw_core.backends.embedded.records import (
 
 
 class VerifyMixin:
-    """``stats`` and ``verify``."""
+    """``stats``, ``open_reservations`` and ``verify``."""
 
     def stats(self) -> dict[str, int]:
         with self._read() as txn:
@@ -28,6 +30,17 @@ class VerifyMixin:
         out = {name: int(v) for name, v in zip(COUNTERS, c) if name != "next_id"}
         out["capacity_bytes"] = self.capacity
         out.update(self._local)  # this process's own counters
+        return out
+
+    def open_reservations(self) -> dict[int, tuple[str, int, int]]:
+        """Every reservation not yet committed: object id -> (key, published bytes, size). A
+        reservation that was never published (a non-streaming writer) shows 0 published bytes."""
+        out: dict[int, tuple[str, int, int]] = {}
+        with self._read() as txn:
+            for k, v in txn.cursor(db=self._obj):
+                o = OBJ_REC.unpack(v)
+                if o[ST] == RESERVED:
+                    out[o[OID]] = (bytes(k).decode(errors="replace"), o[STAMP], o[NBYTES])
         return out
 
     def verify(self) -> dict[str, int]:

@@ -15,7 +15,7 @@ from lw_core.backends.memory import MemoryBackend
 from lw_core.backends.registry import register_backend, unregister_backend
 from lw_core.config import ConfigError, parse_config
 
-from lw_bench.pd import compare, compare_report
+from lw_bench.pd import compare, compare_report, compare_stack
 from lw_bench.pd import mode as bench_pd
 from lw_bench.pd.throttle import NAME, ThrottledBackend
 
@@ -139,27 +139,44 @@ def test_bad_flags_name_the_flag() -> None:
             bench_pd.config(p.parse_args(argv))
 
 
+def test_memcache_store_wraps_lw_memcache_with_its_keys(tmp_path: Path) -> None:
+    register_backend(NAME, "lw_bench.pd.throttle:PLUGIN")
+    try:
+        extra = compare_stack.engine_extra("memcache", "unused", tmp_path / "tl.jsonl", streaming=True, bytes_per_s=5,
+                                           metaserver_timeout_s=3.0,
+                                           memcache={"backend": "memcache", "memcache_config_path": "/x/mmc.conf",
+                                                     "memcache_protocol": "host_shm"})
+        k = parse_config(extra).backend_keys
+        assert (k.throttle_inner, k.memcache_config_path, k.throttle_bytes_per_s) == ("memcache", "/x/mmc.conf", 0)
+        with pytest.raises(ConfigError, match="throttle_inner"):
+            parse_config({**extra, "throttle_inner": "disk"})
+    finally:
+        unregister_backend(NAME)
+
+
 @pytest.mark.slow
-def test_quick_run_on_real_vllm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", ["throttled", "memcache"])
+def test_quick_run_on_real_vllm(tmp_path: Path, store: str) -> None:
     """One store, one tiny prompt per kind: the report has every row, positive figures, a timeline
-    per PD request, and the JSON and both figures under --out."""
+    per PD request, and the JSON and both figures under --out. The memcache store runs on a real
+    MetaService and holder."""
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
     p = argparse.ArgumentParser()
     bench_pd.add_arguments(p)
     p.add_argument("--json", action="store_true")
     out = tmp_path / "out"
-    r = bench_pd.run(p.parse_args(["--quick", "--stores", "throttled", "--out", str(out), "--json",
+    r = bench_pd.run(p.parse_args(["--quick", "--stores", store, "--out", str(out), "--json",
                                    "--log-dir", str(tmp_path / "logs")]))
     assert r["problems"] == [], r["problems"]
-    assert r["stores"] == ["throttled"]
-    tt = r["ttft_s"]["throttled"]["200"]
+    assert r["stores"] == [store]
+    tt = r["ttft_s"][store]["200"]
     assert set(tt) == {"alone", "pd", "pd_stream", "pd_relay", "turn2"} and all(v > 0 for v in tt.values()), tt
-    assert all(v > 0 for v in r["ratios"]["throttled"]["200"].values())
-    assert set(r["after_prefill_s"]["throttled"]["200"]) == set(tt)
+    assert all(v > 0 for v in r["ratios"][store]["200"].values())
+    assert set(r["after_prefill_s"][store]["200"]) == set(tt)
     for rec in r["records"]:
         if rec["kind"] in compare.PD_KINDS:
             layers = rec["timeline"]["layers"]
             assert len(layers) == compare.NUM_LAYERS, rec
             assert all(x["decoder_landed"] is not None and x["prefill_saved"] is not None for x in layers), rec
-    assert json.loads((out / "result.json").read_text())["stores"] == ["throttled"]
+    assert json.loads((out / "result.json").read_text())["stores"] == [store]
     assert (out / "ttft.png").stat().st_size > 1000 and (out / "timeline.png").stat().st_size > 1000

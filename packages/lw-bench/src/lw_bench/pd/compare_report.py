@@ -20,6 +20,8 @@ def _x(x: float | None) -> str:
 def store_label(r: dict[str, Any], store: str) -> str:
     if store == "throttled":
         return f"throttled ({r['config']['throttle_bytes_per_s'] / 1e6:g} MB/s link per engine)"
+    if store == "memcache":
+        return "memcache (host_shm, one host)"
     return "embedded"
 
 

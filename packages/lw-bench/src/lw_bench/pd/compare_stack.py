@@ -9,7 +9,9 @@
 So the prefiller alone, non-streaming PD, prefill-first PD and streaming PD run on the very same
 prefiller, alternated, in one run. Every engine uses the bench-only backend ``throttled``
 (lw_bench.pd.throttle): on store ``embedded`` unthrottled (it only writes the per-layer timeline),
-on store ``throttled`` behind a link of ``throttle_bytes_per_s`` per engine process.
+on store ``throttled`` behind a link of ``throttle_bytes_per_s`` per engine process, and on store
+``memcache`` unthrottled around lw-memcache (a MetaService and ``lw-memcache hold`` on this host,
+host_shm; needs memcache_hybrid, i.e. ``uv sync --all-extras``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from lw_bench.pd.stack import (SERVER_START_TIMEOUT_S, Proc, VllmServer, cpu_ids
                                start_vllm, wait_ready)
 from lw_bench.pd.throttle import NAME as THROTTLED, sitecustomize_dir
 
-STORES = ("embedded", "throttled")
+STORES = ("embedded", "throttled", "memcache")
 ROLES = ("prefill", "decode", "decode_stream")
 
 
@@ -35,6 +37,7 @@ class CompareStack:
     timelines: dict[str, Path]  # role -> the throttled backend's timeline file
     log_dir: Path
     _tl_marks: dict[str, int] = field(default_factory=dict)
+    pool: Any = None  # store "memcache": its LocalMemcache, stopped with the stack
 
     def mark(self) -> None:
         for s in self.servers.values():
@@ -52,13 +55,23 @@ class CompareStack:
             return [json.loads(x) for x in f.read().decode().splitlines() if x.strip().endswith("}")]
 
     def stop(self) -> None:
-        for p in [*self.proxies.values(), *(s.proc for s in self.servers.values())]:
-            p.stop()
+        try:
+            for p in [*self.proxies.values(), *(s.proc for s in self.servers.values())]:
+                p.stop()
+        finally:
+            if self.pool is not None:
+                self.pool.stop()
 
 
 def engine_extra(store: str, pool_path: str, timeline: Path, *, streaming: bool, bytes_per_s: int,
-                 metaserver_timeout_s: float) -> dict[str, Any]:
-    return {"backend": THROTTLED, "embedded_path": pool_path, "embedded_capacity_bytes": 512 << 20,
+                 metaserver_timeout_s: float, memcache: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``memcache``: the pool's ``extra_config`` (store "memcache")."""
+    if store == "memcache":
+        assert memcache is not None, "store memcache needs its pool's extra_config"
+        inner: dict[str, Any] = {"throttle_inner": "memcache", **{k: v for k, v in memcache.items() if k != "backend"}}
+    else:
+        inner = {"embedded_path": pool_path, "embedded_capacity_bytes": 512 << 20}
+    return {"backend": THROTTLED, **inner,
             "use_layerwise": True, "metaserver_timeout_s": metaserver_timeout_s, "pd_streaming": streaming,
             "throttle_bytes_per_s": bytes_per_s if store == "throttled" else 0, "timeline_path": str(timeline)}
 
@@ -89,9 +102,16 @@ def start_compare_stack(store: str, log_dir: Path, pool_path: str, *, block_size
     proxies: dict[str, Proc] = {}
     stack = CompareStack(store, servers, proxies, timelines, log_dir)
     try:
+        memcache = None
+        if store == "memcache":
+            from lw_memcache.local import LocalMemcache
+
+            stack.pool = LocalMemcache(dram_size="512MB", workdir=log_dir / "memcache", holder=True)
+            stack.pool.start()
+            memcache = stack.pool.extra_config
         for role, (kv_role, streaming, cpu) in spec.items():
             extra = engine_extra(store, pool_path, timelines[role], streaming=streaming, bytes_per_s=bytes_per_s,
-                                 metaserver_timeout_s=metaserver_timeout_s)
+                                 metaserver_timeout_s=metaserver_timeout_s, memcache=memcache)
             servers[role] = start_vllm(role, model_dir, kv_role=kv_role, extra=extra, cpu=cpu, log_dir=log_dir,
                                        block_size=block_size, mla=False, max_model_len=max_model_len,
                                        kv_cache_bytes=64 << 20, env_extra=env, launcher=on[cpu])

@@ -1,7 +1,8 @@
 """``lw-bench pd``: TTFT of the 1P1D stack against the prefiller alone, non-streaming vs streaming PD.
 
-One run, per store (``--stores``: ``embedded``, and ``throttled``: the embedded pool behind a link
-of ``--throttle-mb-s`` per engine process, lw_bench.pd.throttle), starts ONE prefiller serving a
+One run, per store (``--stores``: ``embedded``; ``throttled``: the embedded pool behind a link
+of ``--throttle-mb-s`` per engine process, lw_bench.pd.throttle; ``memcache``: lw-memcache with a
+MetaService and a holder on this host), starts ONE prefiller serving a
 non-streaming and a streaming decoder, each behind its own ``lw-proxy``, plus (unless
 ``--no-relay``) a third proxy with ``--prefill-first`` in front of the non-streaming decoder
 (lw_bench.pd.compare_stack). Per length and rep it alternates, on fresh random-token prompts:
@@ -54,7 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=128, choices=(16, 32, 64, 128),
                    help="vLLM block size = pool chunk size (default 128, vLLM CPU's default)")
     p.add_argument("--stores", default="embedded,throttled",
-                   help="comma-separated: embedded, throttled (default both; one stack each)")
+                   help="comma-separated: embedded, throttled, memcache (default embedded,throttled; one "
+                        "stack each; memcache starts a MetaService and a holder on this host)")
     p.add_argument("--throttle-mb-s", type=float, default=50.0,
                    help="bandwidth of the throttled store's link per engine process, MB/s (10^6 bytes; default 50)")
     p.add_argument("--no-relay", action="store_true", help="do not measure the proxy's --prefill-first (row pd_relay)")

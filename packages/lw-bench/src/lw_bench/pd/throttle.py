@@ -1,9 +1,10 @@
-"""Bench-only pool backend ``throttled``: the embedded pool behind a slow link, and a per-call timeline.
+"""Bench-only pool backend ``throttled``: a pool behind a slow link, and a per-call timeline.
 
 ``lw-bench pd`` needs a slow store to show what streaming PD hides, and a per-layer timeline
 (prefiller layer saved/published vs decoder layer landed) that the connector's stats do not carry.
-Both come from this wrapper around the embedded backend, selected in ``kv_connector_extra_config``
-with ``backend: "throttled"`` and these keys (besides the embedded ones):
+Both come from this wrapper around the embedded backend (or, with ``throttle_inner: "memcache"``,
+lw-memcache's), selected in ``kv_connector_extra_config`` with ``backend: "throttled"`` and these
+keys (besides the inner store's own):
 
 * ``throttle_bytes_per_s`` (int >= 0; 0 = no throttle): each process has ONE link of that bandwidth
   to the store. Every ``write`` and ``read`` queues on it (transfers are serialised, as on one NIC)
@@ -27,7 +28,7 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -40,8 +41,13 @@ NAME = "throttled"
 
 
 class ThrottledKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    # The store behind the link: the embedded pool (its keys below), or memcache (lw-memcache's keys,
+    # for ``lw-bench pd --stores memcache``: a real MetaService and holder on this host).
+    throttle_inner: Literal["embedded", "memcache"] = "embedded"
     embedded_path: str = msgspec.field(default_factory=default_embedded_path)
     embedded_capacity_bytes: CapacityBytes = 4 << 30
+    memcache_config_path: str = ""
+    memcache_protocol: str = "host_shm"
     throttle_bytes_per_s: Annotated[int, Meta(ge=0)] = 0
     timeline_path: str = ""
 
@@ -165,8 +171,17 @@ class ThrottledBackend:
 
 def _open(cfg: Any, **kwargs: Any) -> ThrottledBackend:
     k: ThrottledKeys = cfg.backend_keys
-    inner = msgspec.structs.replace(cfg, backend="embedded", backend_keys=_embedded_keys(k))
-    return ThrottledBackend(EMBEDDED.open(inner, **kwargs), k.throttle_bytes_per_s, k.timeline_path)
+    if k.throttle_inner == "memcache":
+        from lw_core.backends.registry import get_backend
+
+        plugin = get_backend("memcache")  # lw-memcache's entry point
+        keys = msgspec.convert({"memcache_config_path": k.memcache_config_path,
+                                "memcache_protocol": k.memcache_protocol}, plugin.keys)
+        inner = plugin.open(msgspec.structs.replace(cfg, backend="memcache", backend_keys=keys), **kwargs)
+    else:
+        inner = EMBEDDED.open(msgspec.structs.replace(cfg, backend="embedded", backend_keys=_embedded_keys(k)),
+                              **kwargs)
+    return ThrottledBackend(inner, k.throttle_bytes_per_s, k.timeline_path)
 
 
 def _embedded_keys(k: ThrottledKeys) -> EmbeddedKeys:
@@ -174,6 +189,8 @@ def _embedded_keys(k: ThrottledKeys) -> EmbeddedKeys:
 
 
 def _check(keys: ThrottledKeys) -> str | None:
+    if keys.throttle_inner != "embedded":
+        return None
     check = EMBEDDED.check
     return check(_embedded_keys(keys)) if check is not None else None
 

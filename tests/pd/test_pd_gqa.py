@@ -15,11 +15,12 @@ import pytest
 from lw_dev.fake_metaserver import FakeMetaserver
 from lw_dev.pd_flow import assert_remote_prefill_used, baseline, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, by_index, chat_choice, completion_choice, completion_stream
-from lw_bench.pd.stack import Stack, free_port, http, post_json
+from lw_bench.pd.stack import Stack, free_port, http, metric_sum, post_json
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 8
+RELAYED = "lw_proxy_prefill_first_relayed_total"
 
 
 def _completion(prompt, **kw):
@@ -59,6 +60,20 @@ def test_streaming_matches_single_engine(gqa_stack: Stack) -> None:
     assert_same(completion_choice(base), got, "stream")
     if got["tokens"] == completion_choice(base)["tokens"]:
         assert got["text"] == base["text"]
+    assert_remote_prefill_used(gqa_stack, ex, 1)
+
+
+def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack: Stack) -> None:
+    """A plain streamed greedy completion (no logprobs, what a chat UI sends) through the proxy's
+    default: its first token comes from the prefill's answer, and the whole text is the single
+    engine's; the decoder still loaded the prompt and computed the rest."""
+    body = {"model": "tiny", "prompt": text(7, 150), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    ref = baseline(gqa_stack, "/v1/completions", body)["choices"][0]["text"]
+    before = metric_sum(gqa_stack.proxy.url, RELAYED)
+    ex = through(gqa_stack, "/v1/completions", {**body, "stream": True})
+    assert ex.status == 200, ex.out
+    assert completion_stream(ex.out)["text"] == ref
+    assert metric_sum(gqa_stack.proxy.url, RELAYED) == before + 1, "the first token did not come from the prefill"
     assert_remote_prefill_used(gqa_stack, ex, 1)
 
 

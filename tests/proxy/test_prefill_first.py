@@ -38,20 +38,22 @@ async def _sse(h, body):
 
 def test_first_token_comes_from_the_prefill_and_the_output_is_unchanged():
     async def body():
-        async with harness(prefill_first=True) as h:
+        async with harness() as h:  # the proxy's default
             h.decoders[0].knobs.delay = 1.0  # the decoder is slow to answer (scheduling, load)
             first, texts, errors, events = await _sse(h, GREEDY)
             assert errors == []
             assert "".join(texts) == "".join(generate("p", 4)) and len(texts) == 4  # no token twice
             assert first < 0.7, f"first token after {first:.2f} s: it waited for the decoder"
             assert len({ev["id"] for ev in events}) <= 2  # the relayed event's id, then the decoder's
+            async with h.session.get(h.url + "/metrics") as r:
+                assert "lw_proxy_prefill_first_relayed_total 1.0" in await r.text()
 
     run(body())
 
 
-def test_without_the_flag_the_first_token_waits_for_the_decoder():
+def test_with_no_prefill_first_the_first_token_waits_for_the_decoder():
     async def body():
-        async with harness() as h:
+        async with harness(prefill_first=False) as h:
             h.decoders[0].knobs.delay = 1.0
             first, texts, _, _ = await _sse(h, GREEDY)
             assert "".join(texts) == "".join(generate("p", 4))

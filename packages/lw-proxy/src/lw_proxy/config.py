@@ -112,7 +112,7 @@ class ProxyConfig:
     # "on-metaserver": once all its decoder children POSTed /v1/metaserver (skipped when none needs it).
     prefill_dispatch: str = "early"
     # Streamed greedy completions: relay the prefiller's first token while the decoder loads (lw_proxy.relay).
-    prefill_first: bool = False
+    prefill_first: bool = True
 
     @property
     def metaserver_url(self) -> str:
@@ -176,11 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "the critical path; 'on-metaserver' once every decoder child called /v1/metaserver, "
                         "which dispatches none when they all say needs_prefill: false (saves prefills where "
                         "decoders usually hold the prompt already)")
-    p.add_argument("--prefill-first", action="store_true",
+    p.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=True,
                    help="streamed greedy completions (temperature 0, n 1, one prompt, no stop/logprobs/echo): "
                         "send the prefiller's own first token to the client as soon as the prefill answers, "
                         "then the decoder's stream without its (identical) first token; other requests are "
-                        "unchanged (see lw_proxy.relay)")
+                        "unchanged (see lw_proxy.relay). On by default; --no-prefill-first sends every first "
+                        "token from the decoder")
     p.add_argument("--api-key", default=None,
                    help="bearer token clients must send; prefer env LW_PROXY_API_KEY or --api-key-file: a "
                         "command-line value shows in the process list (a warning is printed)")

@@ -67,6 +67,12 @@ class ProxyMetrics:
             "lw_proxy_recompute_resubmissions_total", "Choices resubmitted after stop_reason == 'recomputed'",
             registry=r,
         )
+        self.relayed_first = Counter(
+            "lw_proxy_prefill_first_relayed_total",
+            "Streamed greedy completions whose first token the client got from the prefill's answer "
+            "(--prefill-first, the default), while the decoder still loaded",
+            registry=r,
+        )
         self.prefill_reused = Counter(
             "lw_proxy_prefill_reused_total",
             "Metaserver calls of a retried decoder answered from the parent's one prefill (none dispatched)",

@@ -90,6 +90,7 @@ class Streaming:
                     await out.write(block)
                     ledger.feed_block(block)
                     state["skip"] = text
+                    self.m.relayed_first.inc()
             return await task
         except BaseException:
             if not task.done():

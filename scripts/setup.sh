@@ -11,7 +11,10 @@ fi
 bash scripts/install-mooncake-deps.sh  # libibverbs1 for lw-mooncake[store]
 # --inexact: keep what install-vllm.sh added outside the lock. Every workspace member with all its
 # extras, plus the root's dev group (pytest, ruff, mypy, lw-dev: the test support).
-uv sync --inexact --all-packages --all-extras --group dev --quiet
+# --compile-bytecode: write every .pyc now. Where PYTHONDONTWRITEBYTECODE is set (it is on these
+# machines) Python never caches bytecode, so each engine process compiled vLLM, torch and
+# transformers from source again: ~15 s of CPU per process, dozens of processes per test run.
+uv sync --inexact --all-packages --all-extras --group dev --quiet --compile-bytecode
 if [ -f scripts/install-vllm.sh ] && [ "${LW_SKIP_VLLM:-0}" != "1" ]; then
     bash scripts/install-vllm.sh
 fi

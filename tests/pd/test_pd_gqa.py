@@ -8,14 +8,18 @@ import json
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
 
+from lw_proxy import relay
+
 from lw_dev.fake_metaserver import FakeMetaserver
-from lw_dev.pd_flow import assert_remote_prefill_used, baseline, text, through
+from pd_faults_flow import freeze, signal_group
+from lw_dev.pd_flow import assert_remote_prefill_used, baseline, settle, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, by_index, chat_choice, completion_choice, completion_stream
-from lw_bench.pd.stack import Stack, free_port, http, metric_sum, post_json
+from lw_bench.pd.stack import Stack, free_port, http, metric_sum, post_json, post_sse
 
 pytestmark = pytest.mark.slow
 
@@ -63,18 +67,52 @@ def test_streaming_matches_single_engine(gqa_stack: Stack) -> None:
     assert_remote_prefill_used(gqa_stack, ex, 1)
 
 
+def _relayable_greedy_body(stack: Stack) -> dict:
+    """A plain streamed greedy completion (no logprobs, what a chat UI sends) whose first token the
+    proxy may relay (lw_proxy.relay.first_event: whole text, not an empty or partial-UTF-8 token,
+    which a random-weight model does produce), judged on the single engine's one-token answer."""
+    for seed in range(77, 87):
+        body = {"model": "tiny", "prompt": text(seed, 150), "max_tokens": MAX_TOKENS, "temperature": 0,
+                "ignore_eos": True}
+        first = baseline(stack, "/v1/completions", {**body, "max_tokens": 1})
+        if relay.first_event(json.dumps(first).encode(), "probe") is not None:
+            return body
+    pytest.fail("no prompt of seeds 77-86 starts with a token the proxy may relay")
+
+
 def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack: Stack) -> None:
-    """A plain streamed greedy completion (no logprobs, what a chat UI sends) through the proxy's
-    default: its first token comes from the prefill's answer, and the whole text is the single
-    engine's; the decoder still loaded the prompt and computed the rest."""
-    body = {"model": "tiny", "prompt": text(77, 150), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    """Through the proxy's default, a relayable streamed greedy completion's first token comes from
+    the prefill's answer, and the whole text is the single engine's; the decoder still loaded the
+    prompt and computed the rest.
+
+    Which comes first is a race on an idle stack: the decoder answers as soon as the prefiller has
+    committed the prompt to the pool, which can be before the prefiller's own HTTP answer reaches
+    the proxy (then there is nothing to gain by relaying). So the decoder is frozen (SIGSTOP) until
+    the proxy has relayed the prefill's token, then resumed: the relay path runs for certain."""
+    body = {**_relayable_greedy_body(gqa_stack), "stream": True}
     ref = baseline(gqa_stack, "/v1/completions", body)["choices"][0]["text"]
+    settle(gqa_stack)
+    gqa_stack.decode.mark()
     before = metric_sum(gqa_stack.proxy.url, RELAYED)
-    ex = through(gqa_stack, "/v1/completions", {**body, "stream": True})
-    assert ex.status == 200, ex.out
-    assert completion_stream(ex.out)["text"] == ref
-    assert metric_sum(gqa_stack.proxy.url, RELAYED) == before + 1, "the first token did not come from the prefill"
-    assert_remote_prefill_used(gqa_stack, ex, 1)
+    got: dict = {}
+    call = threading.Thread(target=lambda: got.update(answer=post_sse(gqa_stack.proxy.url + "/v1/completions", body)),
+                            daemon=True)
+    freeze(gqa_stack.decode)
+    try:
+        call.start()
+        deadline = time.monotonic() + 30
+        while metric_sum(gqa_stack.proxy.url, RELAYED) == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        relayed = metric_sum(gqa_stack.proxy.url, RELAYED) - before
+    finally:
+        signal_group(gqa_stack.decode, signal.SIGCONT)
+    call.join(60)
+    assert relayed == 1, "the proxy did not relay the prefill's first token while the decoder was stopped"
+    status, events = got["answer"]
+    assert status == 200, events
+    assert completion_stream(events)["text"] == ref
+    (rec,) = gqa_stack.decode.new_stats()
+    assert rec["loaded_tokens"] == rec["prompt_tokens"] - 1 and rec["failed_blocks"] == 0, rec
 
 
 def test_prompt_list_fans_in_to_one_prefill(gqa_stack: Stack) -> None:

@@ -22,7 +22,7 @@ tests), the proxy drops the decoder's answer before any of it reaches the client
 choice after the relayed token, as it resumes a recomputed choice (``lw_proxy.recompute``): the
 prefiller computed the whole prompt, as a single engine does, so its token is the single engine's
 and the rest follows from it (``lw_proxy_errors_total{kind="relay_mismatch"}`` counts these, and
-``lw_proxy_recomputes_total`` the resubmissions).
+``lw_proxy_recompute_resubmissions_total`` the resubmissions).
 """
 
 from __future__ import annotations

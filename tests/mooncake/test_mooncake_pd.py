@@ -1,7 +1,10 @@
 """PD across two hosts over Mooncake: prefiller and lw-proxy on host A, decoder on host B, master
 and holder on B. One stack at a time, parametrised: GQA layerwise (block 32), MLA layerwise (vLLM's
-CPU MLA, block 16) and GQA bulk. The decoder's greedy output equals the single engine's and it loads
-every chunk the prefiller wrote (promised = loaded), across the host boundary. On the GQA layerwise
+CPU MLA, block 16), GQA bulk, and GQA layerwise with ``pd_streaming`` (the Mooncake streaming
+extension: the decoder pulls token-named layer segments while the prefiller computes). The
+decoder's greedy output equals the single engine's and it loads every chunk the prefiller wrote
+(promised = loaded), across the host boundary; on the streaming stack a decoder parked before its
+prefill exists streams the whole prompt in. On the GQA layerwise
 stack, with the master killed requests still answer correctly (recompute) without hanging, and hits
 resume after its restart. Slow: two engines start per stack (~1.5-3 min each on 2 cores).
 Stack start-up as tests/multihost/pd_hosts.py."""
@@ -18,6 +21,7 @@ from lw_bench.pd.stack import SERVER_START_TIMEOUT_S, Stack, metric_sum, post_js
 from lw_dev.netns import Hosts
 from lw_dev.pd_flow import assert_remote_prefill_used, baseline, settle, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
+from lw_dev.pd_streaming_flow import streams_in_decoder_first
 from lw_mooncake.local import LocalMooncake
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
@@ -26,17 +30,18 @@ pytestmark = pytest.mark.slow
 PREFILL_PORT, DECODE_PORT, PROXY_PORT = 8110, 8210, 8310
 
 
-# stack id -> (model, layerwise); vLLM's CPU MLA backend forces block 16.
-STACKS = {"gqa-layerwise": ("gqa", True), "mla-layerwise": ("mla", True), "gqa-bulk": ("gqa", False)}
+# stack id -> (model, layerwise, pd_streaming); vLLM's CPU MLA backend forces block 16.
+STACKS = {"gqa-layerwise": ("gqa", True, False), "mla-layerwise": ("mla", True, False), "gqa-bulk": ("gqa", False, False),
+          "gqa-streaming": ("gqa", True, True)}
 
 
-def _start(hosts: Hosts, pool, log_dir: Path, model_name: str, layerwise: bool) -> Stack:
+def _start(hosts: Hosts, pool, log_dir: Path, model_name: str, layerwise: bool, streaming: bool) -> Stack:
     from lw_bench import models
 
     a, b = hosts.addr("a"), hosts.addr("b")
     mla = model_name == "mla"
     block = 16 if mla else 32
-    common = {**pool.extra_config(), "use_layerwise": layerwise, "metaserver_timeout_s": 12.0}
+    common = {**pool.extra_config(), "use_layerwise": layerwise, "metaserver_timeout_s": 12.0, "pd_streaming": streaming}
     sizes = {"max_model_len": 1024, "kv_cache_bytes": 32 << 20, "block_size": block, "mla": mla, "log_dir": log_dir}
     model = str(models.mla_model() if mla else models.gqa_model())
     prefill = start_vllm("prefill", model, kv_role="kv_producer", extra={**common, "mooncake_local_hostname": a},
@@ -74,9 +79,9 @@ def stack(hosts: Hosts, pool: LocalMooncake, tmp_path_factory: pytest.TempPathFa
           request: pytest.FixtureRequest) -> Iterator[Stack]:
     """The stack named by the test's (indirect) parameter; pytest runs the tests of one stack
     together and stops it before starting the next."""
-    model, layerwise = STACKS[request.param]
+    model, layerwise, streaming = STACKS[request.param]
     with hosts.entered("a"):
-        s = _start(hosts, pool, tmp_path_factory.mktemp(f"mooncake-pd-{request.param}"), model, layerwise)
+        s = _start(hosts, pool, tmp_path_factory.mktemp(f"mooncake-pd-{request.param}"), model, layerwise, streaming)
     try:
         yield s
     finally:
@@ -92,7 +97,12 @@ def _pd(stack: Stack, seed: int):
     return ex
 
 
-def _loaded_every_chunk(stack: Stack, ex, layerwise: bool) -> None:
+def _loaded_every_chunk(stack: Stack, ex, layerwise: bool, streaming: bool) -> None:
+    if streaming:  # the receive streamed the prompt in, or the pool held it when the decoder looked
+        (d,) = ex.decode_stats
+        assert d["remote_prefill"] in ("streaming", "pool holds the prompt"), d
+        assert d["promised_tokens"] == d["loaded_tokens"] == d["prompt_tokens"] - 1 and d["failed_blocks"] == 0, d
+        return
     if layerwise:
         assert_remote_prefill_used(stack, ex, 1)  # promised == loaded == prompt - 1, nothing failed
         return
@@ -110,13 +120,13 @@ def _loaded_every_chunk(stack: Stack, ex, layerwise: bool) -> None:
 @pytest.mark.parametrize("stack", list(STACKS), indirect=True)
 def test_pd_across_hosts_matches_single_engine_and_loads_every_chunk(stack: Stack, hosts: Hosts,
                                                                     request: pytest.FixtureRequest) -> None:
-    _, layerwise = STACKS[request.node.callspec.params["stack"]]
+    _, layerwise, streaming = STACKS[request.node.callspec.params["stack"]]
     with hosts.entered("a"):
         settle(stack)  # the stack's warm-up prefill may still be reporting its saves
         rx0, _ = hosts.link_bytes("b")
         saved0 = metric_sum(stack.prefill.url, "vllm:lw_pool_saved_bytes_total")
         ex = _pd(stack, 31)
-        _loaded_every_chunk(stack, ex, layerwise)
+        _loaded_every_chunk(stack, ex, layerwise, streaming)
         saved = metric_sum(stack.prefill.url, "vllm:lw_pool_saved_bytes_total") - saved0
     rx1, _ = hosts.link_bytes("b")
     assert saved > 0 and rx1 - rx0 >= saved, (saved, rx1 - rx0)  # A's saves crossed into B's holder
@@ -133,6 +143,17 @@ def _short_load_is_a_reported_save_failure(stack: Stack, ex) -> None:
     loaded_chunks = -(-d["loaded_tokens"] // bs)
     if d["loaded_tokens"] and not d["failed_blocks"]:
         assert loaded_chunks <= p["saved_chunks"] < -(-n // bs), (d, p)
+
+
+@pytest.mark.parametrize("stack", ["gqa-streaming"], indirect=True)
+def test_streaming_decoder_parked_before_the_prefill_pulls_every_layer(stack: Stack, hosts: Hosts) -> None:
+    """The decoder (host B) parks and opens its chunks before any exist, then the prefiller (host
+    A) runs: every chunk streams in through Mooncake and the output is the single engine's."""
+    body = {"model": "tiny", "prompt": text(41, 160), "max_tokens": 8, "logprobs": 2, **SAMPLING}
+    with hosts.entered("a"):
+        rec = streams_in_decoder_first(stack, body, "parent-mooncake-late", "mooncake streaming across hosts",
+                                       stack.metaserver_timeout_s, host=hosts.addr("a"))
+    assert rec["prompt_tokens"] > 4 * stack.block_size, rec
 
 
 @pytest.mark.parametrize("stack", ["gqa-layerwise"], indirect=True)

@@ -1,4 +1,5 @@
-"""A metaserver stand-in on 127.0.0.1 (aiohttp, its own loop thread) for the decoder-side tests."""
+"""A metaserver stand-in on 127.0.0.1, or another address of this host (a namespace host's, when
+made in it), on its own aiohttp loop thread, for the decoder-side tests."""
 
 from __future__ import annotations
 
@@ -15,15 +16,16 @@ class FakeMetaserver:
     """``mode``: "ok" (200), "error" (502 with a JSON error), "silent" (holds the POST forever),
     "bad-body" (200 with a body that is not the wire struct)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.mode = "ok"
+        self.host = host
         self.bodies: list[dict] = []
         self.cancelled = 0
         # Which requests' POSTs were cancelled: a module-scoped server still holds POSTs of earlier
         # tests whose cancellations can arrive late, so tests check their own request ids.
         self.cancelled_ids: list[str] = []
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/v1/metaserver"
+        self.url = f"http://{host}:{self.port}/v1/metaserver"
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -54,7 +56,7 @@ class FakeMetaserver:
         app.router.add_post("/v1/metaserver", self._handle)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         self._loop.run_until_complete(self._runner.setup())
-        self._loop.run_until_complete(web.TCPSite(self._runner, "127.0.0.1", self.port).start())
+        self._loop.run_until_complete(web.TCPSite(self._runner, self.host, self.port).start())
         self._ready.set()
         self._loop.run_forever()
 

@@ -33,13 +33,14 @@ def streaming_stack(model: str, timeout_s: float, tmp_path_factory: pytest.TempP
         shutil.rmtree(pool, ignore_errors=True)
 
 
-def decoder_first(stack: Stack, body: dict[str, Any], parent: str) -> tuple[int, Any, float]:
+def decoder_first(stack: Stack, body: dict[str, Any], parent: str, *, host: str = "127.0.0.1") -> tuple[int, Any, float]:
     """Send ``body`` to the decoder as a remote-prefill request, let it park and open its chunks
     for a second (nothing is reserved yet), then run the prefill straight on the prefiller.
     Returns the decoder's (status, body) and seconds taken. The fake metaserver answers "ok" at
     once: a streaming decoder does not wait for that answer (and a silent one would hold the
-    fake's shutdown for the whole metaserver timeout)."""
-    fake = FakeMetaserver()
+    fake's shutdown for the whole metaserver timeout). ``host``: the fake's address, one the
+    decoder reaches (a namespace host's, called from inside it)."""
+    fake = FakeMetaserver(host)
     fake.mode = "ok"
     try:
         params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": fake.url,
@@ -69,12 +70,12 @@ def decoder_first(stack: Stack, body: dict[str, Any], parent: str) -> tuple[int,
 
 
 def streams_in_decoder_first(stack: Stack, body: dict[str, Any], parent: str, label: str,
-                             timeout_s: float) -> dict[str, Any]:
+                             timeout_s: float, *, host: str = "127.0.0.1") -> dict[str, Any]:
     """``decoder_first``, checked: the output is the single engine's, the decoder streamed the
     whole prompt but its last token (every chunk landed) and its receive ended with the prefill,
     long before ``timeout_s``. Returns the decoder's stats record."""
     ref = completion_choice(baseline(stack, "/v1/completions", body)["choices"][0])
-    status, out, took = decoder_first(stack, body, parent)
+    status, out, took = decoder_first(stack, body, parent, host=host)
     assert status == 200, out
     assert_same(ref, completion_choice(out["choices"][0]), label)
     assert took < timeout_s, f"{took:.1f} s: the decoder waited for its deadline instead of streaming"

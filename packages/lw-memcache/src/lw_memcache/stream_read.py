@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
-from lw_core.backends.embedded.procs import Owner, current_owner, owner_alive
+from lw_core.backends.embedded.procs import Owner, boot_id, current_owner, owner_alive
 
 from lw_memcache.streaming import (
     _HEAD,
@@ -20,7 +20,6 @@ from lw_memcache.streaming import (
     _TRAILER_MAGIC,
     TRAILER,
     MemcacheStreamHandle,
-    _boot_id,
     _nbytes,
     _Seg,
     abort_key,
@@ -105,7 +104,7 @@ class StreamReadMixin:
         store = self._live()
         deadline = time.monotonic() + timeout_s
         pause = _POLL_MIN_S
-        me, boot = current_owner(), _boot_id()
+        me, boot = current_owner(), boot_id()
         ready = [upto == 0 or h.leased for h in hs]
         while True:
             at = [i for i, h in enumerate(hs) if not ready[i] and not h.dead]

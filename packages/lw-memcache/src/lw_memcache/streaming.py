@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
-from lw_core.backends.embedded.procs import Owner, current_owner
+from lw_core.backends.embedded.procs import Owner, boot_id, current_owner
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +59,6 @@ _MARKER_BYTES = 64
 _POLL_MIN_S, _POLL_MAX_S = 0.0005, 0.02
 _FINISH_OK = 0
 MEDIA_DRAM = 1
-
-
-def _boot_id() -> bytes:
-    try:
-        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
-            return bytes.fromhex(f.read().strip().decode().replace("-", ""))[:16].ljust(16, b"\0")
-    except (OSError, ValueError):
-        return bytes(16)
 
 
 def head_key(key: str) -> str:
@@ -141,7 +133,7 @@ class StreamMixin:
         if stale:  # a dead or aborted writer's head: this reservation replaces it
             store.remove_batch(stale)
         gvas = store.batch_alloc(heads, [_HEAD.size] * len(heads), MEDIA_DRAM, self._write_lease_ms)
-        me, boot = current_owner(), _boot_id()
+        me, boot = current_owner(), boot_id()
         ok = [(h, hk, g) for h, hk, g in zip(hs, heads, gvas) if g > 0]
         failed = [hk for (hk, g) in zip(heads, gvas) if g <= 0]
         if failed:

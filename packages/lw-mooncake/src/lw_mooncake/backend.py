@@ -16,8 +16,9 @@ Mooncake has no reserve/commit, so one pool object is one Mooncake object put wh
   Mooncake's cost is per key and call; measured in docs/mooncake.md). ``release`` drops the local
   copies; Mooncake itself pins an object for ``--default_kv_lease_ttl`` after each get.
 
-The writes are ``lw_mooncake.writes``, the reads ``lw_mooncake.reads``; this module holds the
-client's set-up, lookups and close. Every call has a deadline (``mooncake_call_timeout_s``); past
+The writes are ``lw_mooncake.writes``, the reads ``lw_mooncake.reads``; the optional streaming
+extension (``streaming=True``, from ``pd_streaming``) is ``lw_mooncake.streaming`` (writer) and
+``lw_mooncake.stream_read`` (reader). This module holds the client's set-up, lookups and close. Every call has a deadline (``mooncake_call_timeout_s``); past
 it ``BackendUnavailable``. Mooncake loses every object when its master dies (the master holds the only index).
 """
 
@@ -27,7 +28,7 @@ import logging
 import signal
 import socket
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,8 @@ from lw_mooncake.calls import Deadlines
 from lw_mooncake.errors import to_error
 from lw_mooncake.handle import MooncakeHandle
 from lw_mooncake.reads import Reads
+from lw_mooncake.stream_read import StreamReads
+from lw_mooncake.streaming import StreamWrites
 from lw_mooncake.writes import Writes
 
 __all__ = ["INSTALL_HINT", "MooncakeBackend", "MooncakeHandle", "route_address"]
@@ -58,13 +61,13 @@ def route_address(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
-class MooncakeBackend(Writes, Reads):
+class MooncakeBackend(Writes, Reads, StreamWrites, StreamReads):
     name = "mooncake"
 
     def __init__(self, master: str, *, metadata_server: str = "P2PHANDSHAKE", protocol: str = "tcp", rdma_devices: str = "",
                  local_hostname: str = "", global_segment_size: int = 0, local_buffer_size: int = 16 << 20,
                  staging_size: int = 64 << 20, call_timeout_s: float = 5.0, setup_timeout_s: float = 30.0,
-                 load: str = "per_layer", restore_signals: bool = True) -> None:
+                 load: str = "per_layer", restore_signals: bool = True, streaming: bool = False) -> None:
         if load not in ("per_layer", "whole"):
             raise ValueError(f"mooncake_load={load!r}: expected 'per_layer' or 'whole'")
         self.load = load
@@ -91,6 +94,10 @@ class MooncakeBackend(Writes, Reads):
         self._lock = threading.Lock()
         self._pending: dict[str, MooncakeHandle] = {}
         self._closed = False
+        self._streaming = bool(streaming)  # reservations get heads; publish puts segments
+        self._wstreams: dict = {}  # key -> streaming.WriteStream of our open reservations
+        self._garbage: deque = deque()  # (due, key, tries): removals to retry (read leases)
+        self._collected_at = 0.0
         self.store = MooncakeDistributedStore()
         saved = [(s, signal.getsignal(s)) for s in _SIGNALS]
         rc = None
@@ -118,6 +125,7 @@ class MooncakeBackend(Writes, Reads):
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> MooncakeBackend:
         k = cfg.backend_keys
+        kwargs.setdefault("streaming", bool(getattr(cfg, "pd_streaming", False)))
         return cls(k.mooncake_master, metadata_server=k.mooncake_metadata_server, protocol=k.mooncake_protocol,
                    rdma_devices=k.mooncake_rdma_devices, local_hostname=k.mooncake_local_hostname,
                    global_segment_size=k.mooncake_global_segment_size,
@@ -148,7 +156,8 @@ class MooncakeBackend(Writes, Reads):
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {**self.stats_, "pending": len(self._pending), "call_timeouts": self.calls.timeouts}
+            return {**self.stats_, "pending": len(self._pending), "call_timeouts": self.calls.timeouts,
+                    "stream_leftovers": len(self._garbage)}
 
     def _check_open(self) -> None:
         if self._closed:
@@ -157,6 +166,12 @@ class MooncakeBackend(Writes, Reads):
     def close(self, timeout_s: float = 10.0) -> None:
         if self._closed:
             return
+        if self._streaming:
+            try:
+                self._stream_close()
+                self._collect(every_s=0.0)
+            except BackendError as e:
+                log.debug("mooncake streaming: clean-up at close: %s", e)
         self._closed = True
         with self._lock:
             self._pending.clear()

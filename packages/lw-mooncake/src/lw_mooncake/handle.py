@@ -1,4 +1,5 @@
-"""The handle of one pool object: reserved (its local buffer) or opened for reading."""
+"""Handles of pool objects: reserved (its local buffer) or opened for reading, and a streaming
+reader's handle on a reservation or a committed object (``lw_mooncake.stream_read``)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from lw_core.backend import BackendError
+from lw_core.backends.embedded.procs import Owner
 
 
 @dataclass(eq=False, slots=True)
@@ -16,3 +18,18 @@ class MooncakeHandle:
     data: np.ndarray | None = field(default=None, repr=False)  # a read handle's fetched object ("whole")
     committed: bool = False  # its put succeeded: committing it again is a no-op
     failed: BackendError | None = None  # its put failed with this: committing it again raises it again
+    reserved: bool = False  # made by reserve (a writer's handle), not by open
+
+
+@dataclass(eq=False, slots=True)
+class MooncakeStreamHandle:
+    """From ``open_streaming``: on a reservation (``token``, read through its segments) or on a
+    committed object (``committed``, read by key). ``dead``: aborted, its writer died, or released."""
+
+    key: str
+    nbytes: int
+    token: bytes | None
+    boot: bytes = b""
+    owner: Owner | None = None
+    committed: bool = False
+    dead: bool = False

@@ -13,7 +13,7 @@ from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 from lw_mooncake.buffers import Staging, byte_view
 from lw_mooncake.calls import Deadlines
 from lw_mooncake.errors import OBJECT_NOT_FOUND, to_error
-from lw_mooncake.handle import MooncakeHandle
+from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
 
 
 class Reads:
@@ -25,19 +25,13 @@ class Reads:
     _check_open: Callable[[], None]
     load: str
     _gets: Staging
+    _read_stream: Callable[[Sequence[Any], Sequence[int], Sequence[Any]], None]
 
     def open(self, keys: Sequence[str]) -> list[MooncakeHandle | None]:
         if not keys:
             return []
         self._check_open()
-        uniq = list(dict.fromkeys(keys))
-        desc = self.calls.call("batch_get_replica_desc", self.store.batch_get_replica_desc, uniq)
-        sizes: dict[str, int] = {}
-        for k, replicas in desc.items():
-            for r in replicas:
-                if r.is_memory_replica():
-                    sizes[k] = int(r.get_memory_descriptor().buffer_descriptor.size)
-                    break
+        sizes = self._sizes(list(dict.fromkeys(keys)))
         fetched = self._fetch_whole(sizes) if self.load == "whole" else None
         out: list[MooncakeHandle | None] = []
         for k in keys:
@@ -46,6 +40,18 @@ class Reads:
             else:
                 out.append(MooncakeHandle(k, sizes[k], data=None if fetched is None else fetched[k]))
         return out
+
+    def _sizes(self, keys: list[str]) -> dict[str, int]:
+        """The sizes of the stored objects among ``keys`` (from their replica descriptors)."""
+        self._check_open()
+        desc = self.calls.call("batch_get_replica_desc", self.store.batch_get_replica_desc, keys)
+        sizes: dict[str, int] = {}
+        for k, replicas in desc.items():
+            for r in replicas:
+                if r.is_memory_replica():
+                    sizes[k] = int(r.get_memory_descriptor().buffer_descriptor.size)
+                    break
+        return sizes
 
     def _fetch_whole(self, sizes: dict[str, int]) -> dict[str, np.ndarray]:
         """The objects, fetched with ``batch_get_into`` through staging in batches; an object gone
@@ -86,6 +92,9 @@ class Reads:
                         f"get of {k!r}: {n} of {sizes[k]} bytes")
 
     def read(self, handles: Sequence[MooncakeHandle], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
+        if any(isinstance(h, MooncakeStreamHandle) for h in handles):
+            self._read_stream(handles, offsets, dsts)
+            return
         items = []
         for h, off, dst in zip(handles, offsets, dsts, strict=True):
             arr = byte_view(dst, writable=True, what="read")
@@ -108,8 +117,11 @@ class Reads:
         if batch:
             self._get(batch)
 
-    def _get(self, batch: list[tuple[str, int, np.ndarray]]) -> None:
+    def _get(self, batch: list[tuple[str, int, np.ndarray]], *, missing_ok: bool = False) -> set[str]:
+        """Ranged gets of ``(key, offset, into)`` through staging. ``missing_ok``: keys whose object
+        is missing or too short are returned (their ``into`` is left as it was) instead of raised."""
         self._check_open()
+        missing: set[str] = set()
         by_key: dict[str, list[tuple[int, int, np.ndarray]]] = {}
         pos = 0
         for key, off, arr in batch:
@@ -127,6 +139,10 @@ class Reads:
                 self._gets.retire()
                 raise
             for k, got in zip(keys, res[0]):
+                if missing_ok and any(n != arr.nbytes and not (n <= -900 or n == -1)
+                                      for (_, _, arr), n in zip(by_key[k], got)):
+                    missing.add(k)
+                    continue
                 for (p, _, arr), n in zip(by_key[k], got):
                     if n < 0:
                         raise to_error(n, f"ranged get of {k!r}") if n != OBJECT_NOT_FOUND else ObjectMissing(
@@ -135,8 +151,12 @@ class Reads:
                         raise BackendError(f"ranged get of {k!r}: {n} of {arr.nbytes} bytes")
                     arr[:] = buf[p : p + n]
         self.stats_["bytes_read"] += pos
+        return missing
 
     def release(self, handles: Sequence[MooncakeHandle]) -> None:
         """Drops fetched copies; Mooncake's own read lease is a TTL on the master (``--default_kv_lease_ttl``)."""
         for h in handles:
-            h.data = None
+            if isinstance(h, MooncakeStreamHandle):
+                h.dead = True  # ended: it holds nothing, Mooncake's lease is a TTL
+            else:
+                h.data = None

@@ -14,7 +14,7 @@ from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 from lw_mooncake.buffers import Staging, byte_view
 from lw_mooncake.calls import Deadlines
 from lw_mooncake.errors import to_error
-from lw_mooncake.handle import MooncakeHandle
+from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
 
 
 class Writes:
@@ -28,6 +28,9 @@ class Writes:
     _pending: dict[str, MooncakeHandle]
     _puts: Staging
     _exist: Callable[[list[str]], list[int]]
+    _streaming: bool
+    _stream_start: Callable[[Sequence[MooncakeHandle | None]], None]
+    _stream_end: Callable[..., None]
 
     def reserve(self, keys: Sequence[str], nbytes: int) -> list[MooncakeHandle | None]:
         if nbytes < 0:
@@ -43,9 +46,10 @@ class Writes:
                 if e == 1 or k in self._pending:
                     out.append(None)
                     continue
-                h = MooncakeHandle(k, nbytes, np.zeros(nbytes, np.uint8))
+                h = MooncakeHandle(k, nbytes, np.zeros(nbytes, np.uint8), reserved=True)
                 self._pending[k] = h
                 out.append(h)
+        self._stream_start(out)
         return out
 
     def _local(self, h: MooncakeHandle, off: int, n: int, what: str) -> np.ndarray:
@@ -54,6 +58,11 @@ class Writes:
             raise ObjectMissing(f"{what}: {h.key!r} is not reserved here (committed or aborted)")
         if off < 0 or off + n > h.nbytes:
             raise ValueError(f"{what}: range [{off}, {off + n}) outside {h.key!r} of {h.nbytes} bytes")
+        if self._streaming and n:
+            with self._lock:  # streaming: publish cuts segments where written ranges end
+                ws = self._wstreams.get(h.key)
+                if ws is not None:
+                    ws.ends.add(off + n)
         return buf[off : off + n]
 
     def write(self, handles: Sequence[MooncakeHandle], offsets: Sequence[int], srcs: Sequence[Any]) -> None:
@@ -65,6 +74,8 @@ class Writes:
         self.stats_["bytes_written"] += n
 
     def view(self, handle: MooncakeHandle, offset: int, nbytes: int) -> memoryview | None:
+        if isinstance(handle, MooncakeStreamHandle):
+            return None  # streaming reads copy (a segment proves its bytes only when fetched)
         if handle.data is not None:  # a read handle fetched whole
             if offset < 0 or offset + nbytes > handle.nbytes:
                 raise ValueError(f"view: range [{offset}, {offset + nbytes}) outside {handle.key!r} of {handle.nbytes} bytes")
@@ -99,6 +110,9 @@ class Writes:
                     if self._pending.get(h.key) is h:
                         del self._pending[h.key]
                     h.buf = None
+            if self._streaming:
+                self._stream_end([h for h in live if h.committed], aborted=False)
+                self._stream_end([h for h in live if not h.committed], aborted=True)
         if missing:
             errors.insert(0, ObjectMissing(f"commit: {', '.join(map(repr, missing))} not reserved (aborted)"))
         if errors:
@@ -117,22 +131,49 @@ class Writes:
             size += h.nbytes
         return out
 
-    def _put(self, batch: list[MooncakeHandle]) -> list[BackendError]:
+    def _put_parts(self, items: list[tuple[str, list[np.ndarray]]]) -> list[int]:
+        """One ``batch_put_from`` of objects given as parts (concatenated in staging, which they
+        must fit); Mooncake's status per object."""
         self._check_open()
         with self._puts.lock:
             buf = self._puts.get()
             base, ptrs, sizes, off = int(buf.ctypes.data), [], [], 0
-            for h in batch:
-                assert h.buf is not None
-                buf[off : off + h.nbytes] = h.buf
+            for _, parts in items:
                 ptrs.append(base + off)
-                sizes.append(h.nbytes)
-                off += h.nbytes
+                for p in parts:
+                    buf[off : off + p.nbytes] = p
+                    off += p.nbytes
+                sizes.append(base + off - ptrs[-1])
             try:
-                res = self.calls.call("batch_put_from", self.store.batch_put_from, [h.key for h in batch], ptrs, sizes)
+                return list(self.calls.call("batch_put_from", self.store.batch_put_from, [k for k, _ in items], ptrs, sizes))
             except BackendUnavailable:
                 self._puts.retire()
                 raise
+
+    def _put_all(self, items: list[tuple[str, list[np.ndarray]]]) -> list[int]:
+        """``_put_parts`` in batches that fit the staging (small objects: heads, segments, markers)."""
+        res: list[int] = []
+        batch: list[tuple[str, list[np.ndarray]]] = []
+        size = 0
+        for it in items:
+            n = sum(p.nbytes for p in it[1])
+            if n > self.staging_size:
+                raise BackendError(f"put of {it[0]!r}: {n} bytes exceed mooncake_staging_size={self.staging_size}")
+            if batch and size + n > self.staging_size:
+                res += self._put_parts(batch)
+                batch, size = [], 0
+            batch.append(it)
+            size += n
+        if batch:
+            res += self._put_parts(batch)
+        return res
+
+    def _put(self, batch: list[MooncakeHandle]) -> list[BackendError]:
+        items = []
+        for h in batch:
+            assert h.buf is not None
+            items.append((h.key, [h.buf]))
+        res = self._put_parts(items)
         errors = []
         for h, r in zip(batch, res):
             h.committed = r == 0
@@ -144,6 +185,8 @@ class Writes:
         return errors
 
     def abort(self, handles: Sequence[MooncakeHandle]) -> None:
+        if self._streaming:
+            self._stream_end(handles, aborted=True)
         with self._lock:
             for h in handles:
                 if self._pending.get(h.key) is h:

@@ -52,7 +52,7 @@ def check_streaming(cfg: PoolConfig, backend: Backend) -> None:
             f"kv_connector_extra_config.pd_streaming=true needs a backend with the streaming extension "
             f"(publish, open_streaming, wait_published), and backend {getattr(backend, 'name', cfg.backend)!r} "
             "does not have it; "
-            "use backend 'embedded' or 'memcache', or set pd_streaming to false"
+            "use backend 'embedded', 'memcache' or 'mooncake', or set pd_streaming to false"
         )
 
 

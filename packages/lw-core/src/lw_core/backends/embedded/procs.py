@@ -51,6 +51,16 @@ def _stat(pid: int) -> tuple[str, int] | None:
     return rest[0].decode(), int(rest[19])
 
 
+def boot_id() -> bytes:
+    """This machine's boot id (16 bytes; zeros when unknown): an owner is only judged by processes
+    that share it, i.e. run on the same machine since the same boot."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id", "rb") as f:
+            return bytes.fromhex(f.read().strip().decode().replace("-", ""))[:16].ljust(16, b"\0")
+    except (OSError, ValueError):
+        return bytes(16)
+
+
 def current_owner() -> Owner:
     pid = os.getpid()
     st = _stat(pid) if os.path.isdir("/proc/self") else None

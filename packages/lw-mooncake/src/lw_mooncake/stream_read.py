@@ -1,0 +1,164 @@
+"""The reader's side of Mooncake streaming: ``open_streaming``, ``wait_published`` and reads
+through streaming handles (the design is in ``lw_mooncake.streaming``'s docstring).
+
+Bytes come only from a segment named by the handle's token whose header says it starts where the
+read starts (only that reservation's writer puts such names, and a Mooncake object never changes
+while it exists), or from the committed object of the key: objects are write-once and a key names
+its content, so any committed object of the key is the whole, right object.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from lw_core.backend import BackendError, ObjectMissing
+from lw_core.backends.embedded.procs import Owner, boot_id, current_owner, owner_alive
+
+from lw_mooncake.buffers import byte_view
+from lw_mooncake.handle import MooncakeStreamHandle
+from lw_mooncake.streaming import (
+    HEAD_SIZE,
+    POLL_MAX_S,
+    POLL_MIN_S,
+    SEG_HEADER,
+    abort_key,
+    head_key,
+    seg_key,
+    unpack_head,
+)
+
+
+class StreamReads:
+    """Readers' calls of the streaming extension, mixed into MooncakeBackend."""
+
+    # From MooncakeBackend / Reads.
+    _check_open: Callable[[], None]
+    _exist: Callable[[list[str]], list[int]]
+    _sizes: Callable[[list[str]], dict[str, int]]
+    _get: Callable[..., set[str]]
+
+    def open_streaming(self, keys: Sequence[str]) -> list[MooncakeStreamHandle | None]:
+        out: list[MooncakeStreamHandle | None] = [None] * len(keys)
+        if not keys:
+            return out
+        ks = list(keys)
+        n = len(ks)
+        ex = self._exist(ks + [head_key(k) for k in ks])
+        committed = [k for k, r in zip(ks, ex[:n]) if r == 1]
+        sizes = self._sizes(committed) if committed else {}
+        for i, k in enumerate(ks):
+            if k in sizes:
+                out[i] = MooncakeStreamHandle(k, sizes[k], None, committed=True)
+        want = [i for i in range(n) if out[i] is None and ex[n + i] == 1]
+        if not want:
+            return out
+        bufs = {i: np.zeros(HEAD_SIZE, np.uint8) for i in want}
+        self._get([(head_key(ks[i]), 0, bufs[i]) for i in want], missing_ok=True)
+        for i in want:
+            head = unpack_head(ks[i], bufs[i].tobytes())
+            if head is not None:  # else gone or replaced while read: the caller retries
+                token, nbytes, boot, owner = head
+                out[i] = MooncakeStreamHandle(ks[i], nbytes, token, boot, owner)
+        return out
+
+    def _streams(self, handles: Sequence[Any], what: str) -> list[MooncakeStreamHandle]:
+        for h in handles:
+            if not isinstance(h, MooncakeStreamHandle):
+                raise BackendError(f"mooncake: {what} needs handles from open_streaming, got {h!r}")
+        return list(handles)
+
+    def _adopt(self, hs: Sequence[MooncakeStreamHandle]) -> None:
+        """Handles whose key is committed now read the object (of their size; else they are dead)."""
+        sizes = self._sizes([h.key for h in hs])
+        for h in hs:
+            if h.key in sizes:
+                h.committed = sizes[h.key] == h.nbytes
+                h.dead = not h.committed
+
+    def wait_published(self, handles: Sequence[Any], upto: int, timeout_s: float) -> list[bool]:
+        hs = self._streams(handles, "wait_published")
+        for h in hs:
+            if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= h.nbytes:
+                raise ValueError(f"mooncake: wait_published upto={upto!r} must be an int in [0, {h.nbytes}] for {h.key!r}")
+        if not timeout_s >= 0:
+            raise ValueError(f"mooncake: wait_published timeout_s={timeout_s!r} must be >= 0")
+        deadline = time.monotonic() + timeout_s
+        pause = POLL_MIN_S
+        me, boot = current_owner(), boot_id()
+        ready = [not h.dead and (upto == 0 or h.committed) for h in hs]
+        while True:
+            todo = [(i, h) for i, h in enumerate(hs) if not ready[i] and not h.dead]
+            if todo:
+                n = len(todo)
+                assert all(h.token is not None for _, h in todo)
+                names = ([seg_key(h.key, h.token, upto) for _, h in todo]  # type: ignore[arg-type]
+                         + [abort_key(h.key, h.token) for _, h in todo]  # type: ignore[arg-type]
+                         + [h.key for _, h in todo])
+                res = self._exist(names)
+                alive: dict[Owner, bool | None] = {}  # each writer judged once per poll
+                committed = []
+                for j, (i, h) in enumerate(todo):
+                    if res[n + j] == 1:
+                        h.dead = True  # aborted
+                    elif res[2 * n + j] == 1:
+                        committed.append(h)
+                    elif res[j] == 1:
+                        ready[i] = True
+                    elif h.owner is not None and h.boot == boot:
+                        if h.owner not in alive:
+                            alive[h.owner] = owner_alive(h.owner, me)
+                        if alive[h.owner] is False:
+                            h.dead = True  # the writer is gone and never commits
+                if committed:
+                    self._adopt(committed)
+                    ready = [r or h.committed for h, r in zip(hs, ready)]
+            left = deadline - time.monotonic()
+            if left <= 0 or all(r or h.dead for h, r in zip(hs, ready)):
+                return [r and not h.dead for h, r in zip(hs, ready)]
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, POLL_MAX_S)
+
+    def _read_stream(self, handles: Sequence[Any], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
+        hs = self._streams(handles, "a streaming read")
+        if not (len(hs) == len(offsets) == len(dsts)):
+            raise ValueError(f"{len(hs)} handles, {len(offsets)} offsets, {len(dsts)} buffers: lengths differ")
+        arrs = [byte_view(d, writable=True, what="read") for d in dsts]
+        for h, off, a in zip(hs, offsets, arrs):
+            if off < 0 or off + a.nbytes > h.nbytes:
+                raise ValueError(f"read of {h.key}: range [{off}, {off + a.nbytes}) outside the object's {h.nbytes} bytes")
+        dead = [h.key for h in hs if h.dead]
+        if dead:
+            raise ObjectMissing(f"mooncake: streaming read of {len(dead)} abandoned reservation(s) (aborted, writer dead, "
+                                f"or released): {dead[:3]}")
+        segs = [j for j, h in enumerate(hs) if not h.committed and arrs[j].nbytes]
+        done: set[int] = set()
+        if segs:
+            scratch = {j: np.empty(SEG_HEADER.size + arrs[j].nbytes, np.uint8) for j in segs}
+            names = {j: seg_key(hs[j].key, hs[j].token, offsets[j] + arrs[j].nbytes) for j in segs}  # type: ignore[arg-type]
+            gone = self._get([(names[j], 0, scratch[j]) for j in segs], missing_ok=True)
+            late = []
+            for j in segs:
+                if names[j] in gone:
+                    late.append(j)  # not published as such, or removed after a commit or an abort
+                elif SEG_HEADER.unpack_from(scratch[j][: SEG_HEADER.size].tobytes())[0] != offsets[j]:
+                    raise ObjectMissing(f"mooncake: streaming read of {hs[j].key} [{offsets[j]}, "
+                                        f"{offsets[j] + arrs[j].nbytes}) is not one published range")
+                else:
+                    arrs[j][:] = scratch[j][SEG_HEADER.size :]
+                    done.add(j)
+            if late:
+                marks = self._exist([abort_key(hs[j].key, hs[j].token) for j in late])  # type: ignore[arg-type]
+                for j, m in zip(late, marks):
+                    hs[j].dead = hs[j].dead or m == 1
+                self._adopt([hs[j] for j in late if not hs[j].dead])
+                short = [hs[j].key for j in late if not hs[j].committed]
+                if short:
+                    raise ObjectMissing(
+                        f"mooncake: streaming read of {len(short)} object(s) beyond their published bytes (or not at a "
+                        f"published range), or their reservation is gone: {short[:3]}")
+        whole = [j for j in range(len(hs)) if arrs[j].nbytes and j not in done]  # committed ones, all of them
+        if whole:
+            self._get([(hs[j].key, offsets[j], arrs[j]) for j in whole])

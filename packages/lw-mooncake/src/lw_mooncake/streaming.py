@@ -1,0 +1,267 @@
+"""The optional streaming extension of ``MooncakeBackend`` (rules: ``lw_core.backend``): the writer.
+
+Mooncake has no reserve/commit and a stored object never grows, so a reservation's published
+prefix cannot be made readable in place (the object itself is put whole at ``commit``). Instead
+each ``publish`` puts the newly published bytes as a *segment* object of their own, named by a
+random per-reservation token (the same design as lw-memcache's streaming, without its address
+worries: Mooncake is read by key, never by address):
+
+* ``reserve`` (``MooncakeBackend(streaming=True)``; ``from_config`` sets it from
+  ``pd_streaming``) draws an 8-byte token per reservation and puts a small head object ``<key>#h``
+  naming it, with the object's size, the writer (boot id, pid namespace, pid, start time) and a
+  BLAKE2b digest of all that keyed by the key. A head left by an earlier reservation of the key
+  (aborted, writer dead, or one whose removal was refused) is replaced; as heads may be removed
+  while a reader fetches one (``force``: a head is read under Mooncake's lease like any get), a
+  reader uses a head only when its digest matches.
+* ``publish(upto)`` puts ``[published, upto)`` of the local object as segment objects
+  ``<key>#s<token>/<end>``, cut where the writer's ``write`` and ``view`` ranges ended (the
+  pipeline writes one layer of an object per call, so segments are layers), each an 8-byte header
+  holding its start, then the bytes. A reader reads exactly one segment's range: reads follow the
+  writer's write ranges, as with memcache (another split reads as not published: a recompute,
+  never other bytes).
+* ``commit`` puts the object as before, then removes the head and the segments. ``abort`` (and a
+  failed put, and ``close`` with reservations open) first puts an abort marker
+  ``<key>#x<token>``, so waiters fail at once, then removes them.
+
+Removal respects Mooncake's read leases (``--default_kv_lease_ttl``) for segments and markers: a
+segment a reader fetched a moment ago cannot be removed until its lease ends, and the master grants
+that lease on ``batch_is_exist`` too (measured: a segment a waiter polled refuses ``batch_remove``
+with OBJECT_HAS_LEASE), so nearly every segment outlives its commit by about one lease. What could not be
+removed is retried from later calls (``_collect``), so while streaming the pool holds a
+reservation's bytes twice from its first publish until shortly after commit (plus the lease).
+Markers are kept ``MARKER_KEEP_S`` for readers that poll late, then removed the same way.
+
+Costs while streaming: per ``reserve`` batch one ``batch_is_exist`` and one put (heads); per
+``publish`` one put of the layer's bytes (the prefiller sends each byte twice: segment and
+object); per ``commit`` one ``batch_remove``. The reader's side is ``lw_mooncake.stream_read``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from lw_core.backend import BackendError, ObjectMissing
+from lw_core.backends.embedded.procs import Owner, boot_id, current_owner
+
+from lw_mooncake.errors import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, to_error
+from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
+
+log = logging.getLogger(__name__)
+
+# head: magic, token, object bytes, boot id, owner (pid namespace, pid, start time); then a digest
+_HEAD = struct.Struct("<8s8sQ16sQIQ")
+_HEAD_MAGIC = b"lwmkHED1"
+_DIGEST = 16
+HEAD_SIZE = _HEAD.size + _DIGEST
+SEG_HEADER = struct.Struct("<Q")  # a segment's start offset in its object
+MARKER = b"lwmkABT1"
+MARKER_KEEP_S = 120.0  # how long an abort marker stays for readers that poll late
+_RETRY_S = 1.0  # a removal refused by a read lease is tried again after this
+_MAX_GARBAGE = 1 << 16
+POLL_MIN_S, POLL_MAX_S = 0.0005, 0.02
+
+
+def head_key(key: str) -> str:
+    return f"{key}#h"
+
+
+def seg_key(key: str, token: bytes, end: int) -> str:
+    return f"{key}#s{token.hex()}/{end}"
+
+
+def abort_key(key: str, token: bytes) -> str:
+    return f"{key}#x{token.hex()}"
+
+
+def _digest(key: str, body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=_DIGEST, key=hashlib.sha256(key.encode()).digest()).digest()
+
+
+def pack_head(key: str, token: bytes, nbytes: int, boot: bytes, owner: Owner) -> np.ndarray:
+    body = _HEAD.pack(_HEAD_MAGIC, token, nbytes, boot, *owner)
+    return np.frombuffer(body + _digest(key, body), np.uint8).copy()
+
+
+def unpack_head(key: str, raw: bytes) -> tuple[bytes, int, bytes, Owner] | None:
+    """(token, object bytes, boot id, writer) of a head fetched for ``key``; None unless it is
+    whole, of this key, and unchanged (the digest matches)."""
+    if len(raw) != HEAD_SIZE:
+        return None
+    body, dig = raw[: _HEAD.size], raw[_HEAD.size :]
+    magic, token, nbytes, boot, pidns, pid, start = _HEAD.unpack(body)
+    if magic != _HEAD_MAGIC or dig != _digest(key, body):
+        return None
+    return token, nbytes, boot, Owner(pidns, pid, start)
+
+
+@dataclass(eq=False, slots=True)
+class WriteStream:
+    token: bytes
+    published: int = 0  # end of the published prefix
+    ends: set[int] = field(default_factory=set)  # where written (or viewed) ranges ended
+    segs: list[str] = field(default_factory=list)
+    head: bool = False
+
+
+class StreamWrites:
+    """The writer's side for MooncakeBackend: hooks of reserve/commit/abort, and ``publish``."""
+
+    # From MooncakeBackend / Writes.
+    store: Any
+    calls: Any
+    _lock: threading.Lock
+    _pending: dict[str, MooncakeHandle]
+    _streaming: bool
+    _wstreams: dict[str, WriteStream]
+    _garbage: deque[tuple[float, str, int]]
+    _collected_at: float
+    _exist: Callable[[list[str]], list[int]]
+    _put_all: Callable[[list[tuple[str, list[np.ndarray]]]], list[int]]
+
+    def _stream_start(self, handles: Sequence[MooncakeHandle | None]) -> None:
+        """After ``reserve``: a token and a head object per new reservation. A head that cannot be
+        put only costs readers the stream (they read the object once committed)."""
+        hs = [h for h in handles if h is not None]
+        if not self._streaming or not hs:
+            return
+        streams = {h.key: WriteStream(secrets.token_bytes(8)) for h in hs}
+        with self._lock:
+            self._wstreams.update(streams)
+        heads = [head_key(h.key) for h in hs]
+        try:
+            stale = [k for k, r in zip(heads, self._exist(heads)) if r == 1]
+            if stale:  # an earlier reservation's head: this one replaces it (readers check digests)
+                self.calls.call("batch_remove", self.store.batch_remove, stale, True)
+            me, boot = current_owner(), boot_id()
+            res = self._put_all([(hk, [pack_head(h.key, streams[h.key].token, h.nbytes, boot, me)])
+                                 for h, hk in zip(hs, heads)])
+        except BackendError as e:
+            log.warning("mooncake streaming: heads of %d reservation(s) not put (%s); readers wait for the commit",
+                        len(hs), e)
+            return
+        for h, r in zip(hs, res):
+            streams[h.key].head = r == 0
+
+    def publish(self, handles: Sequence[Any], upto: int) -> None:
+        for h in handles:
+            if not isinstance(h, MooncakeHandle) or not h.reserved:
+                raise BackendError(f"mooncake: publish needs handles from reserve, got {h!r}")
+            if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= h.nbytes:
+                raise ValueError(f"mooncake: publish upto={upto!r} must be an int in [0, {h.nbytes}] for {h.key!r}")
+        if not self._streaming:
+            raise BackendError(
+                "mooncake: publish on a backend opened without streaming; set kv_connector_extra_config.pd_streaming=true "
+                "(MooncakeBackend(streaming=True)) so that reservations get a head streaming readers find")
+        todo: list[tuple[WriteStream, str, int, np.ndarray]] = []  # segments: stream, name, end, bytes
+        lost = []
+        with self._lock:
+            for h in handles:
+                assert isinstance(h, MooncakeHandle)
+                ws = self._wstreams.get(h.key)
+                if ws is None or h.buf is None or self._pending.get(h.key) is not h:
+                    if not h.committed:
+                        lost.append(h.key)
+                    continue
+                start = ws.published
+                for end in sorted({e for e in ws.ends if start < e < upto} | {upto}) if upto > start else ():
+                    todo.append((ws, seg_key(h.key, ws.token, end), end, h.buf[start:end]))
+                    start = end
+        if lost:
+            raise ObjectMissing(f"mooncake: {len(lost)} reservation(s) cannot be published: aborted: {lost[:3]}")
+        if not todo:
+            return
+        res = self._put_all([(name, [np.frombuffer(SEG_HEADER.pack(end - data.nbytes), np.uint8), data])
+                             for _, name, end, data in todo])
+        bad = []
+        with self._lock:
+            for (ws, name, end, data), r in zip(todo, res):  # in order of end, per stream
+                if r == 0:
+                    ws.segs.append(name)
+                    if ws.published == end - data.nbytes:  # the prefix grows only without gaps
+                        ws.published = end
+                else:
+                    bad.append((name, r))
+        self._collect()
+        if bad:
+            raise to_error(bad[0][1], f"publish (put) of {len(bad)} segment(s), first {bad[0][0]}")
+
+    def _stream_end(self, handles: Sequence[MooncakeHandle], *, aborted: bool) -> None:
+        """Before abort (marker first: waiters fail at once) and after commit: remove the head and
+        the segments. Best effort: a leftover is never read past a marker or a commit."""
+        with self._lock:
+            ended = [(h.key, self._wstreams.pop(h.key)) for h in handles if h.key in self._wstreams]
+        if not ended:
+            return
+        try:
+            if aborted:
+                marks = [abort_key(k, ws.token) for k, ws in ended]
+                res = self._put_all([(m, [np.frombuffer(MARKER, np.uint8)]) for m in marks])
+                self._later([m for m, r in zip(marks, res) if r == 0], MARKER_KEEP_S)
+            heads = [head_key(k) for k, ws in ended if ws.head]
+            if heads:
+                self.calls.call("batch_remove", self.store.batch_remove, heads, True)
+            self._remove([s for _, ws in ended for s in ws.segs])
+        except BackendError as e:
+            log.debug("mooncake streaming: cleaning up after %s failed: %s", "abort" if aborted else "commit", e)
+
+    def _stream_close(self) -> None:
+        """``close`` with reservations open: they are aborted for streaming readers."""
+        with self._lock:
+            open_ = [h for h in self._pending.values() if h.key in self._wstreams]
+        if open_:
+            self._stream_end(open_, aborted=True)
+
+    # ----- removal that respects read leases -----
+
+    def _later(self, keys: list[str], after_s: float) -> None:
+        due = time.monotonic() + after_s
+        with self._lock:
+            for k in keys:
+                if len(self._garbage) >= _MAX_GARBAGE:
+                    dropped = self._garbage.popleft()
+                    log.warning("mooncake streaming: removal queue full; %s is left to eviction", dropped[1])
+                self._garbage.append((due, k, 0))
+
+    def _remove(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        res = self.calls.call("batch_remove", self.store.batch_remove, keys, False)
+        self._later([k for k, r in zip(keys, res) if r not in (0, OBJECT_NOT_FOUND)], _RETRY_S)
+
+    def _collect(self, *, every_s: float = 0.5) -> None:
+        """Remove what is due in the queue (at most every ``every_s``); refused again (still
+        leased) goes back, up to 600 tries."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._collected_at < every_s or not self._garbage:
+                return
+            self._collected_at = now
+            due = [g for g in self._garbage if g[0] <= now]
+            if not due:
+                return
+            self._garbage = deque(g for g in self._garbage if g[0] > now)
+        try:
+            res = self.calls.call("batch_remove", self.store.batch_remove, [k for _, k, _ in due], False)
+        except BackendError as e:
+            res = [-1] * len(due)
+            log.debug("mooncake streaming: removal of %d leftover(s) failed: %s", len(due), e)
+        with self._lock:
+            for (_, k, tries), r in zip(due, res):
+                if r not in (0, OBJECT_NOT_FOUND) and tries < 600:
+                    if r != OBJECT_HAS_LEASE:
+                        log.debug("mooncake streaming: removal of %s: %s", k, r)
+                    self._garbage.append((now + _RETRY_S, k, tries + 1))
+
+
+__all__ = ["HEAD_SIZE", "MARKER", "POLL_MAX_S", "POLL_MIN_S", "SEG_HEADER", "MooncakeStreamHandle", "StreamWrites",
+           "WriteStream", "abort_key", "head_key", "pack_head", "seg_key", "unpack_head"]

@@ -29,6 +29,7 @@ class Writes:
     _puts: Staging
     _exist: Callable[[list[str]], list[int]]
     _streaming: bool
+    _wstreams: dict[str, Any]
     _stream_start: Callable[[Sequence[MooncakeHandle | None]], None]
     _stream_end: Callable[..., None]
 

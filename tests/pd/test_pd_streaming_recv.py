@@ -135,6 +135,55 @@ def test_never_reserved_key_keeps_the_prefix_before_it(be):
     check_loaded(cp, KEYS, BLOCKS, 2)
 
 
+class TimedCopier(NpCopier):
+    """Staged copies, recording when each (layer, block) landed."""
+
+    def __init__(self) -> None:
+        super().__init__(False)
+        self.landed: dict[tuple[int, int], float] = {}
+
+    def to_kv(self, layer, blocks, srcs):
+        super().to_kv(layer, blocks, srcs)
+        for b in blocks:
+            self.landed[(layer, b)] = time.monotonic()
+
+
+def test_a_prompt_prefilled_in_two_steps_is_pulled_step_by_step(be):
+    """Chunked prefill: the prefiller reserves and publishes chunks 0-1 in its first step and chunk
+    2 only in its second. The first step's chunks land, every layer, before the second step even
+    reserves; then the late chunk catches up and everything is loaded."""
+    first = Writer(be, KEYS[:2], layer_s=0.02)
+    second_reserved: list[float] = []
+
+    def second_step() -> None:
+        first.t.join(5)
+        time.sleep(0.4)
+        second_reserved.append(time.monotonic())
+        Writer(be, KEYS[2:], layer_s=0.02).t.join(5)
+
+    threading.Thread(target=second_step, daemon=True).start()
+    cp = TimedCopier()
+    good, err = receive(be, cp, LAYOUT, KEYS, BLOCKS, time.monotonic() + 10, threading.Event())
+    assert (good, err) == (3, None)
+    check_loaded(cp, KEYS, BLOCKS, 3)
+    first_done = max(cp.landed[(layer, b)] for layer in range(NL) for b in BLOCKS[:2])
+    assert first_done < second_reserved[0], "the first step's chunks waited for the second step"
+    assert min(cp.landed[(layer, BLOCKS[2])] for layer in range(NL)) > second_reserved[0]
+
+
+def test_chunks_opened_late_catch_up_and_the_prefix_still_ends_at_a_failure(be):
+    """Chunk 0 is published to its last layer before chunk 1 is reserved; chunk 1 is aborted after
+    its layer 0: chunk 0 is good, 1 and 2 fail promptly (chained), nothing from 1 counts."""
+    Writer(be, KEYS[:1], layer_s=0)
+    Writer(be, KEYS[1:2], reserve_after_s=0.2, layer_s=0.1, stop_after=1, abort=True)  # reserved 0.1 s: seen
+    cp = NpCopier(False)
+    t0 = time.monotonic()
+    good, err = receive(be, cp, LAYOUT, KEYS, BLOCKS, t0 + 20, threading.Event())
+    assert good == 1 and "chunk 1" in err, err
+    assert time.monotonic() - t0 < 5
+    check_loaded(cp, KEYS, BLOCKS, 1)
+
+
 def test_receiver_reports_each_request_once_with_its_failed_blocks_and_cancel_ends_it(be):
     rx = StreamReceiver(be, NpCopier(True), LAYOUT, deadline_s=30)
     w = Writer(be, KEYS[:2])

@@ -9,12 +9,13 @@ receives to ``get_finished`` (``finished_recving``) together with the blocks tha
 by ``deadline_s`` after ``start`` at the latest (time spent queued counts), and is reported exactly
 once, also when its request was aborted meanwhile (vLLM frees the blocks only then).
 
-One receive: ``open_streaming`` every key, retrying with backoff while a key has neither a
-reservation nor an object yet (the prefiller has not reserved it); then per layer
-``wait_published`` for the chunks still good and a ranged ``read`` into that layer's blocks.
-Chunks are chained, so the good chunks are always a prefix: a chunk that cannot be opened, whose
-layer is not published in time (deadline, aborted reservation, dead prefiller) or whose read fails
-ends the prefix there; later chunks are failed too.
+One receive: ``open_streaming`` the keys, retrying with backoff while a key has neither a
+reservation nor an object yet (the prefiller has not reserved it); per layer ``wait_published``
+for the opened chunks still good and a ranged ``read`` into that layer's blocks, while the keys
+not opened yet are tried again between layers (a prompt prefilled in several steps is pulled step
+by step: ``Receive``). Chunks are chained, so the good chunks are always a prefix: a chunk that
+cannot be opened, whose layer is not published in time (deadline, aborted reservation, dead
+prefiller) or whose read fails ends the prefix there; later chunks are failed too.
 
 The pool does not starve: a receive is a resumable state (``Receive``), and a worker waits for it
 one slice at a time (an open retry's pause, or ``WAIT_SLICE_S`` of ``wait_published``). When a
@@ -69,16 +70,22 @@ def _never() -> bool:
 
 
 class Receive:
-    """One request's receive, advanced by ``advance`` until it ends (``result``)."""
+    """One request's receive, advanced by ``advance`` until it ends (``result``).
+
+    Each chunk has its own layer frontier (``next_layer``): the receive pulls, one layer batch at a
+    time, the lowest layer any opened chunk still lacks, for every opened chunk at that layer, and
+    between batches opens the chunks not opened yet. So a prompt the prefiller reserves in several
+    steps (chunked prefill) is pulled step by step, each step's layers while that step computes,
+    and chunks opened late catch up before the rest go on together."""
 
     def __init__(self, keys: Sequence[str], block_ids: Sequence[int], deadline: float,
                  stop: threading.Event) -> None:
         self.keys, self.block_ids, self.deadline, self.stop = list(keys), list(block_ids), deadline, stop
-        self.handles: list[Any] | None = None  # None: still opening
-        self._opening: list[Any] | None = None  # the handles opened so far
+        self.handles: list[Any] = [None] * len(self.keys)  # opened so far
+        self.next_layer = [0] * len(self.keys)
+        self.limit = len(self.keys)  # chunks from here on cannot be good any more
         self.pause = OPEN_BACKOFF_S[0]
-        self.n = 0  # leading chunks still good
-        self.layer = 0  # next layer to pull
+        self._next_open = 0.0  # monotonic time of the next open_streaming try
         self.error: str | None = None
         self.result: tuple[int, str | None] | None = None
 
@@ -86,72 +93,82 @@ class Receive:
                 others_waiting: Callable[[], bool] = _never) -> bool:
         """Run until the receive ends (True; ``result`` is set) or until a wait slice brought
         nothing while ``others_waiting()`` (False: call again later)."""
-        if self.handles is None and not self._open(backend, others_waiting):
-            return False
-        handles = self.handles
-        assert handles is not None  # _open answered True: every key is open
-        while self.layer < layout.num_layers and self.n:
+        nl = layout.num_layers
+        while True:
             if self.stop.is_set():
                 return self._end(0, "request finished before its prompt arrived")
-            upto = layout.offsets[self.layer] + layout.layer_nbytes[self.layer]
+            self._open_more(backend)
+            opened = next((i for i, h in enumerate(self.handles[:self.limit]) if h is None), self.limit)
+            todo = [i for i in range(opened) if self.next_layer[i] < nl]
+            if not todo:
+                if opened >= self.limit:  # every chunk that can still be good has landed
+                    return self._end(self.limit, self.error)
+                left = self.deadline - time.monotonic()
+                if left <= 0:
+                    self._cut(opened, f"chunk {opened} of {len(self.keys)} was never reserved nor committed in time")
+                    continue
+                self.stop.wait(max(0.0, min(self._next_open - time.monotonic(), left)))
+                if others_waiting():
+                    return False
+                continue
+            layer = min(self.next_layer[i] for i in todo)
+            idx = [i for i in todo if self.next_layer[i] == layer]
+            upto = layout.offsets[layer] + layout.layer_nbytes[layer]
             try:
-                ok, final = _wait_slice(backend, handles[:self.n], upto, self.deadline, self.stop)
+                ok, final = _wait_slice(backend, [self.handles[i] for i in idx], upto, self.deadline, self.stop)
             except BackendError as e:
-                ok, final = [False] * self.n, True
-                self.error = self.error or f"wait for layer {self.layer}: {e}"
+                ok, final = [False] * len(idx), True
+                self.error = self.error or f"wait for layer {layer}: {e}"
             if self.stop.is_set() and not all(ok):
                 return self._end(0, "cancelled: the request finished or its prefill failed")
             if not final:
                 if others_waiting():
                     return False
                 continue
-            bad = next((i for i, o in enumerate(ok) if not o), self.n)
-            if bad < self.n:
-                self.n = bad
-                self.error = self.error or f"layer {self.layer} of chunk {bad} was not published in time (or was abandoned)"
-            if self.n:
-                got = _read_layer(backend, copier, layout, self.layer, handles[:self.n], self.block_ids[:self.n])
-                if got < self.n:
-                    self.n = got
-                    self.error = self.error or f"read of layer {self.layer} of chunk {got} failed"
-            self.layer += 1
-        return self._end(self.n, self.error)
+            bad = next((j for j, o in enumerate(ok) if not o), None)
+            if bad is not None:
+                self._cut(idx[bad], f"layer {layer} of chunk {idx[bad]} was not published in time (or was abandoned)")
+                idx = idx[:bad]
+            if idx:
+                got = _read_layer(backend, copier, layout, layer, [self.handles[i] for i in idx],
+                                  [self.block_ids[i] for i in idx])
+                if got < len(idx):
+                    self._cut(idx[got], f"read of layer {layer} of chunk {idx[got]} failed")
+                for i in idx[:got]:
+                    self.next_layer[i] = layer + 1
 
-    def _open(self, backend: Any, others_waiting: Callable[[], bool]) -> bool:
-        """Open every key (retrying until the deadline); False: paused, others are waiting."""
-        if self._opening is None:
-            self._opening = [None] * len(self.keys)
-        handles = self._opening
-        while True:
-            missing = [i for i, h in enumerate(handles) if h is None]
-            if missing:
-                try:
-                    got = backend.open_streaming([self.keys[i] for i in missing])
-                except BackendError as e:
-                    log.debug("open_streaming failed (retrying until the deadline): %s", e)
-                    got = [None] * len(missing)
-                for i, h in zip(missing, got):
-                    handles[i] = h
-            left = self.deadline - time.monotonic()
-            if all(h is not None for h in handles) or left <= 0 or self.stop.is_set():
-                break
-            self.stop.wait(min(self.pause, left))
-            self.pause = min(self.pause * 2, OPEN_BACKOFF_S[1])
-            if others_waiting():
-                return False
-        self.handles = handles
-        self.n = next((i for i, h in enumerate(handles) if h is None), len(handles))
-        if self.n < len(self.keys):
-            self.error = f"chunk {self.n} of {len(self.keys)} was never reserved nor committed in time"
-        return True
+    def _open_more(self, backend: Any) -> None:
+        """Try to open the chunks below ``limit`` not opened yet, at most once per backoff pause
+        (0.5 ms doubling to 20 ms while nothing new opens)."""
+        missing = [i for i in range(self.limit) if self.handles[i] is None]
+        now = time.monotonic()
+        if not missing or now < self._next_open:
+            return
+        try:
+            got = backend.open_streaming([self.keys[i] for i in missing])
+        except BackendError as e:
+            log.debug("open_streaming failed (retrying until the deadline): %s", e)
+            got = [None] * len(missing)
+        new = False
+        for i, h in zip(missing, got):
+            self.handles[i] = h
+            new = new or h is not None
+        self.pause = OPEN_BACKOFF_S[0] if new else min(self.pause * 2, OPEN_BACKOFF_S[1])
+        self._next_open = time.monotonic() + self.pause
+
+    def _cut(self, chunk: int, error: str) -> None:
+        """Chunks are chained: from ``chunk`` on nothing can be good."""
+        if chunk < self.limit:
+            self.limit = chunk
+            self.error = self.error or error
 
     def _end(self, good: int, error: str | None) -> bool:
         self.result = (good, error)
         return True
 
     def release(self, backend: Any) -> None:
-        held = [h for h in (self._opening or []) if h is not None]
-        self.handles = self._opening = []
+        held = [h for h in self.handles if h is not None]
+        self.handles = [None] * len(self.keys)
         if held:
             try:
                 backend.release(held)

@@ -97,7 +97,8 @@ def _records() -> list[dict]:
     out = []
     for store in ("embedded", "throttled"):
         for rep in range(2):
-            for kind, ttft in (("alone", 0.10), ("pd", 0.13), ("pd_stream", 0.11), ("pd_relay", 0.105)):
+            for kind, ttft in (("alone", 0.10), ("pd", 0.13), ("pd_stream", 0.11), ("pd_relay", 0.105),
+                               ("pd_stream_relay", 0.102)):
                 rec = {"store": store, "kind": kind, "length": 256, "rep": rep, "status": 200, "ttft_s": ttft,
                        "after_prefill_s": ttft - 0.09}
                 if kind == "alone":
@@ -106,7 +107,7 @@ def _records() -> list[dict]:
                     pev, dev = _events(1000.0, 4096)
                     rec["phases"] = {ph: 0.01 for ph in bench_pd.PHASES}
                     rec["decoder"] = {"prompt_tokens": 256, "promised_tokens": 255, "loaded_tokens": 255,
-                                      "remote_prefill": "streaming" if kind == "pd_stream" else "ok"}
+                                      "remote_prefill": "streaming" if kind in compare.STREAMING_KINDS else "ok"}
                     rec["timeline"] = compare.timeline(pev, dev, 1000.0, 1000.0 + ttft)
                 out.append(rec)
     return out
@@ -117,14 +118,17 @@ def test_summary_shape_and_figures(tmp_path: Path, capsys: pytest.CaptureFixture
     r = compare.summarize(cfg, _records())
     assert r["problems"] == [] and r["stores"] == ["embedded", "throttled"]
     for store in r["stores"]:
-        assert set(r["ttft_s"][store]["256"]) == {"alone", "pd", "pd_stream", "pd_relay"}
+        assert set(r["ttft_s"][store]["256"]) == {"alone", "pd", "pd_stream", "pd_relay", "pd_stream_relay"}
         ra = r["ratios"][store]["256"]
         assert ra["pd_vs_alone"] == pytest.approx(1.3) and ra["pd_stream_vs_alone"] == pytest.approx(1.1)
         assert ra["pd_relay_vs_alone"] == pytest.approx(1.05) and ra["pd_stream_vs_pd"] > 0 and ra["pd_relay_vs_pd"] > 0
+        assert ra["pd_stream_relay_vs_alone"] == pytest.approx(1.02)
+        assert ra["pd_stream_relay_vs_pd_stream"] == pytest.approx(0.102 / 0.11, abs=1e-4)  # rounded to 4 places
         assert r["transfer_hidden"][store]["256"]["pd_stream"]["ready_after_last_layer_ms"] == 2.5
         assert r["after_prefill_s"][store]["256"]["pd"] == pytest.approx(0.04)
     compare_report.print_table(r)
-    assert "| throttled (50 MB/s link per engine) | 256 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| throttled (50 MB/s link per engine) | 256 | 100.0 | 130.0 | 110.0 | 105.0 | 102.0 | 1.30 | 1.10 | 1.05 | 1.02 |" in printed
     compare_report.plot_ttft(r, str(tmp_path / "ttft.png"))
     compare_report.plot_timeline(r, str(tmp_path / "timeline.png"))
     assert (tmp_path / "ttft.png").stat().st_size > 1000 and (tmp_path / "timeline.png").stat().st_size > 1000
@@ -170,7 +174,7 @@ def test_quick_run_on_real_vllm(tmp_path: Path, store: str) -> None:
     assert r["problems"] == [], r["problems"]
     assert r["stores"] == [store]
     tt = r["ttft_s"][store]["200"]
-    assert set(tt) == {"alone", "pd", "pd_stream", "pd_relay", "turn2"} and all(v > 0 for v in tt.values()), tt
+    assert set(tt) == {"alone", "pd", "pd_stream", "pd_relay", "pd_stream_relay", "turn2"} and all(v > 0 for v in tt.values()), tt
     assert all(v > 0 for v in r["ratios"][store]["200"].values())
     assert set(r["after_prefill_s"][store]["200"]) == set(tt)
     for rec in r["records"]:

@@ -4,7 +4,8 @@ per-request breakdown and a per-layer timeline (lw_bench.pd.compare_stack, lw_be
 
 Kinds: ``alone`` (``max_tokens: 1`` straight to the prefiller), ``pd`` (non-streaming decoder),
 ``pd_stream`` (streaming decoder), ``pd_relay`` (non-streaming decoder behind a proxy with
-``--prefill-first``). Each (store, rep, length, kind) has its own prompt, the same in every store.
+``--prefill-first``), ``pd_stream_relay`` (streaming decoder behind a proxy with
+``--prefill-first``: what a streaming deployment gets from lw-proxy's default). Each (store, rep, length, kind) has its own prompt, the same in every store.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any
 from lw_bench.pd.mode import PD_MAX_TOKENS, VOCAB_HI, VOCAB_LO, _records, breakdown, stream_ttft
 from lw_bench.pd.report import PHASES
 
-PD_KINDS = ("pd", "pd_stream", "pd_relay")
-DECODER_OF = {"pd": "decode", "pd_relay": "decode", "pd_stream": "decode_stream"}
+PD_KINDS = ("pd", "pd_stream", "pd_relay", "pd_stream_relay")
+DECODER_OF = {"pd": "decode", "pd_relay": "decode", "pd_stream": "decode_stream", "pd_stream_relay": "decode_stream"}
+STREAMING_KINDS = ("pd_stream", "pd_stream_relay")
 NUM_LAYERS = 4  # the try-out GQA model (lw_bench.models.GQA_SPEC)
 
 
@@ -173,6 +175,9 @@ def summarize(cfg: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, A
             if "pd_stream" in kinds and "pd" in kinds:
                 ratios[store][L]["pd_stream_vs_pd"] = _median([v["pd_stream"] / v["pd"] for v in by_rep.values()
                                                                if v.get("pd_stream") and v.get("pd")])
+            if "pd_stream_relay" in kinds and "pd_stream" in kinds:
+                ratios[store][L]["pd_stream_relay_vs_pd_stream"] = _median(
+                    [v["pd_stream_relay"] / v["pd_stream"] for v in by_rep.values() if v.get("pd_stream_relay") and v.get("pd_stream")])
             if "pd_relay" in kinds and "pd" in kinds:
                 ratios[store][L]["pd_relay_vs_pd"] = _median([v["pd_relay"] / v["pd"] for v in by_rep.values()
                                                               if v.get("pd_relay") and v.get("pd")])
@@ -195,7 +200,7 @@ def summarize(cfg: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, A
                 dec = r.get("decoder")
                 if not dec:
                     continue
-                want = ("streaming", "pool holds the prompt") if r["kind"] == "pd_stream" else ("ok", "pool holds the prompt")
+                want = ("streaming", "pool holds the prompt") if r["kind"] in STREAMING_KINDS else ("ok", "pool holds the prompt")
                 if dec.get("remote_prefill") not in want:
                     problems.append(f"{store} {r['kind']} {length}: remote prefill {dec.get('remote_prefill')!r}")
                 elif dec.get("loaded_tokens") != dec.get("promised_tokens"):

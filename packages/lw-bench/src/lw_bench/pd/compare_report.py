@@ -6,7 +6,8 @@ from typing import Any
 
 from lw_bench.pd.report import PHASES
 
-LABELS = {"alone": "prefiller alone", "pd": "PD", "pd_stream": "streaming PD", "pd_relay": "PD, prefill-first"}
+LABELS = {"alone": "prefiller alone", "pd": "PD", "pd_stream": "streaming PD", "pd_relay": "PD, prefill-first",
+          "pd_stream_relay": "streaming PD, prefill-first"}
 
 
 def _ms(x: float | None) -> str:
@@ -43,17 +44,19 @@ def print_table(r: dict[str, Any]) -> None:
         print(f"{head}: " + " ".join(_ms(ph.get(k)) for k in PHASES)
               + f"  (loaded {dec.get('loaded_tokens')}/{dec.get('prompt_tokens')}, {dec.get('remote_prefill')})")
     t = r["targets"]
-    print(f"\n| store | length | alone ms | PD ms | streaming PD ms | prefill-first PD ms | PD / alone "
-          f"(<= {t['pd_vs_alone']}) | streaming / alone (<= {t['pd_stream_vs_alone']}) | prefill-first / alone | "
-          "streaming / PD | decoder ready after prefiller's last layer, ms (streaming) | one layer's transfer, ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print(f"\n| store | length | alone ms | PD ms | streaming PD ms | prefill-first PD ms | streaming prefill-first PD ms | "
+          f"PD / alone (<= {t['pd_vs_alone']}) | streaming / alone (<= {t['pd_stream_vs_alone']}) | prefill-first / alone | "
+          "streaming prefill-first / alone | streaming / PD | decoder ready after prefiller's last layer, ms (streaming) | "
+          "one layer's transfer, ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for store in r["stores"]:
         for L, tt in r["ttft_s"][store].items():
             ra = r["ratios"][store][L]
             hid = r["transfer_hidden"][store][L].get("pd_stream", {})
             print(f"| {store_label(r, store)} | {L} | {_ms(tt.get('alone'))} | {_ms(tt.get('pd'))} | "
-                  f"{_ms(tt.get('pd_stream'))} | {_ms(tt.get('pd_relay'))} | {_x(ra.get('pd_vs_alone'))} | "
-                  f"{_x(ra.get('pd_stream_vs_alone'))} | {_x(ra.get('pd_relay_vs_alone'))} | "
+                  f"{_ms(tt.get('pd_stream'))} | {_ms(tt.get('pd_relay'))} | {_ms(tt.get('pd_stream_relay'))} | "
+                  f"{_x(ra.get('pd_vs_alone'))} | {_x(ra.get('pd_stream_vs_alone'))} | {_x(ra.get('pd_relay_vs_alone'))} | "
+                  f"{_x(ra.get('pd_stream_relay_vs_alone'))} | "
                   f"{_x(ra.get('pd_stream_vs_pd'))} | {hid.get('ready_after_last_layer_ms', '-')} | "
                   f"{hid.get('layer_transfer_ms', '-')} |")
     print("\nfrom the prefiller's end of the request to the client's first token, median ms (what PD adds "
@@ -86,7 +89,7 @@ def plot_ttft(r: dict[str, Any], out: str) -> None:
     plt = _plt()
     stores = r["stores"]
     fig, axes = plt.subplots(1, len(stores), figsize=(5.5 * len(stores), 4.2), squeeze=False)
-    kinds = ["alone", "pd", "pd_stream", "pd_relay"]
+    kinds = ["alone", "pd", "pd_stream", "pd_relay", "pd_stream_relay"]
     for ax, store in zip(axes[0], stores):
         lengths = list(r["ttft_s"][store])
         present = [k for k in kinds if any(r["ttft_s"][store][L].get(k) for L in lengths)]

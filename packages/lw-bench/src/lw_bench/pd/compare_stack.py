@@ -34,7 +34,7 @@ ROLES = ("prefill", "decode", "decode_stream")
 class CompareStack:
     store: str
     servers: dict[str, VllmServer]
-    proxies: dict[str, Proc]  # "pd", "pd_stream", optionally "pd_relay"
+    proxies: dict[str, Proc]  # "pd", "pd_stream", optionally "pd_relay" and "pd_stream_relay"
     timelines: dict[str, Path]  # role -> the throttled backend's timeline file
     log_dir: Path
     _tl_marks: dict[str, int] = field(default_factory=dict)
@@ -130,6 +130,8 @@ def start_compare_stack(store: str, log_dir: Path, pool_path: str, *, block_size
         if relay:
             proxies["pd_relay"] = start_proxy("proxy-relay", pf, servers["decode"].url, log_dir, *flags,
                                               "--prefill-first", launcher=on[c1])
+            proxies["pd_stream_relay"] = start_proxy("proxy-stream-relay", pf, servers["decode_stream"].url, log_dir,
+                                                     *flags, "--prefill-first", launcher=on[c1])
         # One PD round trip per proxy: first saves, loads and metaserver calls pay one-time costs.
         for name, p in proxies.items():
             body = {"model": "tiny", "prompt": f"ka lo mi ne ru {name} " * 30, "max_tokens": 2, "temperature": 0.0}

@@ -3,13 +3,13 @@
 One run, per store (``--stores``: ``embedded``; ``throttled``: the embedded pool behind a link
 of ``--throttle-mb-s`` per engine process, lw_bench.pd.throttle; ``memcache``: lw-memcache with a
 MetaService and a holder on this host), starts ONE prefiller serving a
-non-streaming and a streaming decoder, each behind its own ``lw-proxy``, plus (unless
-``--no-relay``) a third proxy with ``--prefill-first`` in front of the non-streaming decoder
-(lw_bench.pd.compare_stack). Per length and rep it alternates, on fresh random-token prompts:
+non-streaming and a streaming decoder, each behind its own ``lw-proxy`` (``--no-prefill-first``:
+the decoder's path), plus (unless ``--no-relay``) one proxy with ``--prefill-first`` (lw-proxy's
+default) in front of each (lw_bench.pd.compare_stack). Per length and rep it alternates, on fresh random-token prompts:
 
 * ``alone``: a streamed ``max_tokens: 1`` completion straight to the prefiller;
-* ``pd`` / ``pd_stream`` / ``pd_relay``: a streamed completion through the matching proxy;
-  TTFT = time to the first content chunk.
+* ``pd`` / ``pd_stream`` / ``pd_relay`` / ``pd_stream_relay``: a streamed completion through the
+  matching proxy; TTFT = time to the first content chunk.
 
 Per PD request it records where the time went (``breakdown``: proxy dispatch, decoder scheduling,
 metaserver wait, prefill, answer relay, decoder rescheduling, load, decoder compute, first byte
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "stack each; memcache starts a MetaService and a holder on this host)")
     p.add_argument("--throttle-mb-s", type=float, default=50.0,
                    help="bandwidth of the throttled store's link per engine process, MB/s (10^6 bytes; default 50)")
-    p.add_argument("--no-relay", action="store_true", help="do not measure the proxy's --prefill-first (row pd_relay)")
+    p.add_argument("--no-relay", action="store_true", help="do not measure the proxy's --prefill-first (rows pd_relay, pd_stream_relay)")
     p.add_argument("--no-pin", action="store_true",
                    help="do not keep the prefiller's processes (API server and engine) alone on the first CPU; by "
                         "default the decoders, proxies and this client share the second, as P and D hosts would not "

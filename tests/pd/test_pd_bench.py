@@ -101,6 +101,9 @@ def _records() -> list[dict]:
                                ("pd_stream_relay", 0.102)):
                 rec = {"store": store, "kind": kind, "length": 256, "rep": rep, "status": 200, "ttft_s": ttft,
                        "after_prefill_s": ttft - 0.09}
+                if kind in compare.RELAY_KINDS:
+                    rec["relayed"] = rep == 0  # one of the two reps had its first token relayed
+                    rec["ttft_s"] = ttft if rep == 0 else 0.2
                 if kind == "alone":
                     rec["phases"] = {"prefill": 0.09}
                 else:
@@ -121,14 +124,18 @@ def test_summary_shape_and_figures(tmp_path: Path, capsys: pytest.CaptureFixture
         assert set(r["ttft_s"][store]["256"]) == {"alone", "pd", "pd_stream", "pd_relay", "pd_stream_relay"}
         ra = r["ratios"][store]["256"]
         assert ra["pd_vs_alone"] == pytest.approx(1.3) and ra["pd_stream_vs_alone"] == pytest.approx(1.1)
-        assert ra["pd_relay_vs_alone"] == pytest.approx(1.05) and ra["pd_stream_vs_pd"] > 0 and ra["pd_relay_vs_pd"] > 0
-        assert ra["pd_stream_relay_vs_alone"] == pytest.approx(1.02)
-        assert ra["pd_stream_relay_vs_pd_stream"] == pytest.approx(0.102 / 0.11, abs=1e-4)  # rounded to 4 places
+        assert ra["pd_relay_vs_alone"] == pytest.approx((1.05 + 2.0) / 2) and ra["pd_stream_vs_pd"] > 0
+        assert ra["pd_stream_relay_vs_alone"] == pytest.approx((1.02 + 2.0) / 2) and ra["pd_relay_vs_pd"] > 0
+        assert ra["pd_stream_relay_vs_pd_stream"] == pytest.approx((0.102 / 0.11 + 0.2 / 0.11) / 2, abs=1e-4)
+        # the relayed requests alone: the one relayed rep of each
+        assert ra["pd_relay_relayed_share"] == 0.5 and ra["pd_relay_relayed_vs_alone"] == pytest.approx(1.05)
+        assert ra["pd_stream_relay_relayed_share"] == 0.5 and ra["pd_stream_relay_relayed_vs_alone"] == pytest.approx(1.02)
         assert r["transfer_hidden"][store]["256"]["pd_stream"]["ready_after_last_layer_ms"] == 2.5
         assert r["after_prefill_s"][store]["256"]["pd"] == pytest.approx(0.04)
     compare_report.print_table(r)
     printed = capsys.readouterr().out
-    assert "| throttled (50 MB/s link per engine) | 256 | 100.0 | 130.0 | 110.0 | 105.0 | 102.0 | 1.30 | 1.10 | 1.05 | 1.02 |" in printed
+    assert "| throttled (50 MB/s link per engine) | 256 | 100.0 | 130.0 | 110.0 | 152.5 | 151.0 | 1.30 | 1.10 | 1.52 | 1.51 |" in printed
+    assert "throttled 256: pd_relay 50% relayed, 1.05 x alone, pd_stream_relay 50% relayed, 1.02 x alone" in printed
     compare_report.plot_ttft(r, str(tmp_path / "ttft.png"))
     compare_report.plot_timeline(r, str(tmp_path / "timeline.png"))
     assert (tmp_path / "ttft.png").stat().st_size > 1000 and (tmp_path / "timeline.png").stat().st_size > 1000
@@ -175,7 +182,10 @@ def test_quick_run_on_real_vllm(tmp_path: Path, store: str) -> None:
     assert r["stores"] == [store]
     tt = r["ttft_s"][store]["200"]
     assert set(tt) == {"alone", "pd", "pd_stream", "pd_relay", "pd_stream_relay", "turn2"} and all(v > 0 for v in tt.values()), tt
-    assert all(v > 0 for v in r["ratios"][store]["200"].values())
+    ra = r["ratios"][store]["200"]
+    assert all(v > 0 for k, v in ra.items() if "relayed" not in k), ra
+    assert all(0 <= ra[f"{k}_relayed_share"] <= 1 for k in compare.RELAY_KINDS), ra  # relayable or not: model's token
+    assert all(isinstance(rec["relayed"], bool) for rec in r["records"] if rec["kind"] in compare.RELAY_KINDS)
     assert set(r["after_prefill_s"][store]["200"]) == set(tt)
     for rec in r["records"]:
         if rec["kind"] in compare.PD_KINDS:

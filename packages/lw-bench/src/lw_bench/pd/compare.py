@@ -16,8 +16,11 @@ from typing import Any
 
 from lw_bench.pd.mode import PD_MAX_TOKENS, VOCAB_HI, VOCAB_LO, _records, breakdown, stream_ttft
 from lw_bench.pd.report import PHASES
+from lw_bench.pd.stack import metric_sum
 
 PD_KINDS = ("pd", "pd_stream", "pd_relay", "pd_stream_relay")
+RELAY_KINDS = ("pd_relay", "pd_stream_relay")
+RELAYED = "lw_proxy_prefill_first_relayed_total"
 DECODER_OF = {"pd": "decode", "pd_relay": "decode", "pd_stream": "decode_stream", "pd_stream_relay": "decode_stream"}
 STREAMING_KINDS = ("pd_stream", "pd_stream_relay")
 NUM_LAYERS = 4  # the try-out GQA model (lw_bench.models.GQA_SPEC)
@@ -39,9 +42,12 @@ def measure(stack: Any, cfg: dict[str, Any], *, seed: int = 0, progress: Any = N
                         "ignore_eos": True, "max_tokens": 1 if kind == "alone" else cfg["pd_max_tokens"]}
                 stack.mark()
                 url = stack.servers["prefill"].url if kind == "alone" else stack.proxies[kind].url
+                relayed0 = metric_sum(url, RELAYED) if kind in RELAY_KINDS else 0.0
                 t_send, t_first, status = stream_ttft(url, body)
                 rec: dict[str, Any] = {"store": stack.store, "kind": kind, "length": length, "rep": rep,
                                        "status": status, "ttft_s": round(t_first - t_send, 4)}
+                if kind in RELAY_KINDS:  # the first token came from the prefiller (else from the decoder)
+                    rec["relayed"] = metric_sum(url, RELAYED) > relayed0
                 precs = _records(stack.servers["prefill"], 1)
                 p = precs[0] if precs else None
                 rec["after_prefill_s"] = after_prefill(p, t_send, t_first)
@@ -181,6 +187,12 @@ def summarize(cfg: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, A
             if "pd_relay" in kinds and "pd" in kinds:
                 ratios[store][L]["pd_relay_vs_pd"] = _median([v["pd_relay"] / v["pd"] for v in by_rep.values()
                                                               if v.get("pd_relay") and v.get("pd")])
+            for k in RELAY_KINDS:
+                if k in kinds:
+                    rel = [r for r in ok if r["kind"] == k and r.get("relayed")]
+                    ratios[store][L][f"{k}_relayed_share"] = round(len(rel) / len([r for r in ok if r["kind"] == k]), 2)
+                    ratios[store][L][f"{k}_relayed_vs_alone"] = _median(
+                        [r["ttft_s"] / by_rep[r["rep"]]["alone"] for r in rel if by_rep[r["rep"]].get("alone")])
             after[store][L] = {k: _median([r["after_prefill_s"] for r in ok if r["kind"] == k
                                            and r.get("after_prefill_s") is not None]) for k in kinds}
             phases[store][L] = {k: {ph: _median([r["phases"][ph] for r in ok if r["kind"] == k

@@ -34,6 +34,8 @@ def print_table(r: dict[str, Any]) -> None:
     for rec in r["records"]:
         ph = rec["phases"]
         head = f"  {rec['store']:9s} {rec['kind']:9s} {rec['length']:5d} TTFT {_ms(rec['ttft_s']):>7}"
+        if "relayed" in rec:
+            head += " (relayed)" if rec["relayed"] else " (not relayed)"
         if rec["kind"] == "alone":
             print(f"{head}: prefill {_ms(ph.get('prefill'))}")
             continue
@@ -59,6 +61,12 @@ def print_table(r: dict[str, Any]) -> None:
                   f"{_x(ra.get('pd_stream_relay_vs_alone'))} | "
                   f"{_x(ra.get('pd_stream_vs_pd'))} | {hid.get('ready_after_last_layer_ms', '-')} | "
                   f"{hid.get('layer_transfer_ms', '-')} |")
+    print("\nprefill-first rows, requests whose first token the proxy relayed from the prefiller (the others "
+          "took the decoder's path: the prefiller's first token was not relayable, or the decoder answered first): "
+          + "; ".join(f"{store} {L}: " + ", ".join(
+              f"{k} {ra.get(k + '_relayed_share', 0):.0%} relayed, {_x(ra.get(k + '_relayed_vs_alone'))} x alone"
+              for k in ("pd_relay", "pd_stream_relay") if k + "_relayed_share" in ra)
+              for store in r["stores"] for L, ra in r["ratios"][store].items()))
     print("\nfrom the prefiller's end of the request to the client's first token, median ms (what PD adds "
           "after the prefill; alone: the prefiller's own output path):")
     for store in r["stores"]:

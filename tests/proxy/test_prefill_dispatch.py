@@ -37,6 +37,36 @@ def test_early_prefill_starts_before_any_metaserver_post():
     run(body())
 
 
+class _PostOrder:
+    """The proxy's client session, recording which backend each POST went to, in order."""
+
+    def __init__(self, session, prefill_url: str) -> None:
+        self._s, self._pf, self.order = session, prefill_url, []
+
+    def post(self, url: str, *a, **kw):
+        self.order.append("prefill" if url.startswith(self._pf) else "decode")
+        return self._s.post(url, *a, **kw)
+
+    def __getattr__(self, name: str):
+        return getattr(self._s, name)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_early_prefill_is_sent_before_the_decoder_call(stream: bool):
+    """The prefill is the critical path (its first token may be relayed; the decoder waits for its
+    KV): early dispatch sends it before the decoder's request, not after."""
+    async def body():
+        async with harness() as h:
+            rec = h.proxy.session = _PostOrder(h.proxy.session, h.backend_urls[0])
+            b = {"prompt": "p", "max_tokens": 2, "temperature": 0, "stream": stream}
+            async with h.session.post(h.url + "/v1/completions", json=b) as r:
+                assert r.status == 200
+                await r.read()
+            assert rec.order == ["prefill", "decode"], rec.order
+
+    run(body())
+
+
 def test_on_metaserver_dispatches_only_after_the_posts():
     async def body():
         async with harness(prefill_dispatch="on-metaserver") as h:

@@ -173,8 +173,12 @@ class Proxy(Streaming):
                 dec = self.decoders.pick(exclude)
                 if dec is None:
                     break
-                if self._early:  # the prefill runs alongside the decoder call (once per parent)
+                if self._early and parent.task is None:  # the prefill runs alongside the decoder call (once per parent)
                     self.registry.dispatch(parent)
+                    # Let the prefill's request go out before the decoder's: the prefill is the
+                    # critical path (a streamed first token relayed from it, or the KV the
+                    # decoder waits for), and the decoder has nothing to do until it runs.
+                    await asyncio.sleep(0)
                 dec.acquire(work)
                 t0 = time.perf_counter()
                 resp = None

@@ -76,7 +76,8 @@ def exists(be, keys: list[str]) -> list[int]:
 
 
 def test_a_head_that_does_not_verify_is_not_used(be):
-    from lw_mooncake.streaming import HEAD_SIZE, head_key
+    from lw_core.backends.segment_stream import head_key
+    from lw_mooncake.streaming import HEAD_SIZE
 
     (w,) = be.reserve(["k"], NB)
     (ok,) = be.open_streaming(["k"])
@@ -115,7 +116,7 @@ def test_reads_only_at_published_ranges(be):
 def test_commit_removes_head_and_segments_and_a_leased_segment_once_its_lease_ends(be):
     """Mooncake's master leases what a get or an exists call finds: such a segment's removal is
     refused until the lease ends, and is retried."""
-    from lw_mooncake.streaming import head_key, seg_key
+    from lw_core.backends.segment_stream import head_key, seg_key
 
     (w,) = be.reserve(["k"], NB)
     token = be._wstreams["k"].token
@@ -138,7 +139,7 @@ def test_commit_removes_head_and_segments_and_a_leased_segment_once_its_lease_en
 
 
 def test_abort_leaves_only_its_marker(be):
-    from lw_mooncake.streaming import abort_key, head_key, seg_key
+    from lw_core.backends.segment_stream import abort_key, head_key, seg_key
 
     (w,) = be.reserve(["k"], NB)
     token = be._wstreams["k"].token

@@ -9,22 +9,18 @@ from typing import Any
 
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
-from lw_core.backends.embedded.procs import Owner, boot_id, current_owner, owner_alive
+from lw_core.backends.embedded.procs import Owner
+from lw_core.backends.segment_stream import POLL_MAX_S, POLL_MIN_S, WriterJudge, abort_key, head_key, seg_key
 
 from lw_memcache.streaming import (
     _HEAD,
     _HEAD_MAGIC,
-    _POLL_MAX_S,
-    _POLL_MIN_S,
     _TRAILER,
     _TRAILER_MAGIC,
     TRAILER,
     MemcacheStreamHandle,
     _nbytes,
     _Seg,
-    abort_key,
-    head_key,
-    seg_key,
 )
 
 
@@ -103,15 +99,15 @@ class StreamReadMixin:
             raise ValueError(f"memcache: wait_published timeout_s={timeout_s!r} must be >= 0")
         store = self._live()
         deadline = time.monotonic() + timeout_s
-        pause = _POLL_MIN_S
-        me, boot = current_owner(), boot_id()
+        pause = POLL_MIN_S
+        judge = WriterJudge()
         ready = [upto == 0 or h.leased for h in hs]
         while True:
             at = [i for i, h in enumerate(hs) if not ready[i] and not h.dead]
             todo = [hs[i] for i in at]
             if todo:
                 n = len(todo)
-                alive: dict[Owner, bool | None] = {}  # each writer judged once per poll
+                judge.next_poll()
                 names = [seg_key(h.key, h.token, upto) for h in todo] + [abort_key(h.key, h.token) for h in todo]
                 res = store.batch_is_exist(names + [h.key for h in todo])
                 if len(res) != 3 * n or any(r not in (0, 1) for r in res):
@@ -125,11 +121,8 @@ class StreamReadMixin:
                         committed.append(h)
                     elif res[j] == 1:
                         ready[at[j]] = True
-                    elif h.owner is not None and h.boot == boot:
-                        if h.owner not in alive:
-                            alive[h.owner] = owner_alive(h.owner, me)
-                        if alive[h.owner] is False:
-                            h.dead = True  # the writer is gone and never commits
+                    elif judge.dead(h.boot, h.owner):
+                        h.dead = True  # the writer is gone and never commits
                 if committed:
                     self._adopt(committed)
                 ready = [r or h.leased for h, r in zip(hs, ready)]
@@ -137,7 +130,7 @@ class StreamReadMixin:
             if left <= 0 or all(r or h.dead for h, r in zip(hs, ready)):
                 return [r and not h.dead for h, r in zip(hs, ready)]
             time.sleep(min(pause, left))
-            pause = min(pause * 2, _POLL_MAX_S)
+            pause = min(pause * 2, POLL_MAX_S)
 
     def _read_stream(self: Any, handles: Sequence[Any], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
         hs = self._streams(handles, "a streaming read")

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
 from lw_core.backends.embedded.procs import Owner, boot_id, current_owner
+from lw_core.backends.segment_stream import abort_key, head_key, seg_key
 
 log = logging.getLogger(__name__)
 
@@ -56,21 +57,8 @@ _TRAILER_MAGIC = b"lwmcTOK1"
 _HEAD = struct.Struct("<8s8sQ16sQIQ")
 _HEAD_MAGIC = b"lwmcHED1"
 _MARKER_BYTES = 64
-_POLL_MIN_S, _POLL_MAX_S = 0.0005, 0.02
 _FINISH_OK = 0
 MEDIA_DRAM = 1
-
-
-def head_key(key: str) -> str:
-    return f"{key}#h"
-
-
-def seg_key(key: str, token: bytes, end: int) -> str:
-    return f"{key}#s{token.hex()}/{end}"
-
-
-def abort_key(key: str, token: bytes) -> str:
-    return f"{key}#x{token.hex()}"
 
 
 @dataclass(eq=False, slots=True)

@@ -15,20 +15,11 @@ from typing import Any
 
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
-from lw_core.backends.embedded.procs import Owner, boot_id, current_owner, owner_alive
+from lw_core.backends.segment_stream import POLL_MAX_S, POLL_MIN_S, WriterJudge, abort_key, head_key, seg_key
 
 from lw_mooncake.buffers import byte_view
 from lw_mooncake.handle import MooncakeStreamHandle
-from lw_mooncake.streaming import (
-    HEAD_SIZE,
-    POLL_MAX_S,
-    POLL_MIN_S,
-    SEG_HEADER,
-    abort_key,
-    head_key,
-    seg_key,
-    unpack_head,
-)
+from lw_mooncake.streaming import HEAD_SIZE, SEG_HEADER, unpack_head
 
 
 class StreamReads:
@@ -87,7 +78,7 @@ class StreamReads:
             raise ValueError(f"mooncake: wait_published timeout_s={timeout_s!r} must be >= 0")
         deadline = time.monotonic() + timeout_s
         pause = POLL_MIN_S
-        me, boot = current_owner(), boot_id()
+        judge = WriterJudge()
         ready = [not h.dead and (upto == 0 or h.committed) for h in hs]
         while True:
             todo = [(i, h) for i, h in enumerate(hs) if not ready[i] and not h.dead]
@@ -98,7 +89,7 @@ class StreamReads:
                          + [abort_key(h.key, h.token) for _, h in todo]  # type: ignore[arg-type]
                          + [h.key for _, h in todo])
                 res = self._exist(names)
-                alive: dict[Owner, bool | None] = {}  # each writer judged once per poll
+                judge.next_poll()
                 committed = []
                 for j, (i, h) in enumerate(todo):
                     if res[n + j] == 1:
@@ -107,11 +98,8 @@ class StreamReads:
                         committed.append(h)
                     elif res[j] == 1:
                         ready[i] = True
-                    elif h.owner is not None and h.boot == boot:
-                        if h.owner not in alive:
-                            alive[h.owner] = owner_alive(h.owner, me)
-                        if alive[h.owner] is False:
-                            h.dead = True  # the writer is gone and never commits
+                    elif judge.dead(h.boot, h.owner):
+                        h.dead = True  # the writer is gone and never commits
                 if committed:
                     self._adopt(committed)
                     ready = [r or h.committed for h, r in zip(hs, ready)]

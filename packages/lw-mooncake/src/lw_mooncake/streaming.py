@@ -52,6 +52,7 @@ from typing import Any
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
 from lw_core.backends.embedded.procs import Owner, boot_id, current_owner
+from lw_core.backends.segment_stream import abort_key, head_key, seg_key
 
 from lw_mooncake.errors import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, to_error
 from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
@@ -68,19 +69,6 @@ MARKER = b"lwmkABT1"
 MARKER_KEEP_S = 120.0  # how long an abort marker stays for readers that poll late
 _RETRY_S = 1.0  # a removal refused by a read lease is tried again after this
 _MAX_GARBAGE = 1 << 16
-POLL_MIN_S, POLL_MAX_S = 0.0005, 0.02
-
-
-def head_key(key: str) -> str:
-    return f"{key}#h"
-
-
-def seg_key(key: str, token: bytes, end: int) -> str:
-    return f"{key}#s{token.hex()}/{end}"
-
-
-def abort_key(key: str, token: bytes) -> str:
-    return f"{key}#x{token.hex()}"
 
 
 def _digest(key: str, body: bytes) -> bytes:
@@ -263,5 +251,5 @@ class StreamWrites:
                     self._garbage.append((now + _RETRY_S, k, tries + 1))
 
 
-__all__ = ["HEAD_SIZE", "MARKER", "POLL_MAX_S", "POLL_MIN_S", "SEG_HEADER", "MooncakeStreamHandle", "StreamWrites",
-           "WriteStream", "abort_key", "head_key", "pack_head", "seg_key", "unpack_head"]
+__all__ = ["HEAD_SIZE", "MARKER", "SEG_HEADER", "MooncakeStreamHandle", "StreamWrites", "WriteStream", "pack_head",
+           "unpack_head"]

@@ -9,6 +9,7 @@ removal can be watched in a test."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mc_cluster import start_cluster
-from lw_core.backend import BackendError, ObjectMissing, publish_layers, wait_layers
+from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing, publish_layers, wait_layers
 
 from lw_dev import streaming_contract
 from lw_dev.streaming_contract import (  # noqa: F401  (pytest collects the contract's tests here)
@@ -48,7 +49,7 @@ def test_this_module_runs_the_whole_contract():
 
 @pytest.fixture(scope="module")
 def cluster(hosts):
-    c = start_cluster(hosts, port=50071, lease_ttl_ms=LEASE_MS)
+    c = start_cluster(hosts, port=50131, lease_ttl_ms=LEASE_MS)
     yield c
     c.stop()
 
@@ -187,3 +188,28 @@ def test_publish_without_streaming_names_the_switch(cluster, make_client):
         b.publish([w], LB)
     b.abort([w])
     assert b.open_streaming(["plain"]) == [None]  # the reader's calls work without streaming
+
+
+def test_a_frozen_master_costs_one_deadline_not_one_per_layer(hosts, make_client):
+    """A master that stops answering: the first publish waits out its deadline, then streaming's
+    own calls (later publishes, the abort's marker and clean-up) are skipped at once instead of each
+    costing a deadline in the save path."""
+    c = start_cluster(hosts, port=50141)
+    try:
+        b = make_client(c, call_timeout_s=1.0, streaming=True)
+        (w,) = b.reserve(["q"], NB)
+        c.master.send_signal(signal.SIGSTOP)  # `ip netns exec` execs: this pid is the master
+        try:
+            t0 = time.monotonic()
+            for layer in range(NL):
+                write_layer(b, w, 1, layer)
+                with pytest.raises(BackendUnavailable):
+                    publish_layers(b, [w], layer, LB)
+            assert time.monotonic() - t0 < 2.5, "every publish waited for its own deadline"
+            t0 = time.monotonic()
+            b.abort([w])
+            assert time.monotonic() - t0 < 0.5
+        finally:
+            c.master.send_signal(signal.SIGCONT)
+    finally:
+        c.stop()

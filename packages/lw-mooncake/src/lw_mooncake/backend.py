@@ -98,6 +98,7 @@ class MooncakeBackend(Writes, Reads, StreamWrites, StreamReads):
         self._wstreams: dict = {}  # key -> streaming.WriteStream of our open reservations
         self._garbage: deque = deque()  # (due, key, tries): removals to retry (read leases)
         self._collected_at = 0.0
+        self._quiet_until = 0.0  # streaming housekeeping is skipped until then (the store timed out)
         self.store = MooncakeDistributedStore()
         saved = [(s, signal.getsignal(s)) for s in _SIGNALS]
         rc = None

@@ -33,7 +33,11 @@ Markers are kept ``MARKER_KEEP_S`` for readers that poll late, then removed the 
 
 Costs while streaming: per ``reserve`` batch one ``batch_is_exist`` and one put (heads); per
 ``publish`` one put of the layer's bytes (the prefiller sends each byte twice: segment and
-object); per ``commit`` one ``batch_remove``. The reader's side is ``lw_mooncake.stream_read``.
+object); per ``commit`` one ``batch_remove``. When the store stops answering (a call past
+``mooncake_call_timeout_s``), publishing and the clean-up after commit and abort are skipped for
+``QUIET_S``: a dead master must not cost every layer's publish its own deadline in the save path
+(readers then wait for their deadline and recompute, as without streaming). The reader's side is
+``lw_mooncake.stream_read``.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from lw_core.backend import BackendError, ObjectMissing
+from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 from lw_core.backends.embedded.procs import Owner, boot_id, current_owner
 from lw_core.backends.segment_stream import abort_key, head_key, seg_key
 
@@ -69,6 +73,7 @@ MARKER = b"lwmkABT1"
 MARKER_KEEP_S = 120.0  # how long an abort marker stays for readers that poll late
 _RETRY_S = 1.0  # a removal refused by a read lease is tried again after this
 _MAX_GARBAGE = 1 << 16
+QUIET_S = 10.0  # after a store call timed out, streaming's own calls are skipped this long
 
 
 def _digest(key: str, body: bytes) -> bytes:
@@ -113,6 +118,7 @@ class StreamWrites:
     _wstreams: dict[str, WriteStream]
     _garbage: deque[tuple[float, str, int]]
     _collected_at: float
+    _quiet_until: float
     _exist: Callable[[list[str]], list[int]]
     _put_all: Callable[[list[tuple[str, list[np.ndarray]]]], list[int]]
 
@@ -168,8 +174,14 @@ class StreamWrites:
             raise ObjectMissing(f"mooncake: {len(lost)} reservation(s) cannot be published: aborted: {lost[:3]}")
         if not todo:
             return
-        res = self._put_all([(name, [np.frombuffer(SEG_HEADER.pack(end - data.nbytes), np.uint8), data])
-                             for _, name, end, data in todo])
+        if self._quiet():
+            raise BackendUnavailable(f"mooncake: publish skipped: the store did not answer a call in the last {QUIET_S:g} s")
+        try:
+            res = self._put_all([(name, [np.frombuffer(SEG_HEADER.pack(end - data.nbytes), np.uint8), data])
+                                 for _, name, end, data in todo])
+        except BackendUnavailable:
+            self._go_quiet()
+            raise
         bad = []
         with self._lock:
             for (ws, name, end, data), r in zip(todo, res):  # in order of end, per stream
@@ -188,7 +200,7 @@ class StreamWrites:
         the segments. Best effort: a leftover is never read past a marker or a commit."""
         with self._lock:
             ended = [(h.key, self._wstreams.pop(h.key)) for h in handles if h.key in self._wstreams]
-        if not ended:
+        if not ended or self._quiet():
             return
         try:
             if aborted:
@@ -200,6 +212,8 @@ class StreamWrites:
                 self.calls.call("batch_remove", self.store.batch_remove, heads, True)
             self._remove([s for _, ws in ended for s in ws.segs])
         except BackendError as e:
+            if isinstance(e, BackendUnavailable):
+                self._go_quiet()
             log.debug("mooncake streaming: cleaning up after %s failed: %s", "abort" if aborted else "commit", e)
 
     def _stream_close(self) -> None:
@@ -208,6 +222,12 @@ class StreamWrites:
             open_ = [h for h in self._pending.values() if h.key in self._wstreams]
         if open_:
             self._stream_end(open_, aborted=True)
+
+    def _quiet(self) -> bool:
+        return time.monotonic() < self._quiet_until
+
+    def _go_quiet(self) -> None:
+        self._quiet_until = time.monotonic() + QUIET_S
 
     # ----- removal that respects read leases -----
 
@@ -231,7 +251,7 @@ class StreamWrites:
         leased) goes back, up to 600 tries."""
         now = time.monotonic()
         with self._lock:
-            if now - self._collected_at < every_s or not self._garbage:
+            if now - self._collected_at < every_s or not self._garbage or now < self._quiet_until:
                 return
             self._collected_at = now
             due = [g for g in self._garbage if g[0] <= now]

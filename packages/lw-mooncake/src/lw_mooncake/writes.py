@@ -32,6 +32,7 @@ class Writes:
     _wstreams: dict[str, Any]
     _stream_start: Callable[[Sequence[MooncakeHandle | None]], None]
     _stream_end: Callable[..., None]
+    _go_quiet: Callable[[], None]
 
     def reserve(self, keys: Sequence[str], nbytes: int) -> list[MooncakeHandle | None]:
         if nbytes < 0:
@@ -104,6 +105,8 @@ class Writes:
             for h in live:
                 if not h.committed and h.failed is None:
                     h.failed = e
+            if isinstance(e, BackendUnavailable) and self._streaming:
+                self._go_quiet()  # no streaming clean-up calls into a store that does not answer
             raise
         finally:
             with self._lock:

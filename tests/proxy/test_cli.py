@@ -87,7 +87,9 @@ def test_console_script_refuses_wildcard():
     assert r.returncode == 2 and "decoders call it back" in r.stderr
 
 
-def test_console_script_serves_both_listeners_and_stops_on_sigterm():
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_console_script_serves_both_listeners_and_stops_on_sigterm(loop):
+    import importlib.util
     import json
     import signal
     import time
@@ -97,8 +99,13 @@ def test_console_script_serves_both_listeners_and_stops_on_sigterm():
     port, mport = free_port(), free_port()
     exe = os.path.join(os.path.dirname(sys.executable), "lw-proxy")
     argv = [exe] if os.path.exists(exe) else [sys.executable, "-m", "lw_proxy"]
-    p = subprocess.Popen([*argv, "--port", str(port), "--metaserver-port", str(mport), "--log-level", "warning"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if loop == "uvloop" and importlib.util.find_spec("uvloop") is None:  # without it: refused, naming the fix
+        r = subprocess.run([*argv, "--port", str(port), "--event-loop", "uvloop"], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode != 0 and "pip install uvloop" in r.stderr, r.stderr
+        return
+    p = subprocess.Popen([*argv, "--port", str(port), "--metaserver-port", str(mport), "--log-level", "info",
+                          "--event-loop", loop], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -121,7 +128,29 @@ def test_console_script_serves_both_listeners_and_stops_on_sigterm():
             assert e.code == 404 and "unknown lw_parent_id" in json.load(e)["error"]["message"]
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=15) == 0
+        assert f"event loop {loop}" in p.stderr.read()
     finally:
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_event_loop_auto_takes_uvloop_when_installed_and_asyncio_otherwise(monkeypatch):
+    import importlib.util
+
+    from lw_proxy.cli import loop_factory
+
+    assert loop_factory("asyncio") == ("asyncio", None)
+    have = importlib.util.find_spec("uvloop") is not None
+    assert loop_factory("auto")[0] == ("uvloop" if have else "asyncio")
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if it were not installed
+    assert loop_factory("auto") == ("asyncio", None)
+    with pytest.raises(SystemExit, match="pip install uvloop"):
+        loop_factory("uvloop")
+    with pytest.raises(SystemExit, match="--event-loop 'trio'"):
+        loop_factory("trio")
+
+
+def test_bad_event_loop_flag_is_refused(capsys):
+    err = _refused(["--event-loop", "trio"], capsys)
+    assert "--event-loop" in err and "uvloop" in err

@@ -46,6 +46,8 @@ _REQUEST = msgspec.json.encode({"model": "mock", "prompt": "The quick brown fox 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--duration", type=float, default=4.0, help="seconds of load per point (after warm-up)")
+    p.add_argument("--event-loop", default="auto", choices=["auto", "asyncio", "uvloop"],
+                   help="the proxy's event loop (lw-proxy --event-loop; default auto: uvloop when installed)")
     p.add_argument("--quick", action="store_true", help="smoke test: 0.5 s per point")
     p.add_argument("--soak", type=int, default=0, metavar="N",
                    help="instead: soak the proxy with N requests against failing mocks (see lw_proxy.soak)")
@@ -115,13 +117,13 @@ def _wait_closed(conn: Any) -> None:
         conn.recv()
 
 
-def _proxy_main(cfg: ProxyConfig) -> None:
+def _proxy_main(cfg: ProxyConfig, event_loop: str = "auto") -> None:
     import logging
 
     from .cli import serve
 
     logging.basicConfig(level="WARNING")
-    serve(cfg)
+    serve(cfg, event_loop=event_loop)
 
 
 def _free_port() -> int:
@@ -213,7 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         port = _free_port()
         cfg = ProxyConfig(host="127.0.0.1", port=port, prefillers=[f"http://127.0.0.1:{pport}"],
                           decoders=[f"http://127.0.0.1:{dport}"])
-        proxy = ctx.Process(target=_proxy_main, args=(cfg,), daemon=True)
+        proxy = ctx.Process(target=_proxy_main, args=(cfg, getattr(args, "event_loop", "auto")), daemon=True)
         proxy.start()
         direct_url = f"http://127.0.0.1:{dport}/v1/completions"
         proxy_url = f"http://127.0.0.1:{port}/v1/completions"

@@ -5,18 +5,38 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+from collections.abc import Callable
 
 from . import logfilter, server
-from .config import ProxyConfig, parse_args
+from .config import EVENT_LOOPS, ProxyConfig, parse_args
 
 log = logging.getLogger("lw_proxy")
 
 
-def serve(cfg: ProxyConfig, *, access_log: bool = False) -> None:
-    log.info("lw-proxy on %s:%d; prefillers %s; decoders %s; metaserver %s", cfg.host, cfg.port,
-             cfg.prefillers, cfg.decoders, cfg.metaserver_url)
+def loop_factory(choice: str) -> tuple[str, Callable[[], asyncio.AbstractEventLoop] | None]:
+    """The event loop ``--event-loop`` names: ("uvloop", its factory) or ("asyncio", None). "auto"
+    takes uvloop when it can be imported; "uvloop" without it stops with what to install."""
+    if choice not in EVENT_LOOPS:
+        raise SystemExit(f"lw-proxy: --event-loop {choice!r}: expected one of {', '.join(EVENT_LOOPS)}")
+    if choice == "asyncio":
+        return "asyncio", None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise SystemExit("lw-proxy: --event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        return "asyncio", None
+    return "uvloop", uvloop.new_event_loop
+
+
+def serve(cfg: ProxyConfig, *, access_log: bool = False, event_loop: str = "auto") -> None:
+    name, factory = loop_factory(event_loop)
+    log.info("lw-proxy on %s:%d; prefillers %s; decoders %s; metaserver %s; event loop %s", cfg.host, cfg.port,
+             cfg.prefillers, cfg.decoders, cfg.metaserver_url, name)
     server.raise_fd_limit(cfg)
-    asyncio.run(server.serve_forever(cfg, access_log=logging.getLogger("aiohttp.access") if access_log else None))
+    main = server.serve_forever(cfg, access_log=logging.getLogger("aiohttp.access") if access_log else None)
+    with asyncio.Runner(loop_factory=factory) as runner:
+        runner.run(main)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logfilter.install(cfg.log_repeat_window)
     try:
-        serve(cfg, access_log=args.log_level == "debug")
+        serve(cfg, access_log=args.log_level == "debug", event_loop=args.event_loop)
     except OSError as e:  # port taken, address not on this host: say so in one line
         print(f"lw-proxy: cannot listen on {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
         return 1

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 _LABEL = re.compile(r"^(?!-)[A-Za-z0-9-]{1,63}(?<!-)$")
 _WILDCARDS = {"0.0.0.0", "::", "[::]", "*", ""}
 PREFILL_DISPATCH = ("early", "on-metaserver")
+EVENT_LOOPS = ("auto", "asyncio", "uvloop")
 
 
 class HostError(ValueError):
@@ -193,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--backend-api-key-file")
     p.add_argument("--backend-api-key-file", default=None, help="file holding the backend bearer token (one line)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--event-loop", default="auto", choices=list(EVENT_LOOPS),
+                   help="asyncio's own loop, or uvloop (libuv; lower per-request latency); auto: uvloop when it is "
+                        "installed (vLLM installs it; pip install uvloop), else asyncio")
     return p
 
 

@@ -1,8 +1,8 @@
-"""Shared by the backends that stream through token-named segment objects (lw-memcache and
-lw-mooncake: stores whose objects become readable only whole, so a reservation's published
-prefix is a series of committed segment objects; the designs are in ``lw_memcache.streaming`` and
-``lw_mooncake.streaming``): the object names, the poll pacing, and the judgment of a writer's
-liveness from what its head object recorded."""
+"""Shared by the backends that stream through token-named segment objects (the memcache and the
+Mooncake backend packages: stores whose objects become readable only whole, so a reservation's
+published prefix is a series of committed segment objects; each package's ``streaming`` module
+has its design): the object names, the poll pacing, and the judgment of a writer's liveness from
+what its head object recorded."""
 
 from __future__ import annotations
 

@@ -173,10 +173,18 @@ class StreamReadMixin:
                 self._copy([hs[j] for j in whole], [offsets[j] for j in whole], [dsts[j] for j in whole], to_store=False)
             if segs:
                 js = list(segs)
-                self._copy([segs[j] for j in js], [0] * len(js), [dsts[j] for j in js], to_store=False)
+                try:
+                    self._copy([segs[j] for j in js], [0] * len(js), [dsts[j] for j in js], to_store=False)
+                except ObjectMissing:
+                    # A segment removed after we leased it (its reservation committed or aborted:
+                    # memcache removes leased objects too) makes the whole batch_copy fail (-3102):
+                    # copy the ones still there one by one, and treat the others as gone below.
+                    for j, r in zip(js, store.batch_is_exist([segs[j].key for j in js])):
+                        if r == 1:
+                            self._copy([segs[j]], [0], [dsts[j]], to_store=False)
                 res = store.batch_is_exist([segs[j].key for j in js])
                 gone = [j for j, r in zip(js, res) if r != 1]
-                if gone:  # removed while being copied: committed (then read the object) or aborted
+                if gone:  # removed before or while being copied: committed (then read the object) or aborted
                     self._adopt([hs[j] for j in gone])
                     lost = [hs[j].key for j in gone if not hs[j].leased]
                     if lost:

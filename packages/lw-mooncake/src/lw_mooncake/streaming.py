@@ -140,6 +140,8 @@ class StreamWrites:
             res = self._put_all([(hk, [pack_head(h.key, streams[h.key].token, h.nbytes, boot, me)])
                                  for h, hk in zip(hs, heads)])
         except BackendError as e:
+            if isinstance(e, BackendUnavailable):
+                self._go_quiet()
             log.warning("mooncake streaming: heads of %d reservation(s) not put (%s); readers wait for the commit",
                         len(hs), e)
             return

@@ -36,7 +36,7 @@ from lw_memcache import errors
 from lw_memcache.copies import CopyMixin, MemcacheHandle
 from lw_memcache.conf import ConfError, local_config_fields, meta_address, read_conf, resolve_auto_hcom
 from lw_memcache.stream_read import StreamReadMixin
-from lw_memcache.streaming import TRAILER, MemcacheStreamHandle, StreamMixin
+from lw_memcache.streaming import REMOVE_GRACE_S, TRAILER, MemcacheStreamHandle, StreamMixin
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,11 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
         self._read_lease_ms = read_lease_ms
         self._write_lease_ms = write_lease_ms
         self._lock = threading.Lock()
+        # streaming: heads and segments waiting for their grace, and the thread removing them
+        self._reap_cv = threading.Condition(self._lock)
+        self._graveyard: list = []
+        self._reaper: threading.Thread | None = None
+        self._remove_grace_s = REMOVE_GRACE_S
         self._writing: dict[str, MemcacheHandle] = {}
         self._unfinished_seen: dict[str, float] = {}
         self._reading: Counter[str] = Counter()  # open read leases, released at close if forgotten
@@ -467,6 +472,7 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
                 self._store.batch_remove_lease(leased)
         except Exception:  # noqa: BLE001 - leaving anyway
             pass
+        self._reap_all()
         self._store.close()
         _open_in_process.discard(self)
 

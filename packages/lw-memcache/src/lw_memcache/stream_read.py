@@ -47,15 +47,32 @@ class StreamReadMixin:
             infos = store.batch_get_key_info([hk for _, hk in leased], 1)
             got = [(i, hk, int(info.gva_list()[0])) for (i, hk), info in zip(leased, infos)
                    if info.size() == _HEAD.size and len(info.gva_list())]
-            if got:
-                bufs = [np.zeros(_HEAD.size, np.uint8) for _ in got]
+            bufs = [np.zeros(_HEAD.size, np.uint8) for _ in got]
+            try:
                 self._copy([_Seg(hk, _HEAD.size, g, 0, False) for _, hk, g in got], [0] * len(got), bufs, to_store=False)
-                for (i, _, _), b in zip(got, bufs):
-                    magic, token, nbytes, boot, pidns, pid, start = _HEAD.unpack(b.tobytes())
-                    if magic == _HEAD_MAGIC:
-                        out[i] = MemcacheStreamHandle(keys[i], nbytes, token, boot, Owner(pidns, pid, start))
+                copied = got
+            except ObjectMissing:
+                # A head removed after we leased it (its writer aborted, or closed; memcache removes
+                # leased objects too) fails the whole batch_copy: copy the others one by one.
+                copied = []
+                for one, b in zip(got, bufs):
+                    try:
+                        self._copy([_Seg(one[1], _HEAD.size, one[2], 0, False)], [0], [b], to_store=False)
+                        copied.append(one)
+                    except ObjectMissing:
+                        pass
+                bufs = [b for one, b in zip(got, bufs) if one in copied]
+            for (i, _, _), b in zip(copied, bufs):
+                magic, token, nbytes, boot, pidns, pid, start = _HEAD.unpack(b.tobytes())
+                if magic == _HEAD_MAGIC:
+                    out[i] = MemcacheStreamHandle(keys[i], nbytes, token, boot, Owner(pidns, pid, start))
         finally:
             store.batch_remove_lease([hk for _, hk in leased])
+        lost = [i for i, _ in leased if out[i] is None]
+        if lost:  # committed meanwhile? (else: not openable now; the caller tries again)
+            for i, h in zip(lost, self.open([keys[i] for i in lost])):
+                if h is not None:
+                    out[i] = MemcacheStreamHandle(h.key, h.nbytes, None, gva=h.gva, leased=True)
         return out
 
     def _streams(self, handles: Sequence[Any], what: str) -> list[MemcacheStreamHandle]:

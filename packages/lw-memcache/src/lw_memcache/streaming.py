@@ -14,8 +14,14 @@ of separate *committed* objects whose names carry a random per-reservation token
 * ``write`` also copies each range into a segment object ``<key>#s<token>/<end>`` (allocated, not
   committed): the prefiller's bytes go to the pool twice while streaming is on.
 * ``publish(upto)`` commits the segments that end at or before ``upto``.
-* ``commit`` commits the object, then removes the head and the segments. ``abort`` (and ``close``
-  with reservations open) first commits an abort marker ``<key>#x<token>``, then removes them.
+* ``commit`` commits the object; ``abort`` (and ``close`` with reservations open) first commits an
+  abort marker ``<key>#x<token>``. Either way the head and the segments are removed
+  ``REMOVE_GRACE_S`` later, by a reaper thread (at once at ``close``): memcache removes leased
+  objects too, and a reader's lease on an object removed under it outlives its release in
+  memcache-hybrid 1.3.0 (the client keeps renewing it, -3102), so that reader's client can lease
+  nothing placed at that address again until the lease ends: the next prompt's head or segment
+  landing there would fail to stream. Readers hold leases on heads and segments for one copy, far
+  shorter than the grace.
 
 A reader (``open_streaming``) takes the committed object with a lease when there is one, else reads
 the head for the token. ``read`` of a range leases the segment named by the token and the range's
@@ -39,6 +45,8 @@ from __future__ import annotations
 import logging
 import secrets
 import struct
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +67,7 @@ _HEAD_MAGIC = b"lwmcHED1"
 _MARKER_BYTES = 64
 _FINISH_OK = 0
 MEDIA_DRAM = 1
+REMOVE_GRACE_S = 2.0  # heads and segments outlive their reservation's commit or abort this long
 
 
 @dataclass(eq=False, slots=True)
@@ -78,6 +87,7 @@ class WriteStream:
     token: bytes
     segs: dict[int, _Seg] = field(default_factory=dict)  # by end offset
     head: bool = False
+    head_gva: int = 0
 
 
 @dataclass(eq=False, slots=True)
@@ -141,8 +151,8 @@ class StreamMixin:
         res = store.batch_write_finish(keys, [_FINISH_OK] * len(keys))
         store.batch_remove_lease([k for k, r in zip(keys, res) if r == 0])
         with self._lock:
-            for (h, _, _), r in zip(ok, res):
-                streams[h.key].head = r == 0
+            for (h, _, g), r in zip(ok, res):
+                streams[h.key].head, streams[h.key].head_gva = r == 0, int(g)
 
     def _stream_write(self: Any, handles: Sequence[Any], offsets: Sequence[int], srcs: Sequence[Any]) -> None:
         """After ``write``: the same ranges into the reservations' segment objects."""
@@ -203,15 +213,74 @@ class StreamMixin:
                 if done:
                     store.batch_write_finish(done, [_FINISH_OK] * len(done))
                     store.batch_remove_lease(done)
-            gone = [head_key(k) for k, ws in ended if ws.head]
-            gone += [s.key for _, ws in ended for s in ws.segs.values()]
             unfinished = [s.key for _, ws in ended for s in ws.segs.values() if not s.published]
-            if unfinished:
+            if unfinished:  # never readable, so never leased: dropped now
                 store.batch_write_finish(unfinished, [1] * len(unfinished))
+        except Exception as e:  # noqa: BLE001 - leftovers are unreadable and get evicted
+            log.debug("memcache streaming: cleaning up after %s failed: %s", "abort" if aborted else "commit", e)
+        heads = [(head_key(k), ws.head_gva) for k, ws in ended if ws.head]
+        segs = [s.key for _, ws in ended for s in ws.segs.values() if s.published]
+        if heads or segs:
+            self._remove_later(heads, segs)
+
+    # ----- removal after the grace (see the module docstring) -----
+
+    def _remove_later(self: Any, heads: list[tuple[str, int]], segs: list[str]) -> None:
+        with self._reap_cv:
+            if self._closed:
+                self._graveyard.append((0.0, heads, segs))  # close() is removing what is left
+                return
+            self._graveyard.append((time.monotonic() + self._remove_grace_s, heads, segs))
+            if self._reaper is None:
+                reaper = threading.Thread(target=self._reap, name="lw-memcache-reaper", daemon=True)
+                reaper.start()
+                self._reaper = reaper
+            self._reap_cv.notify()
+
+    def _reap(self: Any) -> None:
+        while True:
+            with self._reap_cv:
+                while not self._closed and (not self._graveyard or self._graveyard[0][0] > time.monotonic()):
+                    wait = self._graveyard[0][0] - time.monotonic() if self._graveyard else None
+                    self._reap_cv.wait(wait)
+                if self._closed:
+                    return
+                now = time.monotonic()
+                due = [g for g in self._graveyard if g[0] <= now]
+                self._graveyard = [g for g in self._graveyard if g[0] > now]
+            self._remove_now(due)
+
+    def _remove_now(self: Any, entries: Sequence[tuple[float, list[tuple[str, int]], list[str]]]) -> None:
+        """Remove segments (named by a token only their writer has) and heads that are still the
+        ones this client wrote (same address, and no reservation of ours has the key again)."""
+        heads = [h for _, hs, _ in entries for h in hs]
+        gone = [k for _, _, ss in entries for k in ss]
+        store = self._store
+        try:
+            if heads:
+                with self._lock:
+                    mine = set(self._wstreams)
+                infos = store.batch_get_key_info([k for k, _ in heads], 0)
+                for (k, g), info in zip(heads, infos):
+                    at = list(info.gva_list()) if info.size() else []
+                    if at and int(at[0]) == g and k[: -len(head_key(""))] not in mine:
+                        gone.append(k)
             if gone:
                 store.remove_batch(gone)
         except Exception as e:  # noqa: BLE001 - leftovers are unreadable and get evicted
-            log.debug("memcache streaming: cleaning up after %s failed: %s", "abort" if aborted else "commit", e)
+            log.debug("memcache streaming: removing %d finished stream object(s) failed: %s", len(gone), e)
+
+    def _reap_all(self: Any) -> None:
+        """At close: what is waiting for its grace goes now (the client is leaving)."""
+        with self._reap_cv:
+            self._reap_cv.notify_all()
+            reaper, self._reaper = self._reaper, None
+        if reaper is not None:
+            reaper.join(5.0)
+        with self._reap_cv:
+            left, self._graveyard = self._graveyard, []
+        if left:
+            self._remove_now(left)
 
     # ----- StreamingBackend -----
 

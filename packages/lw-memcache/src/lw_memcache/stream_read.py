@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
 from lw_core.backends.embedded.procs import Owner
-from lw_core.backends.segment_stream import POLL_MAX_S, POLL_MIN_S, WriterJudge, abort_key, head_key, seg_key
+from lw_core.backends.segment_stream import POLL_MAX_S, POLL_MIN_S, WriterJudge, head_key, poll_names, read_poll, seg_key
 
 from lw_memcache.streaming import (
     _HEAD,
@@ -123,25 +123,15 @@ class StreamReadMixin:
             at = [i for i, h in enumerate(hs) if not ready[i] and not h.dead]
             todo = [hs[i] for i in at]
             if todo:
-                n = len(todo)
-                judge.next_poll()
-                names = [seg_key(h.key, h.token, upto) for h in todo] + [abort_key(h.key, h.token) for h in todo]
-                res = store.batch_is_exist(names + [h.key for h in todo])
-                if len(res) != 3 * n or any(r not in (0, 1) for r in res):
+                res = store.batch_is_exist(poll_names(todo, upto))
+                if len(res) != 3 * len(todo) or any(r not in (0, 1) for r in res):
                     bad = [r for r in res if r not in (0, 1)]
                     self._fail(bad[0] if bad else -1, "wait_published (batch_is_exist)")
-                committed = []
-                for j, h in enumerate(todo):
-                    if res[n + j] == 1:
-                        h.dead = True  # aborted
-                    elif res[2 * n + j] == 1:
-                        committed.append(h)
-                    elif res[j] == 1:
-                        ready[at[j]] = True
-                    elif judge.dead(h.boot, h.owner):
-                        h.dead = True  # the writer is gone and never commits
+                committed, published = read_poll(todo, res, judge)
+                for j in published:
+                    ready[at[j]] = True
                 if committed:
-                    self._adopt(committed)
+                    self._adopt([todo[j] for j in committed])
                 ready = [r or h.leased for h, r in zip(hs, ready)]
             left = deadline - time.monotonic()
             if left <= 0 or all(r or h.dead for h, r in zip(hs, ready)):

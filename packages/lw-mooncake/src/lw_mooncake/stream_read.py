@@ -15,7 +15,16 @@ from typing import Any
 
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
-from lw_core.backends.segment_stream import POLL_MAX_S, POLL_MIN_S, WriterJudge, abort_key, head_key, seg_key
+from lw_core.backends.segment_stream import (
+    POLL_MAX_S,
+    POLL_MIN_S,
+    WriterJudge,
+    abort_key,
+    head_key,
+    poll_names,
+    read_poll,
+    seg_key,
+)
 
 from lw_mooncake.buffers import byte_view
 from lw_mooncake.handle import MooncakeStreamHandle
@@ -83,25 +92,13 @@ class StreamReads:
         while True:
             todo = [(i, h) for i, h in enumerate(hs) if not ready[i] and not h.dead]
             if todo:
-                n = len(todo)
                 assert all(h.token is not None for _, h in todo)
-                names = ([seg_key(h.key, h.token, upto) for _, h in todo]  # type: ignore[arg-type]
-                         + [abort_key(h.key, h.token) for _, h in todo]  # type: ignore[arg-type]
-                         + [h.key for _, h in todo])
-                res = self._exist(names)
-                judge.next_poll()
-                committed = []
-                for j, (i, h) in enumerate(todo):
-                    if res[n + j] == 1:
-                        h.dead = True  # aborted
-                    elif res[2 * n + j] == 1:
-                        committed.append(h)
-                    elif res[j] == 1:
-                        ready[i] = True
-                    elif judge.dead(h.boot, h.owner):
-                        h.dead = True  # the writer is gone and never commits
+                polled = [h for _, h in todo]
+                committed, published = read_poll(polled, self._exist(poll_names(polled, upto)), judge)
+                for j in published:
+                    ready[todo[j][0]] = True
                 if committed:
-                    self._adopt(committed)
+                    self._adopt([polled[j] for j in committed])
                     ready = [r or h.committed for h, r in zip(hs, ready)]
             left = deadline - time.monotonic()
             if left <= 0 or all(r or h.dead for h, r in zip(hs, ready)):

@@ -43,7 +43,7 @@ def test_salt_and_lora_isolate_tenants(tokens, s1, s2):
     base = chunk_hashes(tokens, 4)
     salted = chunk_hashes(tokens, 4, HashExtra(cache_salt="t1" + s1))
     other = chunk_hashes(tokens, 4, HashExtra(cache_salt="t2" + s2))
-    lora = chunk_hashes(tokens, 4, HashExtra(lora_name="adapter"))
+    lora = chunk_hashes(tokens, 4, HashExtra(lora="content:abc"))
     assert not set(base) & set(salted)
     assert not set(salted) & set(other)
     assert not set(base) & set(lora)

@@ -3,6 +3,7 @@ operator's ``model_id``), not its path (lw_vllm.model_identity, pool.key_space).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,12 +29,32 @@ def _model(d: Path, weights: bytes = b"W" * 1000, config: str = '{"hidden_size":
     return d
 
 
-def _keyspace(model: str, **extra: object):
+class _HfConfig:
+    """What vLLM resolved: config.json, then ``--hf-overrides``, plus where it came from."""
+
+    def __init__(self, model: str, overrides: dict | None = None) -> None:
+        f = Path(model) / "config.json"
+        self.d = {**(json.loads(f.read_text()) if f.is_file() else {}), **(overrides or {}),
+                  "_name_or_path": model, "transformers_version": "4.99"}
+
+    def to_dict(self) -> dict:
+        return dict(self.d)
+
+
+def _vllm_config(model: str, *, overrides: dict | None = None, quantization: str | None = None,
+                 load_format: str = "auto", revision: str | None = None) -> SimpleNamespace:
+    return SimpleNamespace(
+        model_config=SimpleNamespace(model=model, dtype="float32", revision=revision, use_mla=False,
+                                     hf_config=_HfConfig(model, overrides), quantization=quantization),
+        load_config=SimpleNamespace(load_format=load_format),
+        cache_config=SimpleNamespace(cache_dtype="auto"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1))
+
+
+def _keyspace(model: str, *, engine: dict | None = None, **extra: object):
     spec = SimpleNamespace(block_size=16, page_size_bytes=4096)
     kc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
-    vc = SimpleNamespace(model_config=SimpleNamespace(model=model, dtype="float32", revision=None, use_mla=False),
-                         cache_config=SimpleNamespace(cache_dtype="auto"),
-                         parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    vc = _vllm_config(model, **(engine or {}))
     return pool.key_space(vc, kc, parse_config({"embedded_path": "/dev/shm/unused", **extra}))
 
 
@@ -81,8 +102,65 @@ def test_model_id_overrides_and_names_without_files(tmp_path: Path) -> None:
     # The operator vouches that these are the same model.
     assert _keyspace(str(a), model_id="llama-3-8b@v2") == _keyspace(str(b), model_id="llama-3-8b@v2")
     assert _keyspace(str(a), model_id="llama-3-8b@v2") != _keyspace(str(a))
-    # A hub name vLLM downloads itself: the name (and revision) is the identity.
+    # A hub name with no local snapshot: the name and revision are all there is.
     assert _keyspace("org/model") == _keyspace("org/model") != _keyspace("org/model2")
+    assert _keyspace("org/model", engine={"revision": "v1"}) != _keyspace("org/model")
+
+
+def test_engine_settings_that_change_the_kv_change_the_model_fingerprint(tmp_path: Path) -> None:
+    p = str(_model(tmp_path / "m"))
+    base = _keyspace(p)
+    assert _keyspace(p) == base  # deterministic; the config's path and library version are no part of it
+    fps = {
+        base.model_fp,
+        _keyspace(p, engine={"overrides": {"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}}).model_fp,
+        _keyspace(p, engine={"quantization": "fp8"}).model_fp,
+        _keyspace(p, engine={"load_format": "dummy"}).model_fp,
+    }
+    assert len(fps) == 4
+    # The config as resolved: a --hf-config-path config differing from the weights' folder's counts.
+    other_cfg = _model(tmp_path / "cfg", config='{"hidden_size": 8, "rope_theta": 1e6}')
+    vc = _vllm_config(p)
+    vc.model_config.hf_config = _HfConfig(str(other_cfg))
+    from lw_vllm.engine_identity import engine_identity
+
+    assert engine_identity(vc, None).config != engine_identity(_vllm_config(p), None).config
+    assert engine_identity(vc, None).weights == engine_identity(_vllm_config(p), None).weights
+    # model_id vouches for the weights only: engine settings still separate keys.
+    assert _keyspace(p, model_id="m1", engine={"quantization": "fp8"}) != _keyspace(p, model_id="m1")
+
+
+def test_weights_outside_the_suffix_list_are_identified_by_content(tmp_path: Path) -> None:
+    d = tmp_path / "tensorized"
+    d.mkdir()
+    (d / "config.json").write_text('{"hidden_size": 8}')
+    (d / "model.tensors").write_bytes(b"T" * 100)
+    first = _keyspace(str(d))
+    assert mi.local_identity(str(d)) is not None
+    (d / "model.tensors").write_bytes(b"T" * 99 + b"U")
+    assert _keyspace(str(d)).model_fp != first.model_fp
+    # Sharded into a sub-folder (no weights file at the top).
+    s = tmp_path / "sharded"
+    (s / "shards").mkdir(parents=True)
+    (s / "config.json").write_text('{"hidden_size": 8}')
+    (s / "shards" / "0.bin.part").write_bytes(b"A" * 10)
+    (s / ".git").mkdir()
+    (s / ".git" / "HEAD").write_text("ref")
+    one = mi.local_identity(str(s))
+    (s / ".git" / "HEAD").write_text("other")  # hidden files are not the model
+    assert mi.local_identity(str(s)) == one
+    (s / "shards" / "0.bin.part").write_bytes(b"B" * 10)
+    assert mi.local_identity(str(s)) != one
+
+
+def test_a_hub_id_is_identified_by_the_snapshot_vllm_downloaded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    snaps = {"c1": _model(tmp_path / "snapshots" / "c1"), "c2": _model(tmp_path / "snapshots" / "c2", weights=b"new")}
+    current = {"rev": "c1"}
+    monkeypatch.setattr(mi, "hub_snapshot", lambda model, revision: str(snaps[current["rev"]]) if model == "org/m" else None)
+    at_c1 = _keyspace("org/m")
+    current["rev"] = "c2"  # `main` moved on: another snapshot, other weights
+    assert _keyspace("org/m").model_fp != at_c1.model_fp
+    assert mi.model_identity("org/m").startswith("content:")
 
 
 @pytest.mark.parametrize("bad", ["", " x", "a b", "x" * 201, 5, "-lead"])

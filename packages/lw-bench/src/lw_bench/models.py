@@ -177,3 +177,32 @@ BENCH_SPEC: dict[str, Any] = {
 
 def bench_model(**kw: Any) -> Path:
     return build_model(BENCH_SPEC, **kw)
+
+
+def lora_adapter(out: Path, *, seed: int, rank: int = 8, spec: dict[str, Any] = GQA_SPEC) -> Path:
+    """A PEFT LoRA adapter for ``spec``'s model in ``out`` (random ``lora_A``/``lora_B`` on q/k/v/o,
+    large enough to move the KV). Written fresh each call; the caller owns ``out``."""
+    import torch
+    from safetensors.torch import save_file
+
+    if spec["arch"] != "llama":
+        raise ValueError(f"spec['arch']={spec['arch']!r}; accepted: 'llama'")
+    g = torch.Generator().manual_seed(seed)
+    h, d = spec["hidden_size"], spec["head_dim"]
+    outs = {"q_proj": spec["num_attention_heads"] * d, "k_proj": spec["num_key_value_heads"] * d,
+            "v_proj": spec["num_key_value_heads"] * d, "o_proj": h}
+    ins = {"q_proj": h, "k_proj": h, "v_proj": h, "o_proj": spec["num_attention_heads"] * d}
+    tensors: dict[str, Any] = {}
+    for layer in range(spec["num_hidden_layers"]):
+        for m, n_out in outs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{m}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, ins[m], generator=g) * 0.3
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(n_out, rank, generator=g) * 0.3
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": rank, "lora_dropout": 0.0,
+        "bias": "none", "target_modules": list(outs), "base_model_name_or_path": None,
+        "fan_in_fan_out": False, "modules_to_save": None, "use_rslora": False, "use_dora": False,
+    }))
+    return out

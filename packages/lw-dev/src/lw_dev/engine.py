@@ -7,7 +7,11 @@ Job keys: ``model`` ("gqa" | "mla" | a path), ``phases``, ``max_tokens``, ``extr
 (kv_connector_extra_config, or null for no connector), ``kv_role``, ``connector``, ``engine``
 (extra ``LLM(...)`` keyword arguments), ``max_model_len``, ``kv_cache_memory_bytes``.
 A phase is a list of prompts run on the same engine one phase after another; a prompt is a list of
-token ids or ``{"ids": [...], "salt": "tenant"}`` (vLLM's ``cache_salt``).
+token ids or ``{"ids": [...], "salt": "tenant"}`` (vLLM's ``cache_salt``), ``{"ids": [...], "lora":
+{"name": ..., "id": 1, "path": ...}}`` (a LoRA adapter; the engine needs ``enable_lora``) or
+``{"embeds": seed, "n": tokens}`` (``prompt_embeds``: ``n`` random rows of the model's hidden size
+drawn from ``seed``; the engine needs ``enable_prompt_embeds``). ``sampling``: ``SamplingParams``
+keyword arguments replacing greedy decoding (e.g. ``{"temperature": 0.8, "seed": 1}``).
 Result per prompt: generated token ids, per position the top-2 (token, logprob) pairs, the finish
 reason, vLLM's cached-token count and the connector's per-request stats when a connector ran.
 
@@ -44,10 +48,27 @@ def _model_path(name: str) -> tuple[str, dict[str, Any]]:
     return name, {}
 
 
-def _prompt(p: Any) -> dict[str, Any]:
+def _prompt(p: Any, hidden_size: int) -> dict[str, Any]:
+    if isinstance(p, dict) and "embeds" in p:
+        import torch
+
+        g = torch.Generator().manual_seed(int(p["embeds"]))
+        return {"prompt_embeds": torch.randn(int(p["n"]), hidden_size, generator=g) * 0.5}
     if isinstance(p, dict):
-        return {"prompt_token_ids": p["ids"], "cache_salt": p["salt"]}
+        out: dict[str, Any] = {"prompt_token_ids": p["ids"]}
+        if "salt" in p:
+            out["cache_salt"] = p["salt"]
+        return out
     return {"prompt_token_ids": p}
+
+
+def _lora(p: Any) -> Any:
+    if not (isinstance(p, dict) and "lora" in p):
+        return None
+    from vllm.lora.request import LoRARequest
+
+    lo = p["lora"]
+    return LoRARequest(lora_name=lo["name"], lora_int_id=int(lo["id"]), lora_path=lo["path"])
 
 
 def _metrics(llm: Any) -> dict[str, float]:
@@ -117,7 +138,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     start_s = time.perf_counter() - t0
     if faults:
         assert len(wrappers) == 1, f"expected one shared pool backend, got {len(wrappers)}"
-    sp = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), logprobs=2, ignore_eos=True)
+    sp = SamplingParams(**{"temperature": 0.0, **job.get("sampling", {})}, max_tokens=job.get("max_tokens", 8),
+                        logprobs=2, ignore_eos=True)
+    hidden = int(llm.llm_engine.model_config.get_hidden_size())
     phases = []
     for i, ph in enumerate(job["phases"]):
         ph = ph if isinstance(ph, dict) else {"prompts": ph}
@@ -129,7 +152,9 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 fb.inner = real.open(fb.cfg)
             fb.phase = i
             fb.set_rules(ph.get("rules", []))
-        res, wall = generate_phase(llm, [_prompt(p) for p in ph["prompts"]], sp, stats_path)
+        loras = [_lora(p) for p in ph["prompts"]]
+        res, wall = generate_phase(llm, [_prompt(p, hidden) for p in ph["prompts"]], sp, stats_path,
+                                   lora=loras if any(loras) else None)
         phase: dict[str, Any] = {"outputs": res, "wall_s": wall}
         if faults:
             phase.update(rule_hits=list(fb.hits), metrics=_metrics(llm), pool_objects=fb.inner.stats().get("objects"))
@@ -138,13 +163,14 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     return {"start_s": start_s, "phases": phases}
 
 
-def generate_phase(llm: Any, prompts: list[Any], sp: Any, stats_path: str) -> tuple[list[dict[str, Any]], float]:
+def generate_phase(llm: Any, prompts: list[Any], sp: Any, stats_path: str,
+                   lora: list[Any] | None = None) -> tuple[list[dict[str, Any]], float]:
     """Generate ``prompts`` on ``llm``; per prompt the tokens, the top-2 (token, logprob) pairs per
     position, the finish reason, vLLM's cached-token count and the connector's stats line for it
     (``stats_path`` is the connector's LW_VLLM_STATS_FILE, emptied first). Also the wall time."""
     open(stats_path, "w").close()
     t = time.perf_counter()
-    outs = llm.generate(prompts, sp, use_tqdm=False)
+    outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=lora)
     wall = time.perf_counter() - t
     stats = read_stats(stats_path)
     res = []

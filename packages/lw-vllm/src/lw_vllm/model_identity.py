@@ -15,7 +15,14 @@ config and the same weights. The path string is no such identity: the same weigh
   test models. Each file's digest is cached on disk by (real path, size, mtime, inode) under
   ``$LW_POOL_CACHE_DIR`` (default ``~/.cache/lw-pool/model-digests``), so a host pays it once per
   weights file, not once per engine start or TP worker.
-* anything else (a hub id vLLM downloads itself): the name plus its revision.
+* a hub id vLLM downloaded itself: the content of the snapshot it downloaded (the hub's cache),
+  so ``main`` at two commits never shares; when no snapshot is found locally, the name plus its
+  revision (a warning says so: pin ``revision`` or set ``model_id``).
+
+A directory whose weights have no known suffix (tensorizer, npz, sharded sub-folders) is identified
+by every file in it, never by its path.
+
+``engine_identity`` adds what the engine makes of those weights (see ``engine_identity.py``).
 """
 
 from __future__ import annotations
@@ -86,17 +93,23 @@ def _file_digest(path: Path) -> str:
 
 
 def _weight_files(d: Path) -> list[Path]:
-    return sorted(p for p in d.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    """The weights files of a model directory: top-level files with a known weights suffix; when it
+    has none (a format outside the list: tensorizer, npz, sharded sub-folders, ...), every regular
+    file under it but hidden ones, so an unknown format is still identified by its content."""
+    files = sorted(p for p in d.iterdir() if p.is_file() and p.name.endswith(WEIGHT_SUFFIXES))
+    if files:
+        return files
+    return sorted(p for p in d.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(d).parts))
 
 
-def local_identity(path: str) -> str | None:
-    """SHA-256 (hex) of a local model's config and weights; ``None`` when ``path`` is no local model."""
-    p = Path(path).expanduser()
+def files_identity(p: Path, config_names: tuple[str, ...]) -> str | None:
+    """SHA-256 (hex) over ``p``'s config files (``config_names``) and every weights file's name,
+    size and content; ``p`` a directory or one weights file. ``None`` when ``p`` is neither."""
     if p.is_file():
         files, configs = [p], []
     elif p.is_dir():
-        files = _weight_files(p)
-        configs = [p / n for n in CONFIG_FILES if (p / n).is_file()]
+        configs = [p / n for n in config_names if (p / n).is_file()]
+        files = [f for f in _weight_files(p) if f not in configs]
         if not files:
             return None
     else:
@@ -106,8 +119,24 @@ def local_identity(path: str) -> str | None:
         h.update(f"config:{c.name}\0".encode())
         h.update(c.read_bytes())
     for f in files:
-        h.update(f"weights:{f.name}:{f.stat().st_size}:{_file_digest(f)}\0".encode())
+        name = f.relative_to(p).as_posix() if p.is_dir() else f.name
+        h.update(f"weights:{name}:{f.stat().st_size}:{_file_digest(f)}\0".encode())
     return h.hexdigest()
+
+
+def local_identity(path: str) -> str | None:
+    """SHA-256 (hex) of a local model's config and weights; ``None`` when ``path`` is no local model."""
+    return files_identity(Path(path).expanduser(), CONFIG_FILES)
+
+
+def hub_snapshot(model: str, revision: str | None) -> str | None:
+    """The local snapshot directory vLLM downloaded ``model`` (a hub id) into, if there is one."""
+    try:
+        from huggingface_hub import snapshot_download
+
+        return str(snapshot_download(repo_id=model, revision=revision, local_files_only=True))
+    except Exception:  # not a hub id, not downloaded, no huggingface_hub: no snapshot to identify
+        return None
 
 
 def model_identity(model: str, revision: str | None = None, model_id: str | None = None) -> str:
@@ -117,4 +146,8 @@ def model_identity(model: str, revision: str | None = None, model_id: str | None
     local = local_identity(model)
     if local is not None:
         return f"content:{local}"
-    return f"name:{model}@{revision or ''}"
+    snap = hub_snapshot(model, revision)
+    local = local_identity(snap) if snap else None
+    if local is not None:
+        return f"content:{local}"
+    return f"name:{model}@{revision or 'unpinned'}"

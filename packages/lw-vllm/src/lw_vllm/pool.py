@@ -12,7 +12,7 @@ from lw_core.config import ConfigError, PoolConfig, parse_config
 from lw_core.keys import KeySpace, rank_tag
 from lw_core.tp_split import can_split
 
-from lw_vllm.model_identity import model_identity
+from lw_vllm.engine_identity import EngineIdentity, engine_identity
 
 _lock = threading.Lock()
 _backends: dict[tuple, list[Any]] = {}  # key -> [backend, refcount]
@@ -92,7 +92,8 @@ def layer_names(kv_cache_config: Any) -> list[str]:
 
 def key_space(vllm_config: Any, kv_cache_config: Any, cfg: PoolConfig, tp_size: int | None = None) -> KeySpace:
     """Same on the scheduler and every worker: built from the KV cache spec, not from tensors, and
-    from the model's identity (``model_id``, else its config and weights), not its path.
+    from the model's identity (``model_id``, else its config and weights, plus the engine settings
+    that change the KV: ``engine_identity``), not its path.
     ``tp_size``: the key space an engine of this model at that TP size uses (``None``: this one's);
     GQA ranks hold ``kv_heads / tp`` heads each, so their pages scale with it. MLA's keys carry no
     TP size: every rank holds the same latent KV, so engines at any TP size share its objects."""
@@ -108,15 +109,20 @@ def key_space(vllm_config: Any, kv_cache_config: Any, cfg: PoolConfig, tp_size: 
             page = page * own_tp // tp
         else:
             page = page // kv_heads_per_rank(total, own_tp) * kv_heads_per_rank(total, tp)
-    ident = model_identity(str(mc.model), getattr(mc, "revision", None), cfg.model_id)
+    ident = identity(vllm_config, cfg)
     return KeySpace.for_model(
-        model=ident,
+        model="|".join(ident.parts()),
         dtype=str(mc.dtype),
         block_size=spec.block_size,
         layer_block_bytes=[page] * n_layers,
         kv_dtype=str(vllm_config.cache_config.cache_dtype),
         extra=(type(spec).__name__, "tp-any" if is_mla(vllm_config) else tp),
     )
+
+
+def identity(vllm_config: Any, cfg: PoolConfig) -> EngineIdentity:
+    """What the model fingerprint of this engine's keys is made of (``engine_identity``)."""
+    return engine_identity(vllm_config, cfg.model_id)
 
 
 def total_kv_heads(vllm_config: Any) -> int | None:

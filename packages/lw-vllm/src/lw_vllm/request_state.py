@@ -23,7 +23,10 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from lw_core.keys import HashExtra
+
 from lw_vllm.pd_metaserver import Outcome
+from lw_vllm.request_keys import hash_extra, input_digests, num_prompt_tokens
 
 
 class RemotePhase(enum.Enum):
@@ -112,8 +115,16 @@ class ReqState:
     pool_seen: bool = False  # PD: the whole prompt was seen in the pool while waiting
     stream_pending: bool = False  # streaming PD: async load promised, not yet sent to the workers
     stream_sent: bool = False  # streaming PD: the workers were told to receive it
+    extra: HashExtra = field(default_factory=HashExtra)  # what the keys hash besides token ids
+    _digests: tuple[bytes, ...] | None = None  # per prompt chunk, its embeddings' digest (request_keys)
+
+    def input_digests(self, chunk_size: int) -> tuple[bytes, ...]:
+        """Per prompt chunk, a digest of its inputs that are not token ids (computed once)."""
+        if self._digests is None:
+            self._digests = input_digests(self.req, chunk_size)
+        return self._digests
 
     @classmethod
     def of(cls, req: Any, parent: str | None) -> ReqState:
-        return cls(req=req, prompt_len=len(req.prompt_token_ids or ()), parent=parent,
+        return cls(req=req, prompt_len=num_prompt_tokens(req), parent=parent, extra=hash_extra(req),
                    t={"arrival": float(getattr(req, "arrival_time", 0.0) or 0.0)})

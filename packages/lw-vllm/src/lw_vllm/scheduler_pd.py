@@ -20,12 +20,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lw_core.config import PoolConfig
-from lw_core.keys import HashExtra, KeySpace, chunk_hashes, partial_chunk_hash
+from lw_core.keys import KeySpace, chunk_hashes, partial_chunk_hash
 
 from lw_vllm import pool
 from lw_vllm.meta import LayerwiseMeta, Xfer
 from lw_vllm.metrics import Collector
 from lw_vllm.pd_metaserver import MetaserverClient, Outcome, remote_prefill_params
+from lw_vllm.request_keys import prompt_tokens
 from lw_vllm.request_state import RemotePhase, RemotePrefill, ReqState
 
 if TYPE_CHECKING:
@@ -69,7 +70,6 @@ class PdMixin:
     metaserver: MetaserverClient | None
     metrics: Collector
     _lookup: Callable[..., int]
-    _extra_of: Callable[[Any], HashExtra]
     _last_step_empty: bool
     _builds: int
     _idle_waited_at: int
@@ -127,11 +127,13 @@ class PdMixin:
     def _prompt_hashes(self, st: ReqState) -> list[bytes]:
         """Full chunks of the prompt, then (PD, ``discard_partial_chunks`` false) the partial one."""
         if st.pd_hashes is None:
-            toks = list(st.req.prompt_token_ids or ())
-            full = chunk_hashes(toks, self.block_size, self._extra_of(st.req))
+            toks = prompt_tokens(st.req)
+            digests = st.input_digests(self.block_size)
+            full = chunk_hashes(toks, self.block_size, st.extra, digests)
             out = list(full)
             if st.parent is not None and not self.cfg.discard_partial_chunks:
-                ph = partial_chunk_hash(toks, self.block_size, st.parent, self._extra_of(st.req), full_hashes=full)
+                ph = partial_chunk_hash(toks, self.block_size, st.parent, st.extra, full_hashes=full,
+                                        chunk_digests=digests)
                 if ph is not None:
                     out.append(ph)
             st.pd_hashes = out

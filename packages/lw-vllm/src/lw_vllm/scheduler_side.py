@@ -42,7 +42,7 @@ from typing import Any
 
 from lw_core.backend import BackendUnavailable
 from lw_core.config import PoolConfig
-from lw_core.keys import HashExtra, KeySpace, chunk_hashes
+from lw_core.keys import KeySpace, chunk_hashes
 from lw_core.pipeline_pool import DeadlineCall, WorkerPool
 
 from lw_vllm import pool
@@ -67,16 +67,6 @@ LOOKUP_BACKOFF_S = 5.0
 OTHER_TP_SIZES = (1, 2, 4, 8, 16)
 
 
-def _extra(req: Any) -> HashExtra:
-    lora = getattr(req, "lora_request", None)
-    mm = getattr(req, "mm_features", None) or ()
-    return HashExtra(
-        lora_name=getattr(lora, "lora_name", None) if lora is not None else None,
-        cache_salt=getattr(req, "cache_salt", None),
-        mm_hashes=tuple(str(getattr(f, "identifier", f)) for f in mm),
-    )
-
-
 class SchedulerSide(PdMixin):
     """``metrics``: the connector's collector, for what only the scheduler part sees (lookup errors,
     metaserver waits, prefills not in the pool); a fresh one when none is given (tests)."""
@@ -95,8 +85,14 @@ class SchedulerSide(PdMixin):
         self.readable_tp = pool.readable_tp_sizes(vllm_config, tuple(self.other_tp))
         self._vllm_config = vllm_config
         # What engines must agree on to share objects (compare across hosts when nothing hits).
-        log.info("lw-vllm: pool keys %s (block_size %d, rank tags %s)",
-                 self.keyspace.key(self.tags[0], b"").rstrip("/") + "/...", self.block_size, ",".join(self.tags))
+        ident = pool.identity(vllm_config, cfg)
+        log.info("lw-vllm: pool keys %s (block_size %d, rank tags %s); model fingerprint %s: %s",
+                 self.keyspace.key(self.tags[0], b"").rstrip("/") + "/...", self.block_size, ",".join(self.tags),
+                 self.keyspace.model_fp, ident.describe())
+        if ident.weights.startswith("name:"):
+            log.warning("lw-vllm: the model's weights were not found locally, so pool keys name it by %s: engines "
+                        "share KV only on that name's word. Pin --revision, or set kv_connector_extra_config "
+                        "model_id to a name for exactly these weights.", ident.weights)
         self.can_load = (role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load)
                          or (role == "kv_producer" and cfg.producer_is_to_load))
         self.can_save = role in ("kv_both", "kv_producer") or (role == "kv_consumer" and cfg.consumer_is_to_put)
@@ -129,14 +125,10 @@ class SchedulerSide(PdMixin):
             st = self.reqs[req.request_id] = ReqState.of(req, parent_id(req))
         return st
 
-    @staticmethod
-    def _extra_of(req: Any) -> HashExtra:
-        return _extra(req)
-
     def _hashes(self, st: ReqState) -> list[bytes]:
         tokens = st.req.all_token_ids
         if len(tokens) != st.n_tokens:
-            st.hashes = chunk_hashes(list(tokens), self.block_size, _extra(st.req))
+            st.hashes = chunk_hashes(list(tokens), self.block_size, st.extra, st.input_digests(self.block_size))
             st.n_tokens = len(tokens)
         return st.hashes
 

@@ -70,3 +70,28 @@ def test_mla_first_token_matches_transformers_only_with_the_fix() -> None:
         # Without the fix this vLLM is measurably wrong: the test above can fail.
         tok0, lp0 = first({"LW_VLLM_ROPE_FIX": "0"})
         assert tok0 != tok or abs(lp0 - float(ref[tok0])) > 1e-2, (tok0, lp0)
+
+
+SEEDED = {"temperature": 0.8, "seed": 1}
+
+
+@pytest.mark.slow
+def test_seeded_chunked_prefill_runs_and_matches_the_unchunked_run_only_with_the_fix() -> None:
+    """A seeded request whose prefill is chunked killed vLLM 0.32's CPU engine ("CPU Generator does
+    not use offset"); with the fix it runs, and its sampled tokens equal the unchunked run's (the
+    discarded chunk samples leave no trace, as CUDA's rewind)."""
+    from lw_dev.harness import EngineFailed, random_tokens
+    from lw_vllm import seed_fix
+
+    prompt = random_tokens(21, 300)
+    job = {"model": "gqa", "max_tokens": 8, "extra": None, "sampling": SEEDED, "phases": [[prompt]]}
+    chunked = {**job, "engine": {"max_num_batched_tokens": 64, "enable_chunked_prefill": True}}
+    whole = {**job, "engine": {"max_num_batched_tokens": 2048}}
+    got = run_engine(chunked, env={"LW_VLLM_SEED_FIX": "1"})["phases"][0]["outputs"][0]["tokens"]
+    ref = run_engine(whole, env={"LW_VLLM_SEED_FIX": "1"})["phases"][0]["outputs"][0]["tokens"]
+    assert got == ref and len(got) == 8
+    import vllm
+
+    if vllm.__version__.startswith(seed_fix.AFFECTED_VERSIONS):
+        with pytest.raises(EngineFailed, match="CPU Generator does not use offset"):
+            run_engine(chunked, env={"LW_VLLM_SEED_FIX": "0"})

@@ -216,13 +216,14 @@ def test_killed_writer_fails_waiters_promptly_and_its_key_is_taken_over_safely(h
     assert again is None or wait_layers(be, [again], 1, LB, 20.0) == [False]
     assert time.monotonic() - t0 < 3.0
     # The orphan (unfinished, in the reader's memory) is taken over by the next writer once it has
-    # looked unfinished for longer than that writer's write lease: at the same address.
+    # watched it unfinished for longer than its write lease (sightings less than a lease apart):
+    # at the same address.
     w2 = writer(2, write_lease_ms=200)
     deadline = time.monotonic() + 20
     got = "ok False"
     while got == "ok False" and time.monotonic() < deadline:
         got = w2.do("reserve k2")
-        time.sleep(0.3)
+        time.sleep(0.05)
     assert int(got.split()[1]) == g1
     for layer in range(NL):
         w2.do(f"write {layer}")

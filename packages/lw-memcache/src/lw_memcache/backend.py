@@ -3,8 +3,8 @@
 One pool object per key holds all layers layer-major. Its life, in store calls (all batched):
 
 * ``reserve``: ``batch_get_key_info(flag=0)`` (sees objects being written too) skips keys that
-  exist or are being written, then ``batch_alloc`` places the rest and takes a write lease; the
-  answer is each object's global address (GVA).
+  exist or are being written (unless orphaned: ``lw_memcache.orphans``), then ``batch_alloc``
+  places the rest and takes a write lease; the answer is each object's global address (GVA).
 * ``write``: ``batch_copy(GVA + offset, buffer, size)`` -- a ranged copy per layer, no metadata
   round trip. ``commit``: ``batch_write_finish(res=0)``: only now does the object become
   readable (``batch_is_exist`` / ``batch_add_lease`` fail on it before). ``abort``:
@@ -35,6 +35,7 @@ from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 from lw_memcache import errors
 from lw_memcache.copies import CopyMixin, MemcacheHandle
 from lw_memcache.conf import ConfError, local_config_fields, meta_address, read_conf, resolve_auto_hcom
+from lw_memcache.orphans import Sightings
 from lw_memcache.stream_read import StreamReadMixin
 from lw_memcache.streaming import REMOVE_GRACE_S, TRAILER, MemcacheStreamHandle, StreamMixin
 
@@ -129,7 +130,7 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
         self._reaper: threading.Thread | None = None
         self._remove_grace_s = REMOVE_GRACE_S
         self._writing: dict[str, MemcacheHandle] = {}
-        self._unfinished_seen: dict[str, float] = {}
+        self._sightings = Sightings(write_lease_ms / 1000)  # keys seen being written by others
         self._reading: Counter[str] = Counter()  # open read leases, released at close if forgotten
         self._device_regions: list[tuple[int, int]] = []
         self._stats = dict.fromkeys(
@@ -221,20 +222,12 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
             raise BackendError("memcache backend is closed")
         return self._store
 
-    def _orphaned(self, key: str, now: float) -> bool:
-        """An unfinished object seen for longer than a write lease: its writer died after
-        allocating it on another client's memory, which the store never reclaims. Re-reserving
-        it (``batch_alloc`` returns the same space) lets the key be saved again."""
-        with self._lock:
-            first = self._unfinished_seen.setdefault(key, now)
-            if len(self._unfinished_seen) > 100_000:  # forget the oldest sightings
-                for k in list(self._unfinished_seen)[:50_000]:
-                    del self._unfinished_seen[k]
-        if now - first > self._write_lease_ms / 1000:
-            with self._lock:
-                self._unfinished_seen.pop(key, None)
-            return True
-        return False
+    def _orphaned(self, key: str, info: Any, now: float) -> bool:
+        """``key`` is being written by another client (``info``: its ``batch_get_key_info``):
+        is that reservation orphaned (``lw_memcache.orphans``)? Its writer died after allocating
+        it on another client's memory, which the store never reclaims; re-reserving it
+        (``batch_alloc`` returns the same space) lets the key be saved again."""
+        return self._sightings.unfinished(key, (tuple(int(g) for g in info.gva_list()), int(info.size())), now)
 
     # ----- Backend protocol -----
 
@@ -250,6 +243,7 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
             if r != 0:
                 self._fail(r, "lookup (batch_is_exist)")
             break
+        self._sightings.forget(keys[:n])
         self._count(lookups=1, lookup_hits=n)
         return n
 
@@ -281,11 +275,13 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
         now = time.monotonic()
         todo: list[int] = []
         seen: set[str] = set()
+        # Readable or absent: no reservation of them is going on.
+        self._sightings.forget(k for i, k in enumerate(keys) if readable.get(i, 1) == 1)
         for i, k in enumerate(keys):
             if k in seen or k in self._writing:
                 continue  # reserved here already, or repeated in this batch
-            if i in readable and (readable[i] == 1 or not self._orphaned(k, now)):
-                continue  # committed, or being written by another writer within its write lease
+            if i in readable and (readable[i] == 1 or not self._orphaned(k, infos[i], now)):
+                continue  # committed, or being written by another writer (not orphaned)
             seen.add(k)
             todo.append(i)
         deadline = now + self._full_wait_s
@@ -301,6 +297,7 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
         except BackendError:
             self.abort([h for h in out if h is not None])
             raise
+        self._sightings.forget(h.key for h in out if h is not None)
         n_ok = sum(h is not None for h in out)
         self._count(reserved=n_ok, reserve_skipped=len(keys) - n_ok)
         self._note_room(refused=len(todo), asked=len(keys), waited_s=time.monotonic() - now)
@@ -417,6 +414,7 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
                 store.batch_remove_lease(lost)
         with self._lock:
             self._reading.update(h.key for h in out if h is not None)
+        self._sightings.forget(h.key for h in out if h is not None)
         n_ok = sum(h is not None for h in out)
         self._count(opened=n_ok, open_misses=len(keys) - n_ok)
         return out

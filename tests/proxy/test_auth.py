@@ -16,6 +16,7 @@ from lw_proxy.validate import parse_completion
 from lw_vllm.pd_metaserver import MetaserverClient
 
 from lw_dev.proxy_mocks import harness, run
+from raw_http import exchange, head
 
 OK = (200, {"status": "ok"})
 
@@ -175,3 +176,20 @@ def test_empty_key_file_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--backend-api-key-file", str(f)])
     assert "--backend-api-key-file" in capsys.readouterr().err
+
+
+def test_a_bearer_token_that_is_not_utf8_is_a_401_like_any_wrong_key():
+    async def body():
+        async with harness(api_key="k") as h:
+            for path, payload in (("/v1/completions", b'{"prompt": "p", "max_tokens": 1}'),
+                                  ("/reset_prefix_cache", b"{}"),
+                                  ("/v1/metaserver", b'{"lw_parent_id": "x", "request_id": "r"}')):
+                raw = head(path, length=len(payload))[:-2] + b"Authorization: Bearer \xff\xfek\r\n\r\n"
+                status, out = await exchange(h.url, [raw + payload])
+                assert status == 401 and out["error"]["type"] == "authentication_error", (path, status, out)
+            metrics = h.proxy.m.render()[0].decode()
+            assert 'lw_proxy_errors_total{kind="client_disconnect"}' not in metrics
+            assert 'lw_proxy_requests_total{endpoint="/v1/completions",status="401"} 1.0' in metrics
+            assert not h.decoders[0].bodies
+
+    run(body())

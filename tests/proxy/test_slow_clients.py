@@ -13,7 +13,7 @@ import aiohttp
 from lw_proxy.logfilter import RepeatFilter
 
 from lw_dev.proxy_mocks import generate, harness, run
-from raw_http import read_response
+from raw_http import head, read_response
 
 
 async def _connect(url: str):
@@ -104,6 +104,79 @@ def test_shared_port_keeps_a_reserve_for_metaserver_callbacks():
             assert status == 200  # the decoder recomputed
             ((ms, _),) = h.decoders[0].metaserver_results
             assert ms in (503, None)  # the 503, or a reset when the refusal meets the unread request
+
+    run(body())
+
+
+async def _dribble(url: str, path: str, auth: bytes = b"", every: float = 0.25, for_s: float = 4.0):
+    """POST ``path`` announcing a 200-byte body and send one byte of it every ``every`` s, for at most
+    ``for_s`` s; returns (seconds until the answer, status), or None when none came."""
+    reader, writer = await _connect(url.removesuffix(path))
+    t0 = time.monotonic()
+    writer.write(head(path, length=200)[:-2] + auth + b"\r\n")
+    try:
+        while time.monotonic() - t0 < for_s:
+            try:
+                writer.write(b" ")
+                await writer.drain()
+                status, _ = await asyncio.wait_for(read_response(reader), every)
+                return time.monotonic() - t0, status
+            except asyncio.TimeoutError:
+                continue
+            except ConnectionError:
+                return time.monotonic() - t0, None
+        return None
+    finally:
+        writer.close()
+
+
+def test_unauthenticated_metaserver_dribblers_cannot_hold_the_slots():
+    # Six connections POST /v1/metaserver without a token and dribble a body, one byte at a time,
+    # on a client port with one client slot and a reserve of five.
+    async def body():
+        auth = {"Authorization": "Bearer k"}
+        async with harness(api_key="k", max_client_connections=1, metaserver_reserved_connections=5,
+                           client_header_timeout=10) as h:
+            dribblers = [asyncio.ensure_future(_dribble(h.url, "/v1/metaserver")) for _ in range(6)]
+            await asyncio.sleep(0.3)
+            status, out = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 2}, headers=auth)
+            assert status == 200 and out["choices"][0]["text"] == "".join(generate("p", 2))
+            assert h.decoders[0].metaserver_results == [(200, {"status": "ok"})]
+            got = await asyncio.gather(*dribblers)
+            # refused on the header (401: no token; 503: no token, so no reserve), before the body
+            assert all(g is not None and g[0] < 1 and g[1] in (401, 503, None) for g in got), got
+
+        async with harness(max_client_connections=1, metaserver_reserved_connections=5, client_header_timeout=10,
+                           client_body_timeout=1.0) as h:
+            dribblers = [asyncio.ensure_future(_dribble(h.url, "/v1/metaserver"))]
+            await asyncio.sleep(0.1)  # the first one is in, within the client cap
+            dribblers += [asyncio.ensure_future(_dribble(h.url, "/v1/metaserver")) for _ in range(5)]
+            got = sorted(await asyncio.gather(*dribblers), key=lambda g: (g is None, g and g[0]))
+            # no key: no token, so no reserve (503 at once); the one within the client cap has its
+            # whole body cut at the metaserver deadline (here --client-body-timeout, 1 s, is shorter)
+            assert all(g is not None for g in got), got
+            assert [g[1] for g in got[:5]] == [503] * 5 and all(g[0] < 0.5 for g in got[:5]), got
+            assert got[5][1] == 400 and 0.9 < got[5][0] < 2, got
+            status, _ = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 2})
+            assert status == 200
+
+    run(body())
+
+
+def test_metaserver_listener_judges_the_token_before_the_body_and_bounds_the_body():
+    async def body():
+        async with harness(api_key="k", dedicated_metaserver=True, client_body_timeout=1.0) as h:
+            got = await _dribble(h.metaserver_url, "/v1/metaserver")
+            assert got is not None and got[0] < 0.5 and got[1] in (401, None), got
+            got = await _dribble(h.metaserver_url, "/v1/metaserver", b"Authorization: Bearer not-a-token\r\n")
+            assert got is not None and got[0] < 0.5 and got[1] in (401, None), got
+            parent = h.proxy.registry.open(1, None)
+            try:  # a token the proxy issued still may not dribble its body past the deadline
+                got = await _dribble(h.metaserver_url, "/v1/metaserver",
+                                     f"Authorization: Bearer {parent.token}\r\n".encode())
+                assert got is not None and got[1] == 400 and 0.9 < got[0] < 2, got
+            finally:
+                h.proxy.registry.close(parent)
 
     run(body())
 

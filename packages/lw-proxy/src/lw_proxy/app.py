@@ -6,12 +6,19 @@ cancels its handler, which closes the upstream connection, which makes vLLM abor
 Auth: with an API key, generation and admin endpoints need ``Authorization: Bearer <key>`` (the
 scheme in any case), and metaserver calls need their parent's token. Without a key, the admin endpoint
 (``/reset_prefix_cache``) is refused unless ``allow_unauthenticated_admin``.
+
+Metaserver calls are judged by their header before their body is read (``ParentRegistry.token_refusal``):
+a bearer token that is no open parent's (nor the key) is refused at once, and so is a call without one
+when the proxy has a key; the refusal closes the connection when the body has not fully arrived. Their
+body must then arrive whole within ``METASERVER_BODY_TIMEOUT`` (a decoder sends its ~100 bytes with the
+headers), so no caller holds a connection by dribbling it. Past ``--max-client-connections`` (the
+decoders' reserve on the client port) only calls carrying a valid token are served, with or without a
+key: a connection without one never uses the reserve.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import time
 from collections.abc import Awaitable, Callable
 
@@ -29,6 +36,7 @@ from lw_core.wire import (
     decode_metaserver_request,
 )
 
+from .auth import bearer, same_secret
 from .backends import probe_loop
 from .config import ProxyConfig
 from .errors import ProxyError
@@ -38,32 +46,28 @@ from .validate import ClientRequest, parse_chat, parse_completion
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
 _MAX_METASERVER_BODY = 64 << 10
+METASERVER_BODY_TIMEOUT = 5.0  # whole metaserver body, from the end of the headers (or --client-body-timeout if shorter)
 _KNOWN = {COMPLETIONS: "POST", CHAT: "POST", "/v1/metaserver": "POST", "/healthcheck": "GET",
           "/reset_prefix_cache": "POST", "/metrics": "GET", **PASSTHROUGH}
 _MAX_PASSTHROUGH_BODY = 4 << 20  # /tokenize of a long prompt; /v1/models has no body
 
 
-def bearer(request: web.Request) -> str | None:
-    """The token of an ``Authorization: Bearer <token>`` header (scheme in any case), else None."""
-    scheme, _, token = request.headers.get("Authorization", "").strip().partition(" ")
-    if scheme.lower() != "bearer":
-        return None
-    return token.strip() or None
-
-
-async def read_body(request: web.Request, limit: int, idle: float) -> bytes:
+async def read_body(request: web.Request, limit: int, idle: float, total: float | None = None) -> bytes:
     """The whole body, however it arrives (segments, chunked, after ``Expect: 100-continue``).
 
     413 past ``limit`` bytes; 400 when the client sends nothing for ``idle`` seconds before the body
-    is complete or ends it early (fewer bytes than its Content-Length, a broken chunked encoding)."""
+    is complete, when the whole body takes longer than ``total`` seconds (None: no such bound), or when
+    the client ends it early (fewer bytes than its Content-Length, a broken chunked encoding)."""
     declared = request.content_length
     if declared is not None and declared > limit:
         raise ProxyError(413, f"request body of {declared} bytes exceeds the limit of {limit} (--max-body-bytes)")
     buf = bytearray()
     content = request.content
+    loop = asyncio.get_running_loop()
+    end = None if total is None else loop.time() + total
     try:
         while True:
-            async with asyncio.timeout(idle):
+            async with asyncio.timeout(idle if end is None else min(idle, end - loop.time())):
                 chunk = await content.readany()
             if not chunk:
                 break
@@ -72,6 +76,9 @@ async def read_body(request: web.Request, limit: int, idle: float) -> bytes:
                 raise ProxyError(413, f"request body exceeds the limit of {limit} bytes (--max-body-bytes)")
     except TimeoutError:
         want = f" of the {declared} announced" if declared is not None else ""
+        if end is not None and loop.time() >= end:
+            raise ProxyError(400, f"request body incomplete: {len(buf)} bytes{want} arrived in {total:g} s, the "
+                             "deadline for this endpoint's whole body") from None
         raise ProxyError(400, f"request body incomplete: {len(buf)} bytes{want} arrived, then nothing for "
                          f"{idle:g} s (--client-body-timeout)") from None
     except (aiohttp.ClientPayloadError, asyncio.IncompleteReadError, HttpProcessingError, ValueError) as e:
@@ -79,6 +86,16 @@ async def read_body(request: web.Request, limit: int, idle: float) -> bytes:
         raise ProxyError(400, f"request body incomplete: the client ended it after {len(buf)} bytes{want} "
                          f"({e})") from None
     return bytes(buf)
+
+
+def close_unread(request: web.Request, resp: web.StreamResponse) -> None:
+    """``resp`` refuses ``request`` before its body was all in (auth, the connection cap, a stalled or
+    oversized body): close the connection after it rather than drain the rest, which a slow sender
+    could make last."""
+    resp.force_close()
+    drop = getattr(request.protocol, "drop_unread_body", None)  # lw_proxy.server's connections
+    if drop is not None:
+        drop()
 
 
 class _Handlers:
@@ -94,7 +111,7 @@ class _Handlers:
         if self._key is None:
             return
         got = bearer(request)
-        if got is None or not hmac.compare_digest(got.encode(), self._key):
+        if got is None or not same_secret(got, self._key):
             raise ProxyError(401, "missing or wrong bearer token (header 'Authorization: Bearer <key>')",
                              kind="auth")
 
@@ -121,6 +138,8 @@ class _Handlers:
             except ProxyError as e:
                 m.errors.labels(e.kind).inc()
                 resp = e.response()
+                if not request.content.is_eof():
+                    close_unread(request, resp)
             status = resp.status
             return resp
         except (asyncio.CancelledError, ConnectionResetError):
@@ -157,13 +176,18 @@ class _Handlers:
         return await self._timed("/v1/metaserver", request, self._metaserver)
 
     async def _metaserver(self, request: web.Request) -> web.Response:
-        raw = await self._read(request, _MAX_METASERVER_BODY)
+        token = bearer(request)
+        refused = self.p.registry.token_refusal(token)
+        if refused is not None:  # judged on the header alone, before any of the body is read
+            raise refused
+        raw = await read_body(request, _MAX_METASERVER_BODY, self.cfg.client_body_timeout,
+                              total=min(METASERVER_BODY_TIMEOUT, self.cfg.client_body_timeout))
         try:
             msg = decode_metaserver_request(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ProxyError(400, f"metaserver request: {e}; expected {{\"lw_parent_id\": str, \"request_id\": str}}") from None
         # needs_prefill: absent from an older decoder's body (and from an older lw_core.wire)
-        status, body = await self.p.registry.arrive(msg.lw_parent_id, msg.request_id, bearer(request),
+        status, body = await self.p.registry.arrive(msg.lw_parent_id, msg.request_id, token,
                                                     getattr(msg, "needs_prefill", None))
         return web.Response(status=status, body=body, content_type="application/json")
 
@@ -237,14 +261,17 @@ class _Handlers:
 async def over_cap(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                    ) -> web.StreamResponse:
     """Past --max-client-connections only metaserver callbacks are served (the reserve is theirs):
-    under a client flood decoders still learn that their prefill is done."""
+    under a client flood decoders still learn that their prefill is done. A callback is one whose
+    bearer token is an open parent's (or the key): without one, a request for the metaserver path
+    is just another client's."""
     over = getattr(request.protocol, "over_soft_cap", None)
-    if request.path != METASERVER_PATH and over is not None and over():
+    if over is not None and over() and not (request.path == METASERVER_PATH and
+                                             request.app[PROXY_KEY].registry.known_token(bearer(request))):
         proxy = request.app[PROXY_KEY]
         proxy.m.connections_refused.labels("client").inc()
         resp = ProxyError(503, f"lw-proxy is at its {proxy.cfg.max_client_connections} client connections "
                           "(--max-client-connections); retry later").response()
-        resp.force_close()
+        close_unread(request, resp)
         return resp
     return await handler(request)
 

@@ -19,12 +19,14 @@ an abort) and counted ``ok``/``error`` when it ends.
 
 Each parent carries a random ``token`` the proxy hands its decoder (``lw_token`` in
 ``kv_transfer_params``); with ``require_token`` a POST must send it back as ``Authorization: Bearer``.
+The registry indexes the open parents' tokens, so a POST's header can be judged (``token_refusal``)
+before a byte of its body is read: the body names the parent, the header alone says whether the
+caller holds a token the proxy issued and still honours.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import secrets
 import time
@@ -36,6 +38,7 @@ import msgspec
 
 from lw_core.wire import MetaserverResponse
 
+from .auth import same_secret
 from .errors import ProxyError
 from .metrics import ProxyMetrics
 
@@ -70,9 +73,10 @@ class ParentRegistry:
                  timeout: float, require_token: bool = False, api_key: str | None = None) -> None:
         self._dispatch = dispatch
         self._require_token = require_token
-        self._api_key = api_key  # also accepted in place of a parent's token
+        self._api_key = api_key.encode() if api_key is not None else None  # also accepted in place of a parent's token
         self._reused = metrics.prefill_reused
         self._parents: dict[str, Parent] = {}
+        self._tokens: dict[str, Parent] = {}  # open parents by token
         self._running: set[asyncio.Task[None]] = set()  # prefills, closed parents' included
         self._m = metrics
         self._timeout = timeout
@@ -86,6 +90,7 @@ class ParentRegistry:
     def open(self, children: int, request: Any) -> Parent:
         p = Parent(children, request)
         self._parents[p.id] = p
+        self._tokens[p.token] = p
         self._m.parents.inc()
         return p
 
@@ -124,6 +129,7 @@ class ParentRegistry:
         on it; otherwise it is cancelled."""
         if self._parents.pop(p.id, None) is None:
             return
+        self._tokens.pop(p.token, None)
         self._m.parents.dec()
         if p.task is not None and not p.task.done() and (not answered or p.stalled):
             p.task.cancel()
@@ -138,18 +144,35 @@ class ParentRegistry:
             self._m.prefills.labels("cancelled").inc()
         await asyncio.gather(*tasks, return_exceptions=True)
 
-    def _refuse_token(self, p: Parent | None, token: str | None) -> Outcome | None:
+    def known_token(self, token: str | None) -> bool:
+        """``token`` is an open parent's token, or the API key."""
+        if token is None:
+            return False
+        return token in self._tokens or (self._api_key is not None and same_secret(token, self._api_key))
+
+    def token_refusal(self, token: str | None) -> ProxyError | None:
+        """Why a metaserver POST with this bearer token is refused before its body is read, or None.
+
+        A token the proxy never issued, or whose request already ended, is refused at any time; no
+        token at all only when the proxy has an API key (an older connector sends none)."""
         if token is None:
             if not self._require_token:
                 return None
-            e = ProxyError(401, "metaserver calls need 'Authorization: Bearer <lw_token>' (the lw_token the proxy "
-                           "put in kv_transfer_params) because the proxy has an API key; this decoder sent "
-                           "none: upgrade its lw-vllm connector", kind="auth")
-            return e.status, e.body()
+            return ProxyError(401, "metaserver calls need 'Authorization: Bearer <lw_token>' (the lw_token the proxy "
+                              "put in kv_transfer_params) because the proxy has an API key; this decoder sent "
+                              "none: upgrade its lw-vllm connector", kind="auth")
+        if self.known_token(token):
+            return None
+        return ProxyError(401, "the metaserver bearer token is no open request's lw_token (wrong, or its request "
+                          "already ended); recompute locally", kind="auth")
+
+    def _refuse_token(self, p: Parent | None, token: str | None) -> Outcome | None:
+        if token is None:
+            e = self.token_refusal(None)
+            return None if e is None else (e.status, e.body())
         if p is None:
             return None  # 404 below
-        ok = hmac.compare_digest(token.encode(), p.token.encode()) or (
-            self._api_key is not None and hmac.compare_digest(token.encode(), self._api_key.encode()))
+        ok = same_secret(token, p.token.encode()) or (self._api_key is not None and same_secret(token, self._api_key))
         if ok:
             return None
         e = ProxyError(401, f"wrong metaserver token for parent {p.id}", kind="auth")

@@ -5,7 +5,7 @@ aiohttp's own protection against a client that never finishes its headers is its
 which also runs from the moment a connection is accepted: ``client_header_timeout`` sets it. What
 aiohttp lacks is a cap on connections (one host could take every file descriptor) and an answer to a
 client that half-closes mid-body (aiohttp closes the connection, so the client sees no status):
-``_Handler`` adds both.
+``_Handler`` adds both, and lets a refusal given before the body was in close without draining it.
 """
 
 from __future__ import annotations
@@ -49,6 +49,11 @@ class _Handler(RequestHandler):
         super().connection_made(transport)
 
     _last_payload = None
+
+    def drop_unread_body(self) -> None:
+        """After the response being made, close at once instead of reading (up to aiohttp's 10 s
+        lingering time) what is left of the request body: for refusals given before the body was in."""
+        self._lingering_time = 0.0
 
     def over_soft_cap(self) -> bool:
         """More connections are open than clients may use: the rest are kept for metaserver callbacks."""

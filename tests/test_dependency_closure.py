@@ -3,6 +3,9 @@ dependencies alone): lw-core and lw-proxy stay free of torch and vLLM (ARCHITECT
 and lw-core's base install pull only what they run (issue 11 item 2), benches and test support
 live outside the libraries."""
 
+import json
+import os
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -117,3 +120,110 @@ def test_embedded_backend_without_its_extra_names_the_extra(tmp_path):
     r = _run_without(["lmdb"], code)
     assert r.returncode == 0, r.stderr
     assert "backend='embedded' needs lmdb" in r.stdout and "pip install 'lw-core[embedded]'" in r.stdout, r.stdout
+
+
+# ---------------------------------------------------------------- each library from its own wheel
+#
+# A plain `pip install X` must import X's modules: each library's wheel (built once from this tree)
+# goes into a clean venv with only what its metadata declares, and every module of the package
+# (pkgutil's walk, less ``__main__``) is imported there. Third-party wheels come from uv's cache
+# (`--offline`; the first run without a cached index page fetches it), pinned to uv.lock's versions.
+
+# Modules a plain install cannot import, and why: they need what the package declares only as an
+# extra (lw-core) or not at all (lw-vllm: vLLM and torch, each platform brings its own build). Each
+# must fail for exactly that reason (a module missing anything else fails the test).
+_CORE_EXTRAS = ({"numpy", "lmdb"}, "lw-core[pipeline] brings numpy, lw-core[embedded] numpy and lmdb")
+_VLLM = ({"vllm", "torch"}, "vLLM and torch are not declared: CUDA, Ascend and CPU users bring their own build")
+NOT_IN_PLAIN_INSTALL: dict[str, dict[str, tuple[set[str], str]]] = {
+    "lw-core": {m: _CORE_EXTRAS for m in (
+        "lw_core.backends.embedded", "lw_core.buffers", "lw_core.host_copier", "lw_core.pipeline",
+        "lw_core.pipeline_context", "lw_core.pipeline_load", "lw_core.pipeline_pool", "lw_core.pipeline_save")},
+    "lw-vllm": {m: _VLLM for m in (
+        "lw_vllm.connector", "lw_vllm.copier", "lw_vllm.device_path", "lw_vllm.device_streams", "lw_vllm.meta",
+        "lw_vllm.metrics", "lw_vllm.scheduler_pd", "lw_vllm.scheduler_side", "lw_vllm.staging", "lw_vllm.worker_side")},
+}
+WHEEL_INSTALLS = ["lw-core", "lw-core[pipeline,embedded]", "lw-memcache", "lw-mooncake", "lw-vllm", "lw-proxy"]
+
+_WALK = """
+import importlib, json, pkgutil, sys
+top, out, where = sys.argv[1], {}, None
+
+
+def load(name):
+    try:
+        out[name] = None
+        return importlib.import_module(name)
+    except BaseException as e:
+        out[name] = [type(e).__name__, getattr(e, "name", None), repr(e)[:400]]
+
+
+pkg = load(top)
+if pkg is not None:
+    where = pkg.__file__
+    for m in pkgutil.walk_packages(pkg.__path__, top + ".", onerror=lambda n: None):
+        if not m.name.endswith(".__main__"):  # that one runs the command line
+            load(m.name)
+json.dump({"file": where, "modules": out}, open(sys.argv[2], "w"))
+"""
+
+
+def _uv(*args: str, cwd: Path | None = None) -> None:
+    """``uv ARGS`` offline (uv's cache), else online (PyPI; that also fills the cache)."""
+    uv = os.environ.get("UV") or shutil.which("uv")
+    assert uv, "uv is not on PATH (scripts/setup.sh installs it)"
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "UV_PROJECT_ENVIRONMENT")}
+    errors = []
+    for mode in (["--offline"], []):
+        r = subprocess.run([uv, *args, *mode], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+        if r.returncode == 0:
+            return
+        errors.append(r.stderr[-3000:])
+    raise AssertionError(f"uv {' '.join(args)} failed:\n" + "\n--- online:\n".join(errors))
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(tmp_path_factory) -> tuple[Path, Path]:
+    """The five libraries' wheels, built once, and uv.lock's versions as pip constraints."""
+    out = tmp_path_factory.mktemp("wheels")
+    for name in sorted(LIBRARIES):
+        _uv("build", "--quiet", "--wheel", "--package", name, "--out-dir", str(out), cwd=ROOT)
+    cons = out / "constraints.txt"
+    _uv("export", "--quiet", "--frozen", "--no-hashes", "--all-packages", "--all-extras", "--no-emit-workspace",
+        "--no-header", "--no-annotate", "--output-file", str(cons), cwd=ROOT)
+    assert len(list(out.glob("*.whl"))) == len(LIBRARIES)
+    return out, cons
+
+
+def _source_modules(top: str) -> set[str]:
+    src = next((ROOT / "packages").glob(f"*/src/{top}")).parent
+    mods = {".".join(p.relative_to(src).with_suffix("").parts) for p in src.rglob("*.py")}
+    return {m.removesuffix(".__init__") for m in mods if not m.endswith("__main__")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("req", WHEEL_INSTALLS)
+def test_library_wheel_imports_every_module_in_a_clean_venv(req, wheelhouse, tmp_path):
+    wheels, cons = wheelhouse
+    name = req.split("[")[0]
+    top = name.replace("-", "_")
+    venv = tmp_path / "venv"
+    _uv("venv", "--quiet", "--python", sys.executable, str(venv))
+    py = str(venv / "bin" / "python")
+    _uv("pip", "install", "--quiet", "--python", py, "--find-links", str(wheels), "--constraints", str(cons), req)
+    r = subprocess.run([py, "-c", _WALK, top, str(tmp_path / "walk.json")], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    walk = json.loads((tmp_path / "walk.json").read_text())
+    got = walk["modules"]
+    assert got[top] is None, f"`pip install {req}` cannot import {top}: {got[top]}"
+    assert str(venv) in walk["file"], f"{top} came from {walk['file']}, not the venv"
+    allowed = {} if "[" in req else NOT_IN_PLAIN_INSTALL.get(name, {})
+    # Every module of the source is in the wheel (a package that fails to import hides its submodules).
+    expected = {m for m in _source_modules(top) if not any(m.startswith(a + ".") for a in allowed)}
+    assert set(got) == expected, f"wheel lacks {sorted(expected - set(got))}, has extra {sorted(set(got) - expected)}"
+    broken = {m: e for m, e in got.items() if e is not None and m not in allowed}
+    assert not broken, f"`pip install {req}` cannot import: {broken}"
+    for m, (needs, why) in allowed.items():
+        e = got[m]
+        assert e is not None, f"{m} imports in a plain install of {name}: remove it from NOT_IN_PLAIN_INSTALL"
+        assert e[0] == "ModuleNotFoundError" and e[1] in needs, f"{m} should fail only for {sorted(needs)} ({why}): {e}"

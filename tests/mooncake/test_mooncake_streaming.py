@@ -83,7 +83,7 @@ def test_a_head_that_does_not_verify_is_not_used(be):
     (w,) = be.reserve(["k"], NB)
     (ok,) = be.open_streaming(["k"])
     assert ok is not None and ok.token is not None and ok.nbytes == NB
-    from lw_core.backends.embedded.procs import boot_id, current_owner
+    from lw_core.procs import boot_id, current_owner
     from lw_mooncake.streaming import pack_head
 
     good = bytes(pack_head("k", ok.token, NB, boot_id(), current_owner()))

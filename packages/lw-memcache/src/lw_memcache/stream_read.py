@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
-from lw_core.backends.embedded.procs import Owner
+from lw_core.procs import Owner
 from lw_core.backends.segment_stream import POLL_MAX_S, POLL_MIN_S, WriterJudge, head_key, poll_names, read_poll, seg_key
 
 from lw_memcache.streaming import (

@@ -53,7 +53,7 @@ from typing import Any
 
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
-from lw_core.backends.embedded.procs import Owner, boot_id, current_owner
+from lw_core.procs import Owner, boot_id, current_owner
 from lw_core.backends.segment_stream import abort_key, head_key, seg_key
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from lw_core.backend import BackendError
-from lw_core.backends.embedded.procs import Owner
+from lw_core.procs import Owner
 
 
 @dataclass(eq=False, slots=True)

@@ -55,7 +55,7 @@ from typing import Any
 
 import numpy as np
 from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
-from lw_core.backends.embedded.procs import Owner, boot_id, current_owner
+from lw_core.procs import Owner, boot_id, current_owner
 from lw_core.backends.segment_stream import abort_key, head_key, seg_key
 
 from lw_mooncake.errors import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, to_error

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lw_core.backends.embedded.procs import Owner, boot_id, current_owner, owner_alive
+from lw_core.procs import Owner, boot_id, current_owner, owner_alive
 
 # A waiter polls the store (one metadata call) with a pause growing from the first to the second.
 POLL_MIN_S, POLL_MAX_S = 0.0005, 0.02

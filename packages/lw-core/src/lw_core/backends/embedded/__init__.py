@@ -17,9 +17,11 @@ Modules, one job each:
 * ``verify``   -- ``stats`` and the full-index consistency check.
 * ``leases``   -- per-process lease rows and per-page object generations (no pool-wide lock).
 * ``files``    -- who may own the pool directory and files, ``O_NOFOLLOW``, space reserved up front.
-* ``procs``    -- is an owner (pid namespace, pid, start time) still alive.
 * ``env``      -- one LMDB environment per process and path, ``flock`` with a deadline.
 * ``arena_alloc`` -- the arena's free extents, kept in LMDB.
+
+Whether a reservation's or a lease row's owner (pid namespace, pid, start time) still lives is
+``lw_core.procs`` (shared with the other stores' streaming, which do not need LMDB).
 """
 
 from lw_core.backends.embedded.backend import EmbeddedBackend

@@ -16,7 +16,7 @@ from lw_core.backends.embedded.attach import AttachMixin
 from lw_core.backends.embedded.env import release_env
 from lw_core.backends.embedded.leases import LeaseTable
 from lw_core.backends.embedded.ops import OpsMixin
-from lw_core.backends.embedded.procs import current_owner
+from lw_core.procs import current_owner
 from lw_core.backends.embedded.records import PAGE
 from lw_core.backends.embedded.stream import StreamMixin
 from lw_core.backends.embedded.sweep import SweepMixin

@@ -9,7 +9,7 @@ other process's reads), so nothing here is shared-written by readers:
   generation changed while it was being read was evicted and its space may hold another object's
   bytes, so the read fails (``ObjectMissing``: the connector recomputes) instead of returning them.
 * One *row* per attached backend (claimed under the writer lock at attach; its owner recorded as
-  pid namespace, pid and start time as in procs.py, and an open-file-description lock on
+  pid namespace, pid and start time as in lw_core/procs.py, and an open-file-description lock on
   one byte per row held while attached), holding that backend's leases: (object id, expiry)
   entries only it writes. ``open`` is a few stores into its own row; ``release`` clears them.
 * ``hint[page]`` -- the latest lease expiry on that page (readers store it; a lost race between
@@ -42,7 +42,7 @@ import numpy as np
 
 from lw_core.backend import BackendError
 from lw_core.backends.embedded.files import open_file, reserve_space
-from lw_core.backends.embedded.procs import Owner, owner_alive
+from lw_core.procs import Owner, owner_alive
 
 ROWS = 128  # attached backends at once
 ENTRIES = 2048  # leases one backend holds at once; more opens return None (a miss)

@@ -8,7 +8,7 @@ import struct
 from typing import NamedTuple, TypeVar
 
 from lw_core.backend import Buffer
-from lw_core.backends.embedded.procs import OWNER_SIZE, Owner
+from lw_core.procs import OWNER_SIZE, Owner
 
 log = logging.getLogger(__name__)
 

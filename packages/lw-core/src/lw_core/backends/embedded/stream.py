@@ -30,7 +30,7 @@ import numpy as np
 
 from lw_core.backend import BackendError, Buffer, ObjectMissing
 from lw_core.backends.embedded.leases import fence
-from lw_core.backends.embedded.procs import owner_alive
+from lw_core.procs import owner_alive
 from lw_core.backends.embedded.records import (
     BE_U64,
     COMMITTED,

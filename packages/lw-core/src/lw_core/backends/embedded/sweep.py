@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 from lw_core.backends.embedded.leases import FREE, LEASED
-from lw_core.backends.embedded.procs import owner_alive
+from lw_core.procs import owner_alive
 from lw_core.backends.embedded.records import (
     ALLOC,
     BE_U64,

@@ -1,4 +1,6 @@
-"""Who owns a reservation of the embedded pool, and whether that owner still lives.
+"""Who owns a reservation or a lease (of the embedded pool, or a streamed object of another store),
+and whether that owner still lives. Standard library only: lw-memcache and lw-mooncake use it too,
+and they do not install the embedded pool's LMDB.
 
 A pid alone is not enough: pids are reused (a new process may get a dead writer's pid) and two
 containers sharing ``/dev/shm`` have separate pid namespaces. An owner is therefore

@@ -5,6 +5,7 @@ no credential in /metrics, keys from a file or the environment."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 
@@ -193,3 +194,36 @@ def test_a_bearer_token_that_is_not_utf8_is_a_401_like_any_wrong_key():
             assert not h.decoders[0].bodies
 
     run(body())
+
+
+@pytest.mark.parametrize("argv,env,text", [
+    (["--api-key", ""], None, "--api-key: the key is empty, which would turn authentication off"),
+    ([], "", "env LW_PROXY_API_KEY: the key is empty"),  # LW_PROXY_API_KEY="$UNSET_VARIABLE"
+    (["--api-key", "k\n"], None, "--api-key: the key has leading or trailing whitespace"),
+    ([], " k", "env LW_PROXY_API_KEY: the key has leading or trailing whitespace"),
+    (["--backend-api-key", ""], None, "--backend-api-key: the key is empty"),
+])
+def test_an_empty_or_padded_key_is_refused_at_start(argv, env, text, monkeypatch, capsys):
+    if env is not None:
+        monkeypatch.setenv("LW_PROXY_API_KEY", env)
+    with pytest.raises(SystemExit) as ei:
+        parse_args(argv)
+    assert ei.value.code == 2 and text in capsys.readouterr().err
+    with pytest.raises(ValueError, match="api_key: is empty"):
+        ProxyConfig(api_key="")
+    with pytest.raises(ValueError, match="backend_api_key: has leading or trailing whitespace"):
+        ProxyConfig(backend_api_key="k\n")
+
+
+def test_start_up_says_whether_auth_is_on(caplog):
+    from lw_proxy.cli import log_auth
+
+    with caplog.at_level(logging.INFO, logger="lw_proxy"):
+        log_auth(ProxyConfig(api_key="secret-1"))
+        log_auth(ProxyConfig())
+    on, backend_none, off, _ = caplog.records
+    assert on.getMessage().startswith("client auth: on") and on.levelno == logging.INFO
+    assert off.getMessage().startswith("client auth: off") and off.levelno == logging.WARNING
+    assert "/reset_prefix_cache is refused" in off.getMessage()
+    assert backend_none.getMessage().startswith("backend auth: none sent")
+    assert "secret-1" not in caplog.text

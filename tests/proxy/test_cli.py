@@ -128,7 +128,8 @@ def test_console_script_serves_both_listeners_and_stops_on_sigterm(loop):
             assert e.code == 404 and "unknown lw_parent_id" in json.load(e)["error"]["message"]
         p.send_signal(signal.SIGTERM)
         assert p.wait(timeout=15) == 0
-        assert f"event loop {loop}" in p.stderr.read()
+        err = p.stderr.read()
+        assert f"event loop {loop}" in err and "client auth: off" in err
     finally:
         if p.poll() is None:
             p.kill()

@@ -102,7 +102,7 @@ class _Handlers:
     def __init__(self, proxy: Proxy) -> None:
         self.p = proxy
         self.cfg = proxy.cfg
-        self._key = self.cfg.api_key.encode() if self.cfg.api_key else None
+        self._key = self.cfg.api_key.encode() if self.cfg.api_key is not None else None
         m = proxy.m
         self._in_flight = {ep: m.in_flight.labels(ep) for ep in _KNOWN}
         self._seconds = {ep: m.request_seconds.labels(ep) for ep in _KNOWN}

@@ -29,10 +29,24 @@ def loop_factory(choice: str) -> tuple[str, Callable[[], asyncio.AbstractEventLo
     return "uvloop", uvloop.new_event_loop
 
 
+def log_auth(cfg: ProxyConfig) -> None:
+    """Say at start-up whether clients must authenticate (never the key itself)."""
+    if cfg.api_key is not None:
+        log.info("client auth: on (generation, model-list and admin endpoints need 'Authorization: Bearer <key>'; "
+                 "metaserver callbacks their request's lw_token)")
+    else:
+        log.warning("client auth: off (no LW_PROXY_API_KEY, --api-key-file or --api-key): anyone who reaches "
+                    "%s:%d may generate; /reset_prefix_cache is %s", cfg.host, cfg.port,
+                    "open (--allow-unauthenticated-admin)" if cfg.allow_unauthenticated_admin else "refused")
+    log.info("backend auth: %s", "a bearer key is sent to every backend" if cfg.backend_api_key is not None
+             else "none sent (no LW_BACKEND_API_KEY, --backend-api-key-file or --backend-api-key)")
+
+
 def serve(cfg: ProxyConfig, *, access_log: bool = False, event_loop: str = "auto") -> None:
     name, factory = loop_factory(event_loop)
     log.info("lw-proxy on %s:%d; prefillers %s; decoders %s; metaserver %s; event loop %s", cfg.host, cfg.port,
              cfg.prefillers, cfg.decoders, cfg.metaserver_url, name)
+    log_auth(cfg)
     server.raise_fd_limit(cfg)
     main = server.serve_forever(cfg, access_log=logging.getLogger("aiohttp.access") if access_log else None)
     with asyncio.Runner(loop_factory=factory) as runner:

@@ -115,6 +115,12 @@ class ProxyConfig:
     # Streamed greedy completions: relay the prefiller's first token while the decoder loads (lw_proxy.relay).
     prefill_first: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("api_key", "backend_api_key"):
+            why = key_problem(getattr(self, name))
+            if why is not None:
+                raise ValueError(f"{name}: {why}")
+
     @property
     def metaserver_url(self) -> str:
         return url_for(self.host, self.metaserver_port or self.port) + "/v1/metaserver"
@@ -297,13 +303,30 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProxyConfig, argparse.Nam
     return cfg, a
 
 
+def key_problem(key: str | None) -> str | None:
+    """Why ``key`` cannot be a bearer key, or None. None itself (no key) is fine. An empty key would
+    silently mean "no authentication", and one with surrounding whitespace can never match (clients'
+    tokens are read stripped), so both are refused rather than taken."""
+    if key is None:
+        return None
+    if not key:
+        return "is empty, which would turn authentication off; give a key, or none at all to run without one"
+    if key != key.strip():
+        return ("has leading or trailing whitespace (a pasted newline?), which no client's bearer token can "
+                "match; remove it")
+    return None
+
+
 def _secret(parser: argparse.ArgumentParser, flag: str, value: str | None, path: str | None,
             env: str) -> str | None:
     """A key from ``--flag``, ``--flag-file`` or env ``env`` (at most one of the two flags).
 
     A file is read whole and stripped of surrounding whitespace; a missing, unreadable or empty file
-    is refused naming the flag. A value on the command line works but is visible to every local user
-    (ps, /proc/<pid>/cmdline): say so on stderr.
+    is refused naming the flag. A value on the command line or in ``env`` is taken as it is: empty
+    (``--flag ""``, or ``env`` set to an unset variable's expansion) or with surrounding whitespace,
+    it is refused (``key_problem``) rather than silently turning authentication off or never matching.
+    A value on the command line works but is visible to every local user (ps, /proc/<pid>/cmdline):
+    say so on stderr.
     """
     if value is not None and path is not None:
         parser.error(f"--{flag} and --{flag}-file are both given; use one")
@@ -321,7 +344,14 @@ def _secret(parser: argparse.ArgumentParser, flag: str, value: str | None, path:
                   f"{stat.S_IMODE(mode):o}); chmod 600 it", file=sys.stderr)
         return key
     if value is not None:
+        why = key_problem(value)
+        if why is not None:
+            parser.error(f"--{flag}: the key {why}")
         print(f"lw-proxy: warning: --{flag} on the command line is visible in the process list; "
               f"use env {env} or --{flag}-file", file=sys.stderr)
-        return value or None
-    return os.environ.get(env) or None
+        return value
+    value = os.environ.get(env)
+    why = key_problem(value)
+    if why is not None:
+        parser.error(f"env {env}: the key {why} (unset {env} to run without a key)")
+    return value

@@ -53,7 +53,7 @@ class Proxy(Streaming):
                                        require_token=cfg.api_key is not None, api_key=cfg.api_key)
         self.session: aiohttp.ClientSession | None = None
         self.headers = {"Content-Type": "application/json"}
-        if cfg.backend_api_key:
+        if cfg.backend_api_key is not None:
             self.headers["Authorization"] = f"Bearer {cfg.backend_api_key}"
         self._metaserver = cfg.metaserver_url
         if cfg.prefill_dispatch not in PREFILL_DISPATCH:

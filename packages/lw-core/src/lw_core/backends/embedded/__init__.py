@@ -16,6 +16,7 @@ Modules, one job each:
 * ``stream``   -- the optional streaming extension (publish a prefix before commit, wait for it).
 * ``verify``   -- ``stats`` and the full-index consistency check.
 * ``leases``   -- per-process lease rows and per-page object generations (no pool-wide lock).
+* ``fences``   -- the full memory fences those lock-free reads need, per CPU (refused without one).
 * ``files``    -- who may own the pool directory and files, ``O_NOFOLLOW``, space reserved up front.
 * ``env``      -- one LMDB environment per process and path, ``flock`` with a deadline.
 * ``arena_alloc`` -- the arena's free extents, kept in LMDB.

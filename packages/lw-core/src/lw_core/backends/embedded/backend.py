@@ -12,6 +12,7 @@ import numpy as np
 from msgspec import Meta
 
 from lw_core.backends.builtin import CapacityBytes
+from lw_core.backends.embedded import fences
 from lw_core.backends.embedded.attach import AttachMixin
 from lw_core.backends.embedded.env import release_env
 from lw_core.backends.embedded.leases import LeaseTable
@@ -57,6 +58,7 @@ class EmbeddedBackend(AttachMixin, TxnMixin, SweepMixin, OpsMixin, StreamMixin, 
             EmbeddedSettings, prefix="EmbeddedBackend: ",
         )
         self.path = os.path.abspath(st.path)
+        fences.require_fence(self.path)  # a weakly ordered CPU without a real fence: refused, with what to do
         self.capacity = st.capacity_bytes // PAGE * PAGE
         self.lease_ttl_s = st.lease_ttl_s
         self.reservation_timeout_s = st.reservation_timeout_s

@@ -22,10 +22,11 @@ start time, so a reused pid does not count). Dead readers' rows are ignored at o
 a crashed reader's leases do not pin objects for ``lease_ttl_s``.
 
 Ordering (the reader publishes its lease then checks ``gen``; the evictor tombstones ``gen`` then
-checks the leases): each side separates its store from its load with a full fence (a lock
-acquire/release, a locked instruction on x86-64), so at least one side sees the other: the reader
-drops the object (a miss) or the evictor keeps it. After a copy, ``gen`` is re-read: on x86-64
-(TSO) a reader that saw any byte of a new object also sees the tombstone stored before it.
+checks the leases): each side separates its store from its load with a full fence
+(``fences.fence``), so at least one side sees the other: the reader drops the object (a miss) or
+the evictor keeps it. After its copies a reader fences and re-reads ``gen``: a copy that saw any
+byte of a new object also sees the tombstone stored (and fenced) before the extent was handed on.
+On weakly ordered CPUs (aarch64) these must be real barriers, not lock operations: fences.py.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import time
 import numpy as np
 
 from lw_core.backend import BackendError
+from lw_core.backends.embedded import fences
 from lw_core.backends.embedded.files import open_file, reserve_space
 from lw_core.procs import Owner, owner_alive
 
@@ -49,15 +51,8 @@ ENTRIES = 2048  # leases one backend holds at once; more opens return None (a mi
 FREE, REFERENCED, LEASED = 0, 1, 2
 ALIVE_CACHE_S = 1.0  # a dead reader's leases count at most this long after it died
 
-_FENCE = threading.Lock()
 _FLOCK = struct.Struct("hhqqi")  # struct flock, native layout: type, whence, start, len, pid
 _LOCK_BASE = 1 << 40  # row r's liveness lock: byte _LOCK_BASE + r of the file (past its end)
-
-
-def fence() -> None:
-    """A full memory barrier (the lock's atomic exchange)."""
-    _FENCE.acquire()
-    _FENCE.release()
 
 
 def table_bytes(slots: int) -> int:
@@ -233,7 +228,7 @@ class LeaseTable:
             self.ref[page] = 0
             return REFERENCED
         self.gen[page] = 0
-        fence()
+        fences.fence()  # the tombstone is visible before the leases are read
         if self.hint[page] > now and self.leased(oid, now, rows):
             self.gen[page] = oid  # a reader leased it just now: keep it
             return LEASED

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from lw_core.backend import BackendError, Buffer, ObjectMissing
-from lw_core.backends.embedded.leases import fence
+from lw_core.backends.embedded import fences
 from lw_core.backends.embedded.records import (
     ALLOC,
     BE_U64,
@@ -150,8 +150,9 @@ class OpsMixin:
                 npa[a : a + n] = np.frombuffer(m, dtype=np.uint8)
 
     def read(self, handles: Sequence[EmbeddedHandle], offsets: Sequence[int], dsts: Sequence[Buffer]) -> None:
-        """Copy, then check that each object is still the one leased (its generation): a reader
-        stalled past its lease may find its extent reused, and those bytes must not be used."""
+        """Copy, fence, then check that each object is still the one leased (its generation): a
+        reader stalled past its lease may find its extent reused, and those bytes must not be used.
+        The fence keeps the re-reads after the copies on weakly ordered CPUs (fences.py)."""
         if handles and getattr(handles[0], "_stream", False):
             return self._read_stream(handles, offsets, dsts)  # type: ignore[attr-defined, no-any-return]
         self._usable()
@@ -159,6 +160,7 @@ class OpsMixin:
             raise ValueError(f"embedded pool: read got {len(handles)} handles, {len(offsets)} offsets, {len(dsts)} dsts")
         mv, npa, big, gen, ep = self._mv, self._np, NP_COPY_MIN, self._leases.gen, self._epoch
         bad: list[str] = []
+        copied: list[EmbeddedHandle] = []  # leased handles whose generation is checked again
         for h, off, dst in zip(handles, offsets, dsts):
             if type(h) is not EmbeddedHandle or h._stream:
                 raise TypeError(f"embedded pool: read needs handles from this backend (not mixed with streaming ones), got {h!r}")
@@ -177,8 +179,11 @@ class OpsMixin:
                 m[:] = mv[a : a + n]
             else:
                 np.frombuffer(m, dtype=np.uint8)[:] = npa[a : a + n]
-            if checked and gen[h._pg] != h._oid:
-                bad.append(h.key)
+            if checked:
+                copied.append(h)
+        if copied:
+            fences.fence()  # the copies are done before the generations are read again
+            bad += [h.key for h in copied if gen[h._pg] != h._oid]
         if bad:
             self._local["reads_of_evicted_objects"] += len(bad)
             raise ObjectMissing(
@@ -207,7 +212,7 @@ class OpsMixin:
             if not renewed:  # expiring (or expired): renew, then check (fenced like open)
                 with lt.lock:
                     renewed = h._leased and lt.renew(h._lease, h._oid, h._pg, now + self.lease_ttl_s)
-                fence()
+                fences.fence()
             if not renewed or lt.gen[h._pg] != h._oid:
                 self._local["reads_of_evicted_objects"] += 1
                 why = "was evicted (its lease had expired)" if renewed or h._leased else "is not leased (released)"
@@ -221,7 +226,7 @@ class OpsMixin:
         directory): the check a caller makes after copying from ``view`` windows."""
         self._usable()
         gen, ep = self._leases.gen, self._epoch
-        fence()  # the caller's copies are ordered before the generations are read
+        fences.fence()  # the caller's copies are ordered before the generations are read
         out = [isinstance(h, EmbeddedHandle) and h._epoch == ep and gen[h._pg] == h._oid for h in handles]
         bad = out.count(False)
         if bad:
@@ -231,6 +236,7 @@ class OpsMixin:
     def commit(self, handles: Sequence[EmbeddedHandle]) -> None:
         hs = [self._own(h, "commit") for h in handles]
         ep = self._epoch
+        fences.fence()  # the writer's copies into the arena come before the records and generations
 
         def fn(t: Tx) -> list[str]:
             lost = []
@@ -318,7 +324,7 @@ class OpsMixin:
                     out.append(None)
                     continue
                 out.append(EmbeddedHandle(k, bk, nbytes, off, alloc, oid, False, ep, i))
-            fence()  # the leases are visible before the generations are checked again
+            fences.fence()  # the leases are visible before the generations are checked again
             for j, h in enumerate(out):
                 if h is not None and gen[h._pg] != h._oid:
                     lt.drop(h._lease, h._oid)

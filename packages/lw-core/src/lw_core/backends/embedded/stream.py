@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from lw_core.backend import BackendError, Buffer, ObjectMissing
-from lw_core.backends.embedded.leases import fence
+from lw_core.backends.embedded import fences
 from lw_core.procs import owner_alive
 from lw_core.backends.embedded.records import (
     BE_U64,
@@ -67,7 +67,7 @@ class StreamMixin:
             return
         # A handle aborted meanwhile is reported below; one committed already is a no-op.
         ep = self._epoch
-        fence()  # the writer's copies into the arena come before the published prefix
+        fences.fence()  # the writer's copies into the arena come before the published prefix
 
         def fn(t: Tx) -> list[str]:
             lost = []
@@ -166,7 +166,7 @@ class StreamMixin:
             views.append(m)
         with self._read() as txn:
             short = [h.key for h, off, m in zip(hs, offsets, views) if self._ready(txn, h) < off + m.nbytes]
-        fence()  # the records are read before the bytes
+        fences.fence()  # the records are read before the bytes
         if short:
             raise ObjectMissing(
                 f"embedded pool {self.path!r}: streaming read of {len(short)} object(s) beyond their published "
@@ -179,7 +179,7 @@ class StreamMixin:
                 m[:] = mv[a : a + m.nbytes]
             else:
                 np.frombuffer(m, dtype=np.uint8)[:] = npa[a : a + m.nbytes]
-        fence()  # the copies are done before the records are read again
+        fences.fence()  # the copies are done before the records are read again
         with self._read() as txn:
             gone = [h.key for h in hs if self._ready(txn, h) == GONE]
         if gone:

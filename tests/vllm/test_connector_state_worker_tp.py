@@ -23,10 +23,11 @@ PAGE = 2048  # one block of one layer at TP 1: 2 kv heads
 def _worker(kv_heads: int | None = 2) -> WorkerSide:
     spec = SimpleNamespace(block_size=16, page_size_bytes=PAGE)
     kc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
-    mc = SimpleNamespace(model="tiny-test", dtype="float32", use_mla=False)
+    mc = SimpleNamespace(model="tiny-test", dtype="float32", use_mla=False, hf_config=SimpleNamespace())
     if kv_heads is not None:
         mc.get_total_num_kv_heads = lambda: kv_heads
-    vc = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto"),
+    # vLLM's CPU layout (head-major blocks); tests/vllm/test_kv_layouts.py covers the others.
+    vc = SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(cache_dtype="auto", kv_cache_layout="LBHNC"),
                          parallel_config=SimpleNamespace(tensor_parallel_size=1))
     return WorkerSide(vc, kc, parse_config({"backend": "embedded"}), "kv_both")
 
@@ -43,7 +44,7 @@ def test_saved_at_tp2_reads_both_saver_ranks_objects() -> None:
     ld = w._req_load(Xfer("r", hashes, [3, 4], src_tp=2))
     ks2 = pool.key_space(w.vllm_config, w.kv_cache_config, w.cfg, 2)
     assert ks2 != w.keyspace
-    assert ld is not None and ld.split == split_heads(2, 2, 1, 0)
+    assert ld is not None and ld.split == split_heads(2, 2, 1, 0, tokens=16)
     assert ld.keys == ks2.keys("tp0of2-pp0of1", hashes) and ld.more_keys == [ks2.keys("tp1of2-pp0of1", hashes)]
     assert ld.block_ids == [3, 4]
 

@@ -4,7 +4,10 @@ A block of one layer is moved whole, as opaque bytes: its geometry comes from th
 from the attention backend (GQA on CPU is ``[num_blocks, kv_heads, block_size, 2*head_dim]``, MLA
 ``[num_blocks, 1, block_size, 576]``, flash-attention ``[2, num_blocks, ...]``). Each layer is
 viewed as bytes ``[outer, num_blocks, inner]``: a block is ``outer`` segments of ``inner`` bytes
-(one segment on CPU, two (K and V) for ``[2, num_blocks, ...]`` layouts).
+(one segment on CPU, two (K and V) for ``[2, num_blocks, ...]`` layouts). The bytes are moved
+as they lie, so their order of heads and tokens is the engine's layout's (``block_order`` reads it
+from the strides: head-major on CPU, token-major under CUDA's default); the keys and the TP split
+depend on it (``lw_vllm.kv_layout``).
 
 CPU: copies run synchronously in the calling (transfer) thread through numpy, which releases the
 GIL for the memcpy; tokens are ``None``. Devices (cuda, npu, ...): ``lw_vllm.device_path`` --
@@ -69,6 +72,29 @@ def block_bytes_view(t: torch.Tensor, num_blocks: int) -> torch.Tensor:
     if outer * num_blocks * inner != total:
         raise NotImplementedError(f"KV cache tensor of shape {tuple(t.shape)} does not split into {num_blocks} blocks")
     return d.reshape(-1).view(torch.uint8).view(outer, num_blocks, inner)
+
+
+def block_order(t: torch.Tensor, num_blocks: int) -> str:
+    """How heads and tokens are ordered in the bytes ``TorchCopier`` moves for one block of ``t``,
+    read from the strides of vLLM's per-layer view ``[blocks, heads, tokens, content]`` (vLLM 0.32
+    hands every attention layer's KV over so, whatever the physical layout).
+
+    Returns ``lw_core.block_order``'s ``HEAD_MAJOR`` ("HN"), ``TOKEN_MAJOR`` ("NH") or ``ONE_HEAD``
+    ("N"), or, for blocks that are neither, the physical order of their dims: "S" for a kernel's
+    smaller blocks (several per block, each head-major: "SHN"), "C" where the content is not
+    innermost. A block is seen as ``block_bytes_view`` cuts it: the dims outside the block dim,
+    then the block dim's kernel blocks, then the dims inside it."""
+    if t.dim() != 4:
+        raise ValueError(f"KV cache tensor of shape {tuple(t.shape)} is not vLLM's [blocks, heads, tokens, content]")
+    blocks, heads, tokens, content = t.shape
+    if num_blocks <= 0 or blocks % num_blocks:
+        raise ValueError(f"KV cache tensor of shape {tuple(t.shape)} does not hold num_blocks={num_blocks} blocks")
+    sizes = {"S": blocks // num_blocks, "H": heads, "N": tokens, "C": content}
+    strides = dict(zip("SHNC", t.stride()))
+    # Physical order, outermost first; a dim of size 1 has no place in the bytes.
+    dims = sorted((d for d in "SHNC" if sizes[d] > 1 or d == "C"), key=lambda d: -strides[d])
+    order = "".join(dims).replace("SN", "N")  # kernel blocks right outside the tokens: just more tokens
+    return order[:-1] if order.endswith("C") else order
 
 
 class TorchCopier:

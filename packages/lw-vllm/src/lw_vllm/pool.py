@@ -12,6 +12,7 @@ from lw_core.config import ConfigError, PoolConfig, parse_config
 from lw_core.keys import KeySpace, rank_tag
 from lw_core.tp_split import can_split
 
+from lw_vllm import kv_layout
 from lw_vllm.engine_identity import EngineIdentity, engine_identity
 
 _lock = threading.Lock()
@@ -96,7 +97,9 @@ def key_space(vllm_config: Any, kv_cache_config: Any, cfg: PoolConfig, tp_size: 
     that change the KV: ``engine_identity``), not its path.
     ``tp_size``: the key space an engine of this model at that TP size uses (``None``: this one's);
     GQA ranks hold ``kv_heads / tp`` heads each, so their pages scale with it. MLA's keys carry no
-    TP size: every rank holds the same latent KV, so engines at any TP size share its objects."""
+    TP size: every rank holds the same latent KV, so engines at any TP size share its objects.
+    ``layout_fp`` also holds the order of heads and tokens in a block (``kv_layout.key_token``,
+    from vLLM's resolved layout): engines whose blocks differ so never share an object."""
     spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
     n_layers = len(layer_names(kv_cache_config))
     mc = vllm_config.model_config
@@ -116,7 +119,8 @@ def key_space(vllm_config: Any, kv_cache_config: Any, cfg: PoolConfig, tp_size: 
         block_size=spec.block_size,
         layer_block_bytes=[page] * n_layers,
         kv_dtype=str(vllm_config.cache_config.cache_dtype),
-        extra=(type(spec).__name__, "tp-any" if is_mla(vllm_config) else tp),
+        extra=(type(spec).__name__, "tp-any" if is_mla(vllm_config) else tp,
+               kv_layout.key_token(kv_layout.block_order(vllm_config, kv_cache_config), heads_per_rank(vllm_config, tp))),
     )
 
 
@@ -128,6 +132,14 @@ def identity(vllm_config: Any, cfg: PoolConfig) -> EngineIdentity:
 def total_kv_heads(vllm_config: Any) -> int | None:
     get = getattr(vllm_config.model_config, "get_total_num_kv_heads", None)
     return int(get()) if callable(get) else None
+
+
+def heads_per_rank(vllm_config: Any, tp: int) -> int | None:
+    """KV heads in one rank's blocks at TP ``tp`` (MLA: its one latent head); ``None`` when unknown."""
+    if is_mla(vllm_config):
+        return 1
+    total = total_kv_heads(vllm_config)
+    return None if total is None else kv_heads_per_rank(total, tp)
 
 
 def kv_heads_per_rank(total: int, tp: int) -> int:

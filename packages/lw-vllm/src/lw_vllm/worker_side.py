@@ -19,8 +19,8 @@ from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_core.tp_split import HeadSplit, TpSplitError, split_heads
 
-from lw_vllm import pool
-from lw_vllm.copier import TorchCopier
+from lw_vllm import kv_layout, pool
+from lw_vllm.copier import TorchCopier, block_order
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector, EvictionWatch
 from lw_vllm.stream_recv import IDLE_WAIT_S, StreamReceiver
@@ -61,6 +61,10 @@ class WorkerSide:
         self._load_t0 = self._load_t1 = 0.0  # wall clock: this step's load start / last layer in
         # Per saver TP size whose GQA KV this rank reads: its head split and that size's key space.
         self._sources: dict[int, tuple[HeadSplit, KeySpace]] = {}
+        # Heads and tokens' order in a block (in the keys; the split reads by it), checked against
+        # the tensors in register_kv_caches.
+        self.layout = kv_layout.layout_name(vllm_config, kv_cache_config)
+        self.block_order = kv_layout.order_of(self.layout)
         self.role = role
         self._recv: StreamReceiver | None = None  # streaming PD decoder (cfg.pd_streaming)
 
@@ -72,6 +76,8 @@ class WorkerSide:
             raise NotImplementedError(f"LayerwiseStoreConnector: KV cache tensors missing for layers {missing[:4]}")
         num_blocks = self.kv_cache_config.num_blocks
         copier = TorchCopier([kv_caches[n] for n in names], num_blocks)
+        self.block_order = kv_layout.check_tensors(
+            self.block_order, self.layout, {n: block_order(kv_caches[n], num_blocks) for n in names})
         page = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
         for i, n in enumerate(names):
             if copier.block_nbytes(i) != page:
@@ -103,8 +109,9 @@ class WorkerSide:
             self._recv = StreamReceiver(self.backend, copier, layout, self.cfg.metaserver_timeout_s,
                                         threads=self.cfg.stream_recv_threads)
         log.info(
-            "lw-vllm: %d layers, %d bytes per block and layer, %s mode, tag %s",
-            len(names), page, "layerwise" if self.cfg.use_layerwise else "bulk", self.tag,
+            "lw-vllm: %d layers, %d bytes per block and layer (%s, %s blocks), %s mode, tag %s",
+            len(names), page, self.layout, self.block_order, "layerwise" if self.cfg.use_layerwise else "bulk",
+            self.tag,
         )
 
     # --- per step ---
@@ -199,7 +206,12 @@ class WorkerSide:
             if total is None:
                 raise TpSplitError(f"the model's kv head count is unknown; KV saved at tensor_parallel_size={src_tp} "
                                    f"is not read at tensor_parallel_size={self.tp_size}")
-            split = split_heads(total, src_tp, self.tp_size, self.tp_rank)
+            if self.block_order is None:
+                raise TpSplitError(f"the KV cache layout ({self.layout}) does not say how heads and tokens are "
+                                   f"ordered in a block; KV saved at tensor_parallel_size={src_tp} is not read at "
+                                   f"tensor_parallel_size={self.tp_size}")
+            split = split_heads(total, src_tp, self.tp_size, self.tp_rank, order=self.block_order,
+                                tokens=pool.block_size(self.kv_cache_config))
             ks = pool.key_space(self.vllm_config, self.kv_cache_config, self.cfg, src_tp)
             self._sources[src_tp] = (split, ks)
         return self._sources[src_tp]

@@ -14,6 +14,8 @@ import torch
 from lw_core.backends.memory import MemoryBackend
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
+from lw_core.tp_split import split_heads
+from lw_vllm.copier import block_order
 
 NB = 8
 Make = Callable[[list[torch.Tensor], int], object]
@@ -155,4 +157,74 @@ def check_late_load_never_lands(make: Make, dev: torch.device) -> None:
         assert torch.equal(dst[0].cpu()[4], src[0][1]) and torch.equal(dst[0].cpu()[6], src[0][2])
     finally:
         backend.gate.set()
+        backend.close()
+
+
+# --- GQA read across TP sizes, in vLLM 0.32's head-major (CPU) and token-major (CUDA default) layouts ---
+
+KV_HEADS, TOKENS, CONTENT = 4, 16, 8  # content: K and V of one head and token (float16)
+ORDER_OF = {"LBHNC": "HN", "LBNHC": "NH"}
+
+
+def gqa_views(dev: torch.device, layout: str, heads: int, layers: int) -> list[torch.Tensor]:
+    """Per-layer KV views as vLLM 0.32 hands them over: logical ``[blocks, heads, tokens, content]``
+    float16 over one buffer, each layer's blocks dense, a block ``[heads, tokens, content]`` in memory
+    (``LBHNC``) or ``[tokens, heads, content]`` (``LBNHC``: the view is a permutation of it)."""
+    buf = torch.zeros(layers, NB, heads * TOKENS * CONTENT, dtype=torch.float16, device=dev)
+    if layout == "LBHNC":
+        return [buf[i].view(NB, heads, TOKENS, CONTENT) for i in range(layers)]
+    return [buf[i].view(NB, TOKENS, heads, CONTENT).permute(0, 2, 1, 3) for i in range(layers)]
+
+
+def _gqa_reference(layers: int) -> torch.Tensor:
+    """The full KV ``[layer, block, kv head, token, content]``, int16, distinct everywhere."""
+    g = torch.Generator().manual_seed(11)
+    return torch.randint(-(2**15), 2**15, (layers, NB, KV_HEADS, TOKENS, CONTENT), generator=g, dtype=torch.int16)
+
+
+def _rank_part(ref: torch.Tensor, layer: int, tp: int, rank: int) -> torch.Tensor:
+    per = KV_HEADS // tp
+    return ref[layer, :, rank * per:(rank + 1) * per]
+
+
+def check_cross_tp(make: Make, dev: torch.device, layout: str) -> None:
+    """Blocks saved by the ranks of one TP size, read by those of another (P2 -> D1, P1 -> D2),
+    through the device copies and the pipeline's ranged reads: each reader rank then holds exactly
+    the heads the engine at its size holds, in its layout."""
+    layers, blocks = 2, [5, 0, 3]
+    ref = _gqa_reference(layers)
+    order = ORDER_OF[layout]
+    for src_tp, dst_tp in ((2, 1), (1, 2)):
+        backend = MemoryBackend(16 << 20)
+        for p in range(src_tp):
+            kv = gqa_views(dev, layout, KV_HEADS // src_tp, layers)
+            assert {block_order(v, NB) for v in kv} == {order}
+            for layer, v in enumerate(kv):
+                v.view(torch.int16).copy_(_rank_part(ref, layer, src_tp, p).to(dev))
+            c = make(kv, NB)
+            obj = ObjectLayout(tuple(c.block_nbytes(i) for i in range(layers)))
+            with LayerPipeline(backend, c, obj, tp_rank=p, tp_size=src_tp, save_timeout_s=10.0) as pipe:
+                pipe.start_save([ReqSave("r", [f"p{p}of{src_tp}/{b}" for b in blocks], blocks)])
+                for layer in range(layers):
+                    pipe.save_layer(layer)
+                assert pipe.finish_save().ok
+        for d in range(dst_tp):
+            kv = gqa_views(dev, layout, KV_HEADS // dst_tp, layers)
+            c = make(kv, NB)
+            obj = ObjectLayout(tuple(c.block_nbytes(i) for i in range(layers)))
+            split = split_heads(KV_HEADS, src_tp, dst_tp, d, order=order, tokens=TOKENS)
+            keys = [[f"p{p}of{src_tp}/{b}" for b in blocks] for p in split.src_ranks]
+            targets = [1, 7, 4]
+            with LayerPipeline(backend, c, obj, tp_rank=d, tp_size=dst_tp, layer_timeout_s=10.0) as pipe:
+                pipe.start_load([ReqLoad("r", keys[0], targets, split=split, more_keys=keys[1:])])
+                for layer in range(layers):
+                    pipe.wait_layer(layer)
+                res = pipe.finish_load()
+            assert res.ok, res.errors
+            sync(dev)
+            for layer, v in enumerate(kv):
+                got, want = v.view(torch.int16).cpu(), _rank_part(ref, layer, dst_tp, d)
+                for b_src, b_dst in zip(blocks, targets):
+                    assert torch.equal(got[b_dst], want[b_src]), (layout, src_tp, dst_tp, d, layer, b_src)
+                assert not got[[0, 2, 3, 5, 6]].any()  # never loaded
         backend.close()

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 from device_contract import (  # noqa: E402
     NB,
+    check_cross_tp,
     check_late_load_never_lands,
     check_pipeline_save_then_load,
     check_round_trip,
@@ -45,6 +46,11 @@ def test_pipeline_contract(views):
 
 def test_late_load_contract():
     check_late_load_never_lands(make, DEV)
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"], ids=["head-major", "token-major-cuda-default"])
+def test_cross_tp_contract(layout):
+    check_cross_tp(make, DEV, layout)
 
 
 def test_staging_is_pinned():

@@ -12,6 +12,7 @@ import torch
 from device_contract import (
     NB,
     NoViews,
+    check_cross_tp,
     check_late_load_never_lands,
     check_pipeline_save_then_load,
     check_round_trip,
@@ -44,6 +45,11 @@ def test_pipeline_contract(views):
 
 def test_late_load_contract():
     check_late_load_never_lands(fake_make(), CPU)
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC"], ids=["head-major", "token-major"])
+def test_cross_tp_contract(layout):
+    check_cross_tp(fake_make(), CPU, layout)
 
 
 def _kv(layers=3, fill=0):

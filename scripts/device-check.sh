@@ -6,8 +6,9 @@
 # Sets up from the repository alone (lw-core, lw-bench and lw_vllm's copier on PYTHONPATH, no pip install of
 # the project and no vLLM), then:
 #   1. runs the device tests (tests/device: the copier and pipeline contract on the device, pinned
-#      staging, copies asynchronous yet ordered against the compute stream) and the pipeline's
-#      copier-hook tests;
+#      staging, copies asynchronous yet ordered against the compute stream, GQA KV read across TP
+#      sizes in head-major and token-major blocks -- token-major is CUDA's default KV layout) and
+#      the pipeline's copier-hook tests;
 #   2. runs `lw-bench pipeline --kv-device DEV` (device copies through the pool vs the same compute
 #      on the device) and prints the overlap figures and a short summary.
 # Takes a few minutes. Results land in $OUT (when set, e.g. by a lent-device runner) or

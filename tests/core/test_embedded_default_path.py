@@ -55,6 +55,19 @@ def test_runtime_dir_whose_mount_point_has_a_space(host, tmp_path, monkeypatch):
     assert builtin.default_embedded_path() == str(spaced / "lw-pool")
 
 
+def test_a_runtime_dir_too_small_for_the_default_pool_keeps_dev_shm(host, monkeypatch):
+    """logind sizes /run/user/<uid> at 10 % of RAM: a 4 GiB default pool must not be refused there."""
+    _, shm, _ = host
+    real = os.statvfs
+
+    def small(path):
+        v = real(path)
+        return os.statvfs_result((v.f_bsize, 4096, (3 << 30) // 4096, *v[3:]))
+
+    monkeypatch.setattr(os, "statvfs", small)
+    assert builtin.default_embedded_path() == _shm_default(shm)
+
+
 def _shm_default(shm) -> str:
     return str(shm / f"lw-pool-{os.getuid()}")
 

@@ -45,10 +45,14 @@ def _fs_type(path: str) -> str | None:
     return kind
 
 
+DEFAULT_CAPACITY_BYTES = 4 << 30
+
+
 def private_runtime_dir() -> str | None:
     """``$XDG_RUNTIME_DIR`` when it is this user's own tmpfs directory (as systemd-logind makes
     ``/run/user/<uid>``: owned by the user, mode 0700): an absolute path to a directory owned by our
-    effective uid, not writable by group or others, on tmpfs. Else None."""
+    effective uid, not writable by group or others, on tmpfs, large enough for a pool of the default
+    capacity (logind sizes it at 10 % of RAM: a smaller host keeps ``/dev/shm``). Else None."""
     d = os.environ.get("XDG_RUNTIME_DIR", "")
     if not os.path.isabs(d):
         return None
@@ -57,6 +61,12 @@ def private_runtime_dir() -> str | None:
     except OSError:
         return None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        return None
+    try:
+        vfs = os.statvfs(d)
+    except OSError:
+        return None
+    if vfs.f_blocks * vfs.f_frsize < DEFAULT_CAPACITY_BYTES:
         return None
     return d if _fs_type(d) == "tmpfs" else None
 
@@ -80,7 +90,7 @@ CapacityBytes = Annotated[int, Meta(ge=MIB, le=MAX_CAPACITY_BYTES)]
 
 class EmbeddedKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     embedded_path: str = msgspec.field(default_factory=default_embedded_path)
-    embedded_capacity_bytes: CapacityBytes = 4 << 30
+    embedded_capacity_bytes: CapacityBytes = DEFAULT_CAPACITY_BYTES
 
 
 def _check_embedded(keys: EmbeddedKeys) -> str | None:

@@ -35,7 +35,7 @@ def _side(path: str, tp: int, mla: bool = False, role: str = "kv_consumer", kv_h
     spec = SimpleNamespace(block_size=BLOCK, page_size_bytes=page)
     kc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=[f"l{i}" for i in range(LAYERS)])])
     vc = SimpleNamespace(
-        model_config=SimpleNamespace(model="tiny-test", dtype="float32", use_mla=mla,
+        model_config=SimpleNamespace(model="tiny-test", dtype="float32", use_mla=mla, hf_config=SimpleNamespace(),
                                      get_total_num_kv_heads=lambda: 1 if mla else kv_heads),
         cache_config=SimpleNamespace(cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp),

@@ -5,7 +5,8 @@ Shows: "not ready yet" (None) while the metaserver holds the call, never blockin
 request however often vLLM asks; a load once the answer is 200 even with consumer_is_to_load
 false; recompute (pool lookup only) on error; short prompts post without waiting and their call
 survives the request; an aborted waiting request cancels its call; the idle wait is bounded and
-wakes on the answer."""
+wakes on the answer; a streaming receive ends at the metaserver's answer (ok: at a chunk never
+saved; error: cancelled), relayed through the step plan to the worker's receiver."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _configs():
     kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec,
                                                                        layer_names=[f"l{i}" for i in range(LAYERS)])])
     vllm_config = SimpleNamespace(
-        model_config=SimpleNamespace(model="tiny-test", dtype="float32", use_mla=False),
+        model_config=SimpleNamespace(model="tiny-test", dtype="float32", use_mla=False, hf_config=SimpleNamespace()),
         cache_config=SimpleNamespace(cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         scheduler_config=SimpleNamespace(async_scheduling=False),
@@ -371,4 +372,80 @@ def test_decoder_that_holds_the_prompt_says_so_and_does_not_wait(meta, pool_dir)
         finally:
             side2.shutdown()
     finally:
+        side.shutdown()
+
+
+class _Rows:
+    """KV blocks as numpy rows, read into directly (the worker's copier, for the receiver)."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        self.kv = [np.zeros((16, PAGE), np.uint8) for _ in range(LAYERS)]
+
+    def kv_views(self, layer, blocks):
+        return [memoryview(self.kv[layer][b]) for b in blocks]
+
+    def wait(self, token, timeout_s):
+        return True
+
+
+@pytest.mark.parametrize("answer", ["ok", "error"])
+def test_streaming_receive_ends_at_the_answer_when_a_chunk_never_comes(meta, pool_dir, answer) -> None:
+    """Streaming PD decoder, its prompt's partial chunk never saved (a prefiller with
+    discard_partial_chunks, a refused reservation): the metaserver's answer, relayed by the
+    scheduler's step plan to the worker's receiver, ends the receive long before its deadline.
+    ok: the full chunks the prefiller committed land and only the partial chunk is recomputed;
+    error: the receive is cancelled, everything is recomputed."""
+    import numpy as np
+    from lw_core.plan import ObjectLayout
+    from lw_vllm.stream_recv import StreamReceiver
+    from lw_vllm.worker_side import WorkerSide
+
+    timeout_s = 5.0
+    side = _side(pool_dir, use_layerwise=True, pd_streaming=True, metaserver_timeout_s=timeout_s)
+    rx = StreamReceiver(side.backend, _Rows(), ObjectLayout((PAGE,) * LAYERS), timeout_s)
+    try:
+        meta.mode, meta.bodies = "held", []
+        dreq = _req(f"d-s-{answer}", 3 * BLOCK + 5, meta.url, f"par-s-{answer}")
+        n, is_async = side.get_num_new_matched_tokens(dreq, 0)
+        assert (n, is_async) == (3 * BLOCK + 4, True)  # the whole prompt but its last token, streamed
+        blocks = [5, 6, 7, 8]
+        side.update_state_after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: (blocks,)), n)
+        worker = SimpleNamespace(_meta=None, _recv=rx, keyspace=side.keyspace, tag=side.tags[0], _failed_blocks=set())
+        empty = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                                scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                                                      resumed_req_ids=set(), num_computed_tokens=[]))
+
+        def step() -> list:
+            worker._meta = side.build_connector_meta(empty)
+            WorkerSide._start_streams(worker)  # type: ignore[arg-type]
+            return rx.take_done(idle_wait_s=0.01)
+
+        assert step() == [] and rx.busy  # the receive started; nothing is in the pool yet
+        # The prefiller commits the three full chunks, not the partial one, then answers.
+        keys = side.keyspace.keys(side.tags[0], side._prompt_hashes(side._state(dreq))[:3])
+        hs = side.backend.reserve(keys, LAYERS * PAGE)
+        for layer in range(LAYERS):
+            side.backend.write(hs, [layer * PAGE] * 3, [np.full(PAGE, 10 * i + layer, np.uint8) for i in range(3)])
+        side.backend.commit(hs)
+        time.sleep(0.2)
+        assert step() == []
+        meta.mode = answer
+        meta.release()
+        t0 = time.monotonic()
+        done: list = []
+        while not done and time.monotonic() - t0 < 2 * timeout_s:
+            done = step()
+        took = time.monotonic() - t0
+        assert took < timeout_s / 5, f"{took:.1f} s after the answer: the receive waited for its deadline"
+        (d,) = done
+        if answer == "ok":
+            assert (d.good, d.failed_blocks) == (3, [8]), d
+            assert "neither reserved nor committed" in (d.error or ""), d
+            assert all((rx.copier.kv[layer][blocks[i]] == 10 * i + layer).all() for i in range(3) for layer in range(LAYERS))
+        else:
+            assert (d.good, d.failed_blocks) == (0, blocks), d
+    finally:
+        rx.close()
         side.shutdown()

@@ -95,7 +95,7 @@ def _side(backend: str, metrics: Collector) -> SchedulerSide:
     spec = SimpleNamespace(block_size=BLOCK, page_size_bytes=1024)
     kc = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["l0", "l1"])])
     vc = SimpleNamespace(
-        model_config=SimpleNamespace(model="tiny-test", dtype="float32", use_mla=False),
+        model_config=SimpleNamespace(model="tiny-test", dtype="float32", use_mla=False, hf_config=SimpleNamespace()),
         cache_config=SimpleNamespace(cache_dtype="auto"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
         scheduler_config=SimpleNamespace(async_scheduling=False),

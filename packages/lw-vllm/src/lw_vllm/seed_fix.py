@@ -77,7 +77,7 @@ def apply() -> bool:
     for fn, orig in ((_sample, sample), (_bookkeeping_sync, bookkeeping)):
         setattr(fn, _MARK, True)
         fn.__wrapped__ = orig  # type: ignore[attr-defined]
-    CPUModelRunner._sample = _sample  # type: ignore[method-assign]
-    CPUModelRunner._bookkeeping_sync = _bookkeeping_sync  # type: ignore[method-assign]
+    CPUModelRunner._sample = _sample
+    CPUModelRunner._bookkeeping_sync = _bookkeeping_sync
     log.info("lw-vllm: applied the CPU seeded-sampling fix for chunked prefills (%s)", why)
     return True

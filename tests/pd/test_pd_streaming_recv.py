@@ -16,7 +16,7 @@ from lw_core.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqSave
 
-from lw_vllm.stream_recv import StreamReceiver, receive
+from lw_vllm.stream_recv import Receive, StreamReceiver, receive
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -363,3 +363,74 @@ def test_a_burst_of_receives_gets_its_workers_after_the_pool_went_idle(be):
         assert rx.worker_count == 3
     finally:
         rx.close()
+
+
+def _wait_done(rx: StreamReceiver, timeout_s: float) -> list:
+    got: list = []
+    t0 = time.monotonic()
+    while not got and time.monotonic() - t0 < timeout_s:
+        got = rx.take_done(idle_wait_s=0.02)
+    return got
+
+
+def test_prefill_done_ends_the_receive_at_a_chunk_never_reserved(be):
+    """The prefiller committed chunks 0-1 and answered; chunk 2 it never reserved (a refused
+    reservation, a partial chunk it discards, another model or layout's keys). Told the prefill is
+    done, the receive opens chunk 2 once more and ends: 0-1 landed, 2 recomputed, long before the
+    30 s deadline."""
+    Writer(be, KEYS[:2], layer_s=0).t.join(5)
+    rx = StreamReceiver(be, NpCopier(True), LAYOUT, deadline_s=30)
+    try:
+        rx.start("r", KEYS, BLOCKS)
+        time.sleep(0.3)  # chunks 0-1 land; chunk 2 is retried
+        assert rx.busy and rx.take_done() == []
+        t0 = time.monotonic()
+        rx.prefilled({"r", "unknown"})  # the metaserver's ok answer (an unknown id is ignored)
+        got = _wait_done(rx, 10)
+        took = time.monotonic() - t0
+        assert took < 1.0, f"{took:.1f} s after the answer: the receive waited for its deadline"
+        assert [(d.req_id, d.good, d.failed_blocks) for d in got] == [("r", 2, [BLOCKS[2]])]
+        assert "chunk 2 of 3 was neither reserved nor committed when its prefill was reported done" in got[0].error
+        check_loaded(rx.copier, KEYS, BLOCKS, 2)
+    finally:
+        rx.close()
+
+
+def test_prefill_done_with_nothing_in_the_pool_fails_every_chunk_at_once(be):
+    """A prefiller whose objects the decoder does not find at all (another pool, model or layout):
+    the answer ends the receive, every block is recomputed."""
+    rx = StreamReceiver(be, NpCopier(True), LAYOUT, deadline_s=30)
+    try:
+        rx.start("r", KEYS, BLOCKS)
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        rx.prefilled({"r"})
+        got = _wait_done(rx, 10)
+        assert time.monotonic() - t0 < 1.0
+        assert [(d.req_id, d.good, d.failed_blocks) for d in got] == [("r", 0, BLOCKS)]
+    finally:
+        rx.close()
+
+
+def test_the_last_open_comes_after_the_answer_and_reserved_chunks_go_on(be):
+    """The answer may reach the decoder before its receive opened anything: the one last open is
+    made after it, so committed chunks land. A chunk reserved but not committed yet is not cut by
+    the answer: it is read as it is published."""
+    Writer(be, KEYS[:1], layer_s=0).t.join(5)
+    r = Receive(KEYS[:1], BLOCKS[:1], time.monotonic() + 30, threading.Event())
+    r.prefilled.set()  # before the first advance: the first open is the last one
+    cp = NpCopier(True)
+    assert r.advance(be, cp, LAYOUT) and r.result == (1, None)
+    r.release(be)
+    check_loaded(cp, KEYS, BLOCKS, 1)
+
+    w = Writer(be, KEYS[1:], layer_s=0.1)  # reserved now, publishes a layer every 0.1 s
+    time.sleep(0.05)
+    r = Receive(KEYS[1:], BLOCKS[1:], time.monotonic() + 30, threading.Event())
+    r.prefilled.set()
+    t0 = time.monotonic()
+    assert r.advance(be, cp, LAYOUT) and r.result == (2, None)
+    assert time.monotonic() - t0 >= 0.2  # it waited for the layers
+    r.release(be)
+    w.t.join(5)
+    check_loaded(cp, KEYS[1:], BLOCKS[1:], 2)

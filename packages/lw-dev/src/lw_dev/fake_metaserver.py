@@ -14,7 +14,9 @@ from lw_bench.pd.stack import free_port
 
 class FakeMetaserver:
     """``mode``: "ok" (200), "error" (502 with a JSON error), "silent" (holds the POST forever),
-    "bad-body" (200 with a body that is not the wire struct)."""
+    "bad-body" (200 with a body that is not the wire struct), "held" (holds the POST until the
+    next ``release()``, then answers as the mode set then says, 200 if it is still "held": a proxy
+    answering once its prefill is done; ``close`` releases too)."""
 
     def __init__(self, host: str = "127.0.0.1") -> None:
         self.mode = "ok"
@@ -28,6 +30,7 @@ class FakeMetaserver:
         self.url = f"http://{host}:{self.port}/v1/metaserver"
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
+        self._released: asyncio.Event | None = None  # made on the loop
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
         assert self._ready.wait(10), "fake metaserver did not start"
@@ -35,11 +38,16 @@ class FakeMetaserver:
     async def _handle(self, request: web.Request) -> web.Response:
         body = json.loads(await request.read())
         self.bodies.append(body)
-        if self.mode == "ok":
+        mode = self.mode
+        if mode == "held":
+            assert self._released is not None
+            await self._released.wait()
+            mode = "ok" if self.mode == "held" else self.mode
+        if mode == "ok":
             return web.json_response({"status": "ok"})
-        if self.mode == "bad-body":
+        if mode == "bad-body":
             return web.json_response({"status": "maybe"})
-        if self.mode == "error":
+        if mode == "error":
             return web.json_response({"error": {"message": "prefill failed", "type": "upstream_error",
                                                 "param": None, "code": 502}}, status=502)
         try:
@@ -50,8 +58,19 @@ class FakeMetaserver:
             raise
         raise AssertionError("unreachable")
 
+    def release(self) -> None:
+        """Answer the POSTs held in mode "held"; later ones are held until the next release."""
+
+        def now() -> None:
+            held, self._released = self._released, asyncio.Event()
+            if held is not None:
+                held.set()
+
+        self._loop.call_soon_threadsafe(now)
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
+        self._released = asyncio.Event()
         app = web.Application()
         app.router.add_post("/v1/metaserver", self._handle)
         self._runner = web.AppRunner(app, handler_cancellation=True)
@@ -61,6 +80,7 @@ class FakeMetaserver:
         self._loop.run_forever()
 
     def close(self) -> None:
+        self.release()
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)

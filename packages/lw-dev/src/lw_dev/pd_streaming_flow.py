@@ -36,12 +36,12 @@ def streaming_stack(model: str, timeout_s: float, tmp_path_factory: pytest.TempP
 def decoder_first(stack: Stack, body: dict[str, Any], parent: str, *, host: str = "127.0.0.1") -> tuple[int, Any, float]:
     """Send ``body`` to the decoder as a remote-prefill request, let it park and open its chunks
     for a second (nothing is reserved yet), then run the prefill straight on the prefiller.
-    Returns the decoder's (status, body) and seconds taken. The fake metaserver answers "ok" at
-    once: a streaming decoder does not wait for that answer (and a silent one would hold the
-    fake's shutdown for the whole metaserver timeout). ``host``: the fake's address, one the
-    decoder reaches (a namespace host's, called from inside it)."""
+    Returns the decoder's (status, body) and seconds taken. The fake metaserver answers "ok" once
+    the prefiller has answered, as the proxy does: the decoder's receive takes that answer for
+    "what is not in the pool now never comes". ``host``: the fake's address, one the decoder
+    reaches (a namespace host's, called from inside it)."""
     fake = FakeMetaserver(host)
-    fake.mode = "ok"
+    fake.mode = "held"
     try:
         params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": fake.url,
                   "lw_parent_id": parent, "lw_children": 1}
@@ -60,6 +60,7 @@ def decoder_first(stack: Stack, body: dict[str, Any], parent: str, *, host: str 
                                 {**body, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True,
                                                                                   "lw_parent_id": parent}})
         assert status == 200, out
+        fake.release()  # the prefill is done and committed
         th.join(60)
         took = time.monotonic() - t0
     finally:

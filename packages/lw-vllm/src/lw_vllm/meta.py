@@ -33,6 +33,9 @@ class LayerwiseMeta(KVConnectorMetadata):
         self.stream_loads = stream_loads or []
         # Streaming PD: receives to end now (their prefill failed); still reported as finished.
         self.stream_cancels: list[str] = []
+        # Streaming PD: receives whose prefill is done (the metaserver's ok answer): keys still
+        # neither reserved nor committed fail after one more open try; vLLM recomputes them.
+        self.stream_prefilled: list[str] = []
         # The step schedules no tokens: a worker with receives running may wait a little for one
         # to end instead of letting vLLM spin through empty steps (see stream_recv.IDLE_WAIT_S).
         self.idle = False

@@ -220,9 +220,11 @@ class PdMixin:
                 raise RuntimeError(f"lw-vllm: {st.req.request_id}: streaming load of chunks {first}+{n} "
                                    f"but {len(st.block_ids)} blocks and {len(hashes)} hashes")
 
-    def _cancel_failed_streams(self, meta: LayerwiseMeta) -> None:
-        """Streaming PD: a receive whose prefill failed (the metaserver's error answer) ends now
-        instead of at its deadline; vLLM then recomputes what did not arrive."""
+    def _pass_stream_answers(self, meta: LayerwiseMeta) -> None:
+        """Streaming PD: the metaserver's answer goes to the receive. An error (the prefill failed)
+        ends it now instead of at its deadline; an ok (the prefiller committed what it saved) ends
+        it once what is in the pool has landed, the chunks never reserved nor committed failing at
+        once. vLLM recomputes what did not arrive."""
         if self.metaserver is None:
             return
         for rid, st in list(self._streams.items()):
@@ -230,7 +232,10 @@ class PdMixin:
             if out is None:
                 continue
             del self._streams[rid]  # answered: nothing more to watch
-            if not out.ok:
+            if out.ok:
+                meta.stream_prefilled.append(rid)
+                st.t.setdefault("prefilled", time.time())
+            else:
                 meta.stream_cancels.append(rid)
                 st.t.setdefault("prefill_failed", time.time())
                 log.warning("lw-vllm: %s: remote prefill failed (%s); ending its streaming receive, "

@@ -280,7 +280,7 @@ class SchedulerSide(PdMixin):
             scheduled.append((st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)))
 
         self._send_streams(meta)
-        self._cancel_failed_streams(meta)
+        self._pass_stream_answers(meta)
         meta.idle = self._last_step_empty
         now = time.time()
         for st, computed_after in scheduled:

@@ -17,6 +17,13 @@ by step: ``Receive``). Chunks are chained, so the good chunks are always a prefi
 cannot be opened, whose layer is not published in time (deadline, aborted reservation, dead
 prefiller) or whose read fails ends the prefix there; later chunks are failed too.
 
+Once the prefill is reported done (``prefilled``: the metaserver's ok answer, which the prefiller
+gives only after committing what it saved), a key still neither reserved nor committed never will
+be (its reservation was refused, the prefiller does not save that chunk, e.g. a partial chunk with
+``discard_partial_chunks``, or it names its objects otherwise: another model, layout or pool): the
+receive tries to open the missing keys once more, after the report, and a chunk still missing then
+ends the prefix at once instead of at the deadline.
+
 The pool does not starve: a receive is a resumable state (``Receive``), and a worker waits for it
 one slice at a time (an open retry's pause, or ``WAIT_SLICE_S`` of ``wait_published``). When a
 slice brought nothing and other receives are queued, the worker puts it back at the end of the
@@ -86,6 +93,8 @@ class Receive:
         self.limit = len(self.keys)  # chunks from here on cannot be good any more
         self.pause = OPEN_BACKOFF_S[0]
         self._next_open = 0.0  # monotonic time of the next open_streaming try
+        self.prefilled = threading.Event()  # the prefill is done: what is missing now never comes
+        self._last_open = False  # the one open try after ``prefilled`` was made
         self.error: str | None = None
         self.result: tuple[int, str | None] | None = None
 
@@ -97,7 +106,16 @@ class Receive:
         while True:
             if self.stop.is_set():
                 return self._end(0, "request finished before its prompt arrived")
+            last = self.prefilled.is_set() and not self._last_open
+            if last:
+                self._next_open = 0.0  # one more try, now that the prefiller committed what it saved
             self._open_more(backend)
+            if last:
+                self._last_open = True
+                missing = next((i for i in range(self.limit) if self.handles[i] is None), None)
+                if missing is not None:
+                    self._cut(missing, f"chunk {missing} of {len(self.keys)} was neither reserved nor committed "
+                                       "when its prefill was reported done")
             opened = next((i for i, h in enumerate(self.handles[:self.limit]) if h is None), self.limit)
             todo = [i for i in range(opened) if self.next_layer[i] < nl]
             if not todo:
@@ -312,6 +330,15 @@ class StreamReceiver:
             self._running.pop(job.req_id, None)
             self._done.append(RecvDone(job.req_id, r.block_ids, good, (job.t0, time.time()), error))
             self._ended.notify_all()
+
+    def prefilled(self, req_ids: set[str]) -> None:
+        """The prefills of these requests are done (the metaserver answered ok): each receive opens
+        its missing keys once more, and what is still missing fails at once (vLLM recomputes it)."""
+        with self._lock:
+            for rid in req_ids:
+                job = self._running.get(rid)
+                if job is not None:
+                    job.recv.prefilled.set()
 
     def cancel(self, req_ids: set[str]) -> None:
         """Requests that finished (aborted) while receiving: stop soon (a queued one goes to the

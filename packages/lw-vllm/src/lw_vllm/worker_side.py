@@ -151,7 +151,7 @@ class WorkerSide:
         if meta is not None and meta.stream_cancels and recv is not None:
             recv.cancel(set(meta.stream_cancels))
             meta.stream_cancels = []
-        if meta is None or not meta.stream_loads:
+        if meta is None:
             return
         streams, meta.stream_loads = meta.stream_loads, []  # start_load_kv may run twice a step
         for x in streams:
@@ -160,6 +160,9 @@ class WorkerSide:
                 self._failed_blocks |= set(x.block_ids)
                 continue
             recv.start(x.req_id, self.keyspace.keys(self.tag, x.hashes), x.block_ids)
+        if meta.stream_prefilled and recv is not None:  # after the starts: the answer may come in their step
+            recv.prefilled(set(meta.stream_prefilled))
+            meta.stream_prefilled = []
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Streaming receives that ended (``finished_recving``); their failed blocks go out in

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from lw_dev.proxy_mocks import chat_context, generate, harness, run
+from lw_dev.proxy_mocks import chat_context, generate, generate_ids, harness, run, tokenize
 
 
 def _text(words):
@@ -127,8 +127,12 @@ def test_recomputed_choice_is_resumed_non_streaming():
             ch = out["choices"][0]
             assert ch["text"] == _text(generate("the prompt", 8))
             assert ch["stop_reason"] != "recomputed" and ch["finish_reason"] == "length"
+            assert ch["token_ids"] is None and ch["prompt_token_ids"] is None  # the client did not ask for them
             first, second = h.decoders[0].bodies
-            assert second["prompt"] == "the prompt" + _text(generate("the prompt", 3))
+            assert first["return_token_ids"] is True  # the proxy asked, to resume by token ids
+            # the prompt's token ids + the generated ones, not the text re-tokenized
+            prompt = tokenize("the prompt")
+            assert second["prompt"] == prompt + generate_ids(prompt, 3)
             assert second["max_tokens"] == 5
             assert out["usage"]["completion_tokens"] == 8
             assert "lw_proxy_recompute_resubmissions_total 1.0" in await h.metrics()

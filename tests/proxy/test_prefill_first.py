@@ -7,11 +7,12 @@ import json
 import time
 
 import msgspec
+import pytest
 
 from lw_proxy import relay
 from lw_proxy.validate import parse_completion
 
-from lw_dev.proxy_mocks import generate, harness, run
+from lw_dev.proxy_mocks import generate, generate_ids, harness, run, tokenize
 
 GREEDY = {"prompt": "p", "max_tokens": 4, "stream": True, "temperature": 0}
 
@@ -98,7 +99,9 @@ def test_a_decoder_that_picks_another_first_token_is_resumed_after_the_relayed_o
             assert "".join(texts) == "".join(generate("p", 5)) and " w999" not in "".join(texts)
             assert dec.knobs.first_word is None  # the decoder did pick the other token
             resumed = [b for b in dec.bodies if b.get("prompt") != "p"]
-            assert [(b["prompt"], b["max_tokens"]) for b in resumed] == [("p" + generate("p", 1)[0], 4)]
+            # by token ids: the prompt's and the relayed token's, both from the prefill's answer
+            prompt = tokenize("p")
+            assert [(b["prompt"], b["max_tokens"]) for b in resumed] == [(prompt + generate_ids(prompt, 1), 4)]
             assert 'lw_proxy_errors_total{kind="relay_mismatch"} 1.0' in await h.metrics()
 
     run(body())
@@ -117,15 +120,42 @@ def test_eligible_only_for_plain_greedy_single_prompt_streams():
     assert relay.eligible(req(stream_options={"include_usage": True}))
 
 
-def test_first_event_only_for_a_whole_token_that_hit_the_length():
-    def answer(text, finish="length"):
-        return msgspec.json.encode({"id": "x", "created": 1, "model": "m",
-                                    "choices": [{"index": 0, "text": text, "finish_reason": finish}]})
+@pytest.mark.parametrize("key", relay._OFF + ("continuous_usage_stats",))
+def test_an_excluded_key_with_any_value_but_null_or_false_makes_a_request_ineligible(key):
+    def req(value):
+        kw = {"stream_options": {key: value}} if key == "continuous_usage_stats" else {key: value}
+        return parse_completion(msgspec.json.encode({**GREEDY, **kw}))
 
-    block, text = relay.first_event(answer(" w5"), "abc")
+    for absent in (None, False):
+        assert relay.eligible(req(absent)), absent
+    # logprobs: 0 and prompt_logprobs: 0 ask for the sampled token's logprob; "" and [] are values too
+    for value in (0, 0.0, "", [], {}, 1, True, "x", ["x"]):
+        assert not relay.eligible(req(value)), value
+
+
+def test_logprobs_0_reaches_the_client_on_its_first_token():
+    async def body():
+        async with harness() as h:
+            _, texts, errors, events = await _sse(h, {**GREEDY, "logprobs": 0})
+            assert "".join(texts) == "".join(generate("p", 4)) and not errors
+            assert h.proxy.m.relayed_first._value.get() == 0  # the decoder's own first event went out
+            assert all(ev["choices"][0]["logprobs"] is not None for ev in events)
+
+    run(body())
+
+
+def test_first_event_only_for_a_whole_token_that_hit_the_length():
+    def answer(text, finish="length", **ids):
+        return msgspec.json.encode({"id": "x", "created": 1, "model": "m",
+                                    "choices": [{"index": 0, "text": text, "finish_reason": finish, **ids}]})
+
+    block, text, toks, pids = relay.first_event(answer(" w5"), "abc")
     ev = json.loads(block[len(b"data: "):])
     assert text == " w5" and ev["id"] == "cmpl-lw-abc" and ev["choices"][0]["text"] == " w5"
-    assert ev["choices"][0]["finish_reason"] is None
+    assert ev["choices"][0]["finish_reason"] is None and toks is None and pids is None
+    first = relay.first_event(answer(" w5", token_ids=[7], prompt_token_ids=[1, 2]), "abc")
+    assert (first.token_ids, first.prompt_ids) == ([7], [1, 2])  # kept for the ledger, never sent
+    assert json.loads(first.block[len(b"data: "):])["choices"][0]["token_ids"] is None
     for bad in (answer(""), answer("\ufffd"), answer(" w5", "stop"), b"not json", None):
         assert relay.first_event(bad, "abc") is None
 

@@ -3,8 +3,17 @@
 The mock decoder behaves like the real connector will: for every engine request it derives from the
 body (prompts x n, counted by itself, not from ``lw_children``), it POSTs
 ``{"lw_parent_id", "request_id"}`` to the ``metaserver`` URL it was given and waits for the answer
-before "decoding". Its "model" is deterministic in the context text: the next word depends only on
-prompt + text generated so far, so a resubmitted continuation yields exactly the uninterrupted answer.
+before "decoding". Its "model" is deterministic in the context's token ids: the next token depends
+only on the prompt's ids + the ids generated so far. A string is tokenized one character a token and
+generated tokens are words (``" w<k>"``, one token each), so a continuation resubmitted by token ids
+yields exactly the uninterrupted answer, and one resubmitted as prompt + generated text (re-tokenized
+into characters) does not, as with a real tokenizer whose merges differ across the seam.
+
+The answers have vLLM 0.32's shape where the proxy depends on it: ``prompt_token_ids``/``token_ids``
+(lists with ``return_token_ids: true``, else null; chat: ``prompt_token_ids`` at the top of the first
+event, which opens each choice with ``{"role": "assistant", "content": ""}``), ``logprobs`` when asked,
+and a chat request's ``kv_transfer_params.prompt_token_ids`` taken as its prompt instead of its
+rendered messages (text-only messages, no ``echo``).
 """
 
 from __future__ import annotations
@@ -27,16 +36,30 @@ from lw_proxy.app import PROXY_KEY
 from lw_proxy.config import ProxyConfig
 
 
-def next_word(context: str) -> str:
-    return f" w{(len(context) * 7 + 3) % 101}"
+WORD = 1 << 20  # token ids from here up are the words " w<id - WORD>"; below, one character each
 
 
-def generate(context: str, n_tokens: int) -> list[str]:
-    out = []
+def tokenize(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+def token_text(t: int) -> str:
+    return f" w{t - WORD}" if t >= WORD else chr(t)
+
+
+def generate_ids(prompt_ids: list[int], n_tokens: int) -> list[int]:
+    total, length, out = sum(prompt_ids), len(prompt_ids), []
     for _ in range(n_tokens):
-        w = next_word(context + "".join(out))
-        out.append(w)
+        t = WORD + (total * 7 + length * 3) % 101
+        out.append(t)
+        total, length = total + t, length + 1
     return out
+
+
+def generate(context: str | list[int], n_tokens: int) -> list[str]:
+    """The texts of the next ``n_tokens`` tokens after ``context`` (a text, or token ids)."""
+    ids = tokenize(context) if isinstance(context, str) else list(context)
+    return [token_text(t) for t in generate_ids(ids, n_tokens)]
 
 
 def chat_context(messages: list[dict[str, Any]]) -> str:
@@ -63,6 +86,11 @@ class Knobs:
     # decoder: the next streamed answer starts with this word instead of the model's (a near-tie the
     # decoder decides the other way than the prefiller); used once, then cleared
     first_word: str | None = None
+    # chat: the answer goes out as reasoning_content deltas, with no content (a reasoning model)
+    reasoning: bool = False
+    # streams: every k-th token (k, 2k, ...) is sent with empty text (its text held back, as for a
+    # partial UTF-8 character) and its text comes with the next token
+    empty_every: int | None = None
 
 
 @dataclass
@@ -156,32 +184,42 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
         choices = []
         for pi, p in enumerate(prompts):
-            ctx = chat_context(body["messages"]) if chat else (p if isinstance(p, str) else " ".join(map(str, p)))
+            ids = _chat_prompt_ids(body, params) if chat else (tokenize(p) if isinstance(p, str) else list(p))
             for j in range(n):
-                choices.append((pi * n + j, ctx))
+                choices.append((pi * n + j, ids))
         cut = None
         if k.recompute_after is not None and st.recomputed < k.recompute_times and role == "decoder":
             st.recomputed += 1
             cut = k.recompute_after
         if body.get("stream"):
             return await _stream(request, st, choices, max_tokens, cut, chat, body)
+        ret_ids = bool(body.get("return_token_ids"))
         out = []
         total = 0
-        for idx, ctx in choices:
-            words = generate(ctx, max_tokens if cut is None else min(cut, max_tokens))
-            total += len(words)
-            text = "".join(words)
-            c: dict[str, Any] = {"index": idx, "finish_reason": "length" if cut is None else "stop",
-                                 "stop_reason": None if cut is None else "recomputed"}
+        for idx, pids in choices:
+            toks = generate_ids(pids, max_tokens if cut is None else min(cut, max_tokens))
+            total += len(toks)
+            text = "".join(map(token_text, toks))
+            c: dict[str, Any] = {"index": idx}
             if chat:
-                c["message"] = {"role": "assistant", "content": text}
+                c["message"] = {"role": "assistant", "content": None if k.reasoning else text}
+                if k.reasoning:
+                    c["message"]["reasoning_content"] = text
             else:
                 c["text"] = text
+            c.update(logprobs=_logprobs(toks, chat) if _wants_logprobs(body, chat) else None,
+                     finish_reason="length" if cut is None else "stop", stop_reason=None if cut is None else "recomputed",
+                     token_ids=toks if ret_ids else None)
+            if not chat:
+                c["prompt_token_ids"] = pids if ret_ids else None
             out.append(c)
         st.completed += 1
-        return web.json_response({"id": f"cmpl-{uuid.uuid4().hex}", "object": "chat.completion" if chat
+        answer: dict[str, Any] = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "chat.completion" if chat
                                   else "text_completion", "choices": out,
-                                  "usage": {"prompt_tokens": 5, "completion_tokens": total, "total_tokens": 5 + total}})
+                                  "usage": {"prompt_tokens": 5, "completion_tokens": total, "total_tokens": 5 + total}}
+        if chat:
+            answer["prompt_token_ids"] = choices[0][1] if ret_ids else None
+        return web.json_response(answer)
 
     async def health(request: web.Request) -> web.Response:
         st.health_calls += 1
@@ -198,13 +236,13 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
         return web.json_response({"object": "list", "data": [{"id": "mock-model", "object": "model",
                                                                "owned_by": st.role}]})
 
-    async def tokenize(request: web.Request) -> web.Response:  # a "token" per word: enough to check the relay
+    async def tokenize_endpoint(request: web.Request) -> web.Response:  # a "token" per word: enough to check the relay
         body = await request.json()
         st.passthrough.append(("POST /tokenize", body, request.headers.get("Authorization")))
         toks = [len(w) for w in str(body.get("prompt", "")).split()]
         return web.json_response({"count": len(toks), "max_model_len": 4096, "tokens": toks})
 
-    async def detokenize(request: web.Request) -> web.Response:
+    async def detokenize_endpoint(request: web.Request) -> web.Response:
         body = await request.json()
         st.passthrough.append(("POST /detokenize", body, request.headers.get("Authorization")))
         return web.json_response({"prompt": " ".join("x" * t for t in body.get("tokens", []))})
@@ -220,14 +258,34 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
     app.router.add_get("/health", health)
     app.router.add_post("/reset_prefix_cache", reset)
     app.router.add_get("/v1/models", models)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
+    app.router.add_post("/tokenize", tokenize_endpoint)
+    app.router.add_post("/detokenize", detokenize_endpoint)
     app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     return app, st
 
 
-async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, str]], max_tokens: int,
+def _chat_prompt_ids(body: dict[str, Any], params: dict[str, Any]) -> list[int]:
+    """As vLLM 0.32: kv_transfer_params.prompt_token_ids, when given (text-only messages, no echo),
+    is the prompt; else the rendered messages."""
+    ids = params.get("prompt_token_ids")  # vLLM pops it; kept here so tests see what was sent
+    if ids is not None and not body.get("echo") and all(isinstance(m.get("content"), str) for m in body["messages"]):
+        return list(ids)
+    return tokenize(chat_context(body["messages"]))
+
+
+def _wants_logprobs(body: dict[str, Any], chat: bool) -> bool:
+    return bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
+
+
+def _logprobs(toks: list[int], chat: bool) -> dict[str, Any]:
+    if chat:
+        return {"content": [{"token": token_text(t), "logprob": -0.5, "bytes": None, "top_logprobs": []} for t in toks]}
+    return {"tokens": [token_text(t) for t in toks], "token_logprobs": [-0.5] * len(toks),
+            "top_logprobs": None, "text_offset": [0] * len(toks)}
+
+
+async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, list[int]]], max_tokens: int,
                   cut: int | None, chat: bool, body: dict[str, Any]) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
@@ -235,33 +293,58 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
     k = st.knobs
     limit = max_tokens if cut is None else min(cut, max_tokens)
     sent = 0
-    gen = {idx: generate(ctx, limit) for idx, ctx in choices}
-    if k.first_word is not None and st.role == "decoder" and limit:
-        for words in gen.values():
-            words[0] = k.first_word
+    ret_ids, lp = bool(body.get("return_token_ids")), _wants_logprobs(body, chat)
+    gen: dict[int, list[int]] = {}
+    for idx, pids in choices:
+        if k.first_word is not None and st.role == "decoder" and limit:
+            first = WORD + int(k.first_word.strip().removeprefix("w"))
+            gen[idx] = [first] + generate_ids(pids + [first], limit - 1)
+        else:
+            gen[idx] = generate_ids(pids, limit)
+    if st.role == "decoder":
         k.first_word = None
+    head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": 0,
+            "model": "mock-model"}
+
+    async def send(c: dict[str, Any], **top: Any) -> None:
+        await resp.write(b"data: " + msgspec.json.encode({**head, "choices": [c], **top}) + b"\n\n")
+
     try:
+        if chat:
+            for idx, pids in choices:
+                await send({"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}, prompt_token_ids=pids if ret_ids else None)
+        held = {idx: "" for idx, _ in choices}  # text held back by empty_every
         for t in range(limit):
-            for idx, _ in choices:
+            for idx, pids in choices:
                 if k.die_after is not None and sent >= k.die_after:
                     request.transport.close()  # the decoder process "dies" mid-stream
                     return resp
                 last = t == limit - 1
-                c: dict[str, Any] = {"index": idx, "finish_reason": None, "stop_reason": None}
+                tok = gen[idx][t]
+                text = held[idx] + token_text(tok)
+                held[idx] = ""
+                if k.empty_every and (t + 1) % k.empty_every == 0 and not last:
+                    held[idx], text = text, ""
+                c: dict[str, Any] = {"index": idx}
                 if chat:
-                    c["delta"] = {"content": gen[idx][t]}
+                    c["delta"] = {"reasoning_content": text} if k.reasoning else {"content": text}
                 else:
-                    c["text"] = gen[idx][t]
+                    c["text"] = text
+                c.update(logprobs=_logprobs([tok], chat) if lp else None, finish_reason=None, stop_reason=None)
+                if not chat:
+                    c["prompt_token_ids"] = pids if ret_ids and t == 0 else None
+                c["token_ids"] = [tok] if ret_ids else None
                 if last:
                     c["finish_reason"] = "length" if cut is None else "stop"
                     c["stop_reason"] = None if cut is None else "recomputed"
-                await resp.write(b"data: " + msgspec.json.encode({"id": rid, "choices": [c]}) + b"\n\n")
+                await send(c)
                 sent += 1
             if k.token_delay:
                 await asyncio.sleep(k.token_delay)
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": 5, "completion_tokens": sent, "total_tokens": 5 + sent}
-            await resp.write(b"data: " + msgspec.json.encode({"id": rid, "choices": [], "usage": usage}) + b"\n\n")
+            await resp.write(b"data: " + msgspec.json.encode({**head, "choices": [], "usage": usage}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         st.completed += 1
     except ConnectionResetError:
@@ -356,5 +439,5 @@ async def wait_until(pred, timeout: float = 5.0, what: str = "condition") -> Non
         await asyncio.sleep(0.01)
 
 
-__all__ = ["Harness", "Knobs", "chat_context", "generate", "harness", "make_backend", "replace", "run",
-           "start_app", "wait_until"]
+__all__ = ["WORD", "Harness", "Knobs", "chat_context", "generate", "generate_ids", "harness", "make_backend",
+           "replace", "run", "start_app", "token_text", "tokenize", "wait_until"]

@@ -15,6 +15,7 @@ from aiohttp import web
 from lw_core.wire import DecodeTransferParams, PrefillTransferParams
 
 from . import recompute as rc
+from . import token_ids
 from .backends import Backend, BackendPool
 from .config import PREFILL_DISPATCH, ProxyConfig
 from .errors import ProxyError
@@ -76,31 +77,47 @@ class Proxy(Streaming):
 
     # ---------------------------------------------------------------- payloads
     def _decoder_payload(self, req: ClientRequest, parent: Parent) -> bytes:
+        """The client's request plus ``kv_transfer_params`` and, unless the client asked for them
+        itself, ``return_token_ids: true`` (see lw_proxy.token_ids)."""
         params = _encode(DecodeTransferParams(metaserver=self._metaserver, lw_parent_id=parent.id,
                                               lw_children=req.children, lw_token=parent.token))
-        if req.raw is not None:
-            # Splice our field into the client's own bytes: a validated JSON object without
-            # kv_transfer_params, so inserting before its closing brace is valid JSON.
+        ids = token_ids.asks(req.body)
+        if req.raw is not None and req.prompt_ids is None and not (ids and "return_token_ids" in req.body):
+            # Splice our fields into the client's own bytes: a validated JSON object without
+            # kv_transfer_params (nor, when added, return_token_ids), so inserting before its
+            # closing brace is valid JSON.
             raw = req.raw.rstrip()
-            return b"".join((raw[:-1], b',"kv_transfer_params":', params, b"}"))
-        return _encode({**req.body, "kv_transfer_params": msgspec.json.decode(params)})
+            return b"".join((raw[:-1], b',"kv_transfer_params":', params, b',"return_token_ids":true}' if ids else b"}"))
+        kv = msgspec.json.decode(params)
+        if req.prompt_ids is not None:
+            kv["prompt_token_ids"] = req.prompt_ids
+        body = {**req.body, "kv_transfer_params": kv}
+        if ids:
+            body["return_token_ids"] = True
+        return _encode(body)
 
     @staticmethod
-    def prefill_body(req: ClientRequest, parent_id: str) -> dict[str, Any]:
+    def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False) -> dict[str, Any]:
+        """``token_ids``: ask for the prompt's and the first token's ids (a relayed first token's)."""
         body = dict(req.body)
         for k in ("stream_options", "min_tokens", "best_of"):
             body.pop(k, None)
         body.update(max_tokens=1, stream=False, n=1)
         if req.chat:
             body["max_completion_tokens"] = 1
-        body["kv_transfer_params"] = msgspec.structs.asdict(PrefillTransferParams(lw_parent_id=parent_id))
+        if token_ids:
+            body["return_token_ids"] = True
+        kv = msgspec.structs.asdict(PrefillTransferParams(lw_parent_id=parent_id))
+        if req.prompt_ids is not None:  # a resumed chat choice: the prompt the decoder is given too
+            kv["prompt_token_ids"] = req.prompt_ids
+        body["kv_transfer_params"] = kv
         return body
 
     # ---------------------------------------------------------------- prefill (dispatched early or by the fan-in)
     async def _prefill(self, parent: Parent) -> Outcome:
         req: ClientRequest = parent.request
         path = CHAT if req.chat else COMPLETIONS
-        payload = _encode(self.prefill_body(req, parent.id))
+        payload = _encode(self.prefill_body(req, parent.id, token_ids=parent.relay is not None))
         headers = {**self.headers, "X-Request-Id": f"lw-prefill-{parent.id}"}
         # Each prefiller is tried at most once per parent: one that answered 503 is overloaded, and
         # asking it again only adds load; the decoders recompute instead.
@@ -243,6 +260,8 @@ class Proxy(Streaming):
         status, data, ctype = await self._decode(req, path, read=True)
         if status == 200 and b'"recomputed"' in data:
             data = await self._resume(req, path, data)
+        if status == 200 and token_ids.asks(req.body):
+            data = token_ids.strip(data)
         return web.Response(status=status, body=data, headers={"Content-Type": ctype})
 
     async def _resume(self, req: ClientRequest, path: str, data: bytes) -> bytes:
@@ -258,9 +277,10 @@ class Proxy(Streaming):
             idx = ch.get("index", 0)
             text = rc.choice_text(ch, req.chat)
             toks = ch.get("token_ids")
+            prompt_ids = ch.get("prompt_token_ids") or obj.get("prompt_token_ids")  # completions, chat
             generated = rc.generated_tokens(ch, usage, len(choices))
             for _ in range(self.cfg.max_retries + 1):
-                cont = rc.continuation(req, idx, text, toks, generated)
+                cont = rc.continuation(req, idx, text, toks, generated, prompt_ids)
                 if cont is None:
                     ch["finish_reason"], ch["stop_reason"] = "length", None
                     break

@@ -1,13 +1,26 @@
 """Resuming a choice the decoder ended with ``stop_reason == "recomputed"``.
 
 The decoder gave up on the request (its KV was lost) after generating part of the answer. The
-proxy resubmits the *rest*: prompt + generated text (token ids for token prompts; for chat an
-assistant message continued with ``continue_final_message``) with the token budget reduced by
-what was already generated, and splices the continuation into the client's answer.
+proxy resubmits the *rest* with the token budget reduced by what was already generated, and splices
+the continuation into the client's answer. The rest is resubmitted by token ids whenever the
+decoder returned them (``lw_proxy.token_ids``: the proxy asks for them), so the engine continues
+exactly the sequence a single engine would:
 
-The generated-token count comes from the choice's ``token_ids`` when the client asked for them,
-else from ``usage.completion_tokens`` (exact for one choice; split evenly over several choices,
-an estimate, since vLLM's usage is per response) or, in streams, from the number of content events.
+- completions: ``prompt`` = the prompt's token ids + the generated token ids (vLLM takes a token-id
+  prompt), ``truncate_prompt_tokens`` dropped (those ids are already the truncated prompt);
+- chat: the chat endpoint takes no token-id prompt, but vLLM 0.32 feeds
+  ``kv_transfer_params.prompt_token_ids`` straight to the engine, skipping the template, for
+  text-only messages without ``echo``; the continuation carries those ids (``ClientRequest.prompt_ids``)
+  and, for the cases where vLLM renders the messages instead, the messages plus an assistant message
+  with the generated text, continued with ``continue_final_message``.
+
+Without ids (``echo``, a decoder that sent none) the rest is resubmitted by text: prompt + generated
+text (token ids for token prompts; chat as above), which the engine re-tokenizes and so may continue
+differently from a single engine.
+
+The generated-token count comes from the choice's ``token_ids`` when known, else from
+``usage.completion_tokens`` (exact for one choice; split evenly over several choices, an estimate,
+since vLLM's usage is per response) or, in streams, from the number of content events.
 """
 
 from __future__ import annotations
@@ -27,6 +40,27 @@ def is_recomputed(choice: dict[str, Any]) -> bool:
     return choice.get("stop_reason") == RECOMPUTED or choice.get("finish_reason") == RECOMPUTED
 
 
+def _has(v: Any) -> bool:
+    return v is not None and v != "" and v != [] and v != {}
+
+
+def carries(choice: dict[str, Any]) -> bool:
+    """The choice of a stream event tells the client something: a finish reason, text, any delta
+    field (content, ``tool_calls``, ``reasoning_content``, a role), token ids or logprobs. Events
+    whose choices carry nothing (an emptied recomputed finish, text already relayed) are dropped."""
+    if choice.get("finish_reason") is not None:
+        return True
+    for k, v in choice.items():
+        if k in ("index", "stop_reason"):
+            continue
+        if k == "delta" and isinstance(v, dict):
+            if any(_has(x) for x in v.values()):
+                return True
+        elif _has(v):
+            return True
+    return False
+
+
 def choice_text(choice: dict[str, Any], chat: bool) -> str:
     if chat:
         src = choice.get("message") or choice.get("delta") or {}
@@ -35,8 +69,11 @@ def choice_text(choice: dict[str, Any], chat: bool) -> str:
 
 
 def continuation(req: ClientRequest, index: int, text: str, token_ids: list[int] | None,
-                 generated: int) -> ClientRequest | None:
-    """The request for the rest of choice ``index``; None when its token budget is already spent."""
+                 generated: int, prompt_ids: list[int] | None = None) -> ClientRequest | None:
+    """The request for the rest of choice ``index``; None when its token budget is already spent.
+
+    ``token_ids``: the choice's generated token ids so far, ``prompt_ids``: its prompt's, each None
+    when the decoder did not return them (see the module docstring)."""
     remaining = None
     if req.max_tokens is not None:
         remaining = req.max_tokens - generated
@@ -45,6 +82,7 @@ def continuation(req: ClientRequest, index: int, text: str, token_ids: list[int]
     body = dict(req.body)
     body["n"] = 1
     body.pop("stream_options", None)
+    ids = list(prompt_ids) + list(token_ids) if prompt_ids is not None and token_ids is not None else None
     if req.chat:
         body["messages"] = list(req.body["messages"]) + [{"role": "assistant", "content": text}]
         body["continue_final_message"] = True
@@ -52,10 +90,15 @@ def continuation(req: ClientRequest, index: int, text: str, token_ids: list[int]
         if remaining is not None:
             key = "max_completion_tokens" if req.body.get("max_completion_tokens") is not None else "max_tokens"
             body[key] = remaining
-        return ClientRequest(True, body, req.stream, 1, [], 1, remaining, req.prompt_tokens, req.prompt_tokens)
+        ptoks = len(ids) if ids is not None else req.prompt_tokens
+        return ClientRequest(True, body, req.stream, 1, [], 1, remaining, ptoks, ptoks, prompt_ids=ids)
     prompt = req.prompts[index // req.n]
-    if isinstance(prompt, str):
-        new_prompt: Any = prompt + text
+    if ids is not None:
+        new_prompt: Any = ids
+        body.pop("truncate_prompt_tokens", None)
+        ptoks = len(ids)
+    elif isinstance(prompt, str):
+        new_prompt = prompt + text
         ptoks = req.prompt_tokens + len(text) // 4
     else:
         if token_ids is None:
@@ -77,10 +120,17 @@ def generated_tokens(choice: dict[str, Any], usage: dict[str, Any] | None, n_cho
 
 
 def splice(choice: dict[str, Any], cont: dict[str, Any], chat: bool) -> None:
-    """Append continuation choice ``cont`` to ``choice`` (non-streaming)."""
+    """Append continuation choice ``cont`` to ``choice`` (non-streaming). Chat: the message's text
+    fields (content, reasoning) are concatenated, a field neither part has stays as it was (null);
+    tool calls parsed from the continuation are appended."""
     if chat:
         msg = choice.setdefault("message", {"role": "assistant"})
-        msg["content"] = (msg.get("content") or "") + choice_text(cont, True)
+        more = cont.get("message") or {}
+        for k in ("content", "reasoning_content", "reasoning"):
+            if isinstance(more.get(k), str) and more[k]:
+                msg[k] = (msg.get(k) or "") + more[k]
+        if more.get("tool_calls"):
+            msg["tool_calls"] = list(msg.get("tool_calls") or []) + list(more["tool_calls"])
     else:
         choice["text"] = (choice.get("text") or "") + choice_text(cont, False)
     if cont.get("token_ids") is not None:
@@ -106,10 +156,12 @@ class _Choice(msgspec.Struct):
     text: str | None = None
     delta: _Delta | None = None
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # completions: in each choice's first event
 
 
 class _Chunk(msgspec.Struct):
     choices: list[_Choice] | None = None
+    prompt_token_ids: list[int] | None = None  # chat: in the first event
 
 
 _chunk_decoder = msgspec.json.Decoder(_Chunk)
@@ -117,18 +169,24 @@ _chunk_decoder = msgspec.json.Decoder(_Chunk)
 
 class StreamLedger:
     """What a stream told the client so far, per choice index: only what resuming a recomputed
-    choice needs (its text as UTF-8, its token ids, a count of content events), fed as blocks go
-    out. The events themselves are not kept. Text and token ids together are capped at ``limit``
-    bytes per stream; past it ``overflowed`` is set, nothing more is stored (counts go on), and a
-    choice recomputed after that cannot be resumed."""
+    choice needs (its text as UTF-8, its token ids, a count of content events, its prompt's token
+    ids), fed with the decoder's events (before the ids the client did not ask for are stripped).
+    The events themselves are not kept. Text and token ids together are capped at ``limit`` bytes
+    per stream; past it ``overflowed`` is set, nothing more is stored (counts go on), and a choice
+    recomputed after that cannot be resumed. Prompt token ids are held apart from that cap (8 bytes
+    a prompt token, once per prompt: the first seen for a prompt is kept, a continuation's longer
+    one is not): a request's prompt is bounded by --max-body-bytes already."""
 
-    def __init__(self, chat: bool, limit: int) -> None:
+    def __init__(self, chat: bool, limit: int, n: int = 1) -> None:
         self.chat = chat
         self.limit = limit
+        self.n = max(n, 1)  # completions: choice i answers prompt i // n
         self.size = 0  # bytes held in _text and _tokens
         self.overflowed = False
         self._text: dict[int, bytearray] = {}
         self._tokens: dict[int, array] = {}
+        self._prompt: dict[int, array] = {}
+        self._no_ids: set[int] = set()  # choices with text that came without its token ids
         self.events: dict[int, int] = {}
         self.token_counts: dict[int, int] = {}
 
@@ -142,14 +200,27 @@ class StreamLedger:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 continue  # [DONE], an error event, or not ours
             for ch in chunk.choices or ():
-                self._feed_choice(ch)
+                t = (ch.delta.content if ch.delta is not None else None) if self.chat else ch.text
+                self.feed(ch.index, t, ch.token_ids, ch.prompt_token_ids or chunk.prompt_token_ids)
 
-    def _feed_choice(self, ch: _Choice) -> None:
-        t = (ch.delta.content if ch.delta is not None else None) if self.chat else ch.text
-        toks = ch.token_ids
+    def feed_choice(self, ch: dict[str, Any], prompt_ids: Any = None) -> None:
+        """One choice of a parsed event; ``prompt_ids``: the event's top-level ``prompt_token_ids`` (chat)."""
+        t = choice_text(ch, self.chat)
+        toks, pids = ch.get("token_ids"), ch.get("prompt_token_ids") or prompt_ids
+        self.feed(ch.get("index", 0), t if isinstance(t, str) else None, toks if isinstance(toks, list) else None,
+                  pids if isinstance(pids, list) else None)
+
+    def feed(self, i: int, t: str | None, toks: list[int] | None, prompt_ids: list[int] | None = None,
+             ids_follow: bool = False) -> None:
+        """``ids_follow``: ``t`` comes without its token ids, which a later event brings (relayed text)."""
+        if prompt_ids:
+            key = 0 if self.chat else i // self.n
+            if key not in self._prompt:
+                self._prompt[key] = array("q", prompt_ids)
         if not t and not toks:
             return
-        i = ch.index
+        if t and toks is None and not ids_follow:
+            self._no_ids.add(i)
         self.events[i] = self.events.get(i, 0) + 1
         if toks is not None:
             self.token_counts[i] = self.token_counts.get(i, 0) + len(toks)
@@ -167,16 +238,31 @@ class StreamLedger:
         if toks is not None:
             self._tokens.setdefault(i, array("q")).extend(toks)
 
+    def drop_tokens(self, i: int) -> None:
+        """Forget choice ``i``'s token ids (they are not known to be right): it resumes by text."""
+        self.token_counts.pop(i, None)
+        got = self._tokens.pop(i, None)
+        if got is not None:
+            self.size -= 8 * len(got)
+
     def text(self, i: int) -> str:
         return self._text.get(i, b"").decode()
 
     def tokens(self, i: int) -> list[int] | None:
-        if i not in self.token_counts:
+        """Choice ``i``'s generated token ids, or None unless every piece of its text came with them."""
+        if not self.tokens_known(i):
             return None
         return list(self._tokens.get(i, ()))
 
+    def prompt_tokens(self, i: int) -> list[int] | None:
+        got = self._prompt.get(0 if self.chat else i // self.n)
+        return None if got is None else list(got)
+
     def generated(self, i: int) -> int:
-        return self.token_counts[i] if i in self.token_counts else self.events.get(i, 0)
+        return self.token_counts[i] if self.tokens_known(i) else self.events.get(i, 0)
+
+    def tokens_known(self, i: int) -> bool:
+        return i in self.token_counts and i not in self._no_ids
 
 
 def sse_events(block: bytes) -> list[bytes]:

@@ -12,7 +12,8 @@ request qualifies (``eligible``) when it is a streamed ``/v1/completions`` with 
 (and ``best_of`` at most 1), ``temperature`` 0 given explicitly (greedy), and none of ``stop``,
 ``logprobs``, ``echo``, ``suffix``, ``prompt_logprobs``, ``return_token_ids``,
 ``return_tokens_as_token_ids`` or ``stream_options.continuous_usage_stats`` (those change the first
-event or how text is held back). Every other request takes the normal path. The prefill's token is
+event or how text is held back) with a value other than null or false: ``logprobs: 0`` (the sampled
+token's own logprob) or ``stop: []`` count as present. Every other request takes the normal path. The prefill's token is
 relayed only when its choice ended with ``finish_reason: "length"`` (not an EOS or stop token), with
 non-empty text and no U+FFFD (a partial UTF-8 sequence that later tokens would change). The decoder
 request then carries ``X-Request-Id: lw-<parent>`` so its events' ``id`` is the one the relayed event
@@ -27,7 +28,7 @@ and the rest follows from it (``lw_proxy_errors_total{kind="relay_mismatch"}`` c
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -44,19 +45,35 @@ def eligible(req: ClientRequest) -> bool:
     t = b.get("temperature")
     if isinstance(t, bool) or not isinstance(t, (int, float)) or t != 0:
         return False
-    if any(b.get(k) for k in _OFF):
+    if any(_given(b.get(k)) for k in _OFF):
         return False
     so = b.get("stream_options")
-    return not (isinstance(so, dict) and so.get("continuous_usage_stats"))
+    return not (isinstance(so, dict) and _given(so.get("continuous_usage_stats")))
+
+
+def _given(value: Any) -> bool:
+    """A field counts as set unless it is null or false: 0, "" and [] are values (``logprobs: 0``
+    asks for the sampled token's logprob)."""
+    return value is not None and value is not False
 
 
 def request_id(parent_id: str) -> str:
     return f"lw-{parent_id}"
 
 
-def first_event(data: bytes | None, parent_id: str) -> tuple[bytes, str] | None:
-    """The SSE event carrying the prefill answer's first token and its text, or None when it must
-    not be relayed (see the module docstring)."""
+class First(NamedTuple):
+    """The relayed first event (``block``), its text, and the token ids behind it when the prefill
+    returned them (it is asked to: ``return_token_ids``), else None."""
+
+    block: bytes
+    text: str
+    token_ids: list[int] | None
+    prompt_ids: list[int] | None
+
+
+def first_event(data: bytes | None, parent_id: str) -> First | None:
+    """The SSE event carrying the prefill answer's first token, or None when it must not be relayed
+    (see the module docstring)."""
     if not data:
         return None
     try:
@@ -67,20 +84,28 @@ def first_event(data: bytes | None, parent_id: str) -> tuple[bytes, str] | None:
         return None
     if not isinstance(text, str) or not text or "\ufffd" in text or ch.get("finish_reason") != "length":
         return None
+    toks, pids = ch.get("token_ids"), ch.get("prompt_token_ids")
     ev = {"id": f"cmpl-{request_id(parent_id)}", "object": "text_completion", "created": obj.get("created"),
           "model": obj.get("model"),
-          "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None}]}
-    return rc.sse_encode(ev), text
+          "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None,
+                       "prompt_token_ids": None, "token_ids": None}]}
+    return First(rc.sse_encode(ev), text, toks if _ids(toks) else None, pids if _ids(pids) else None)
+
+
+def _ids(v: Any) -> bool:
+    return isinstance(v, list) and bool(v) and all(type(t) is int for t in v)
 
 
 class Mismatch(Exception):
-    """The decoder's text does not start with what was relayed."""
+    """The decoder's text (or token ids) does not start with what was relayed."""
 
 
 def cut(ch: dict[str, Any], state: dict[str, Any]) -> None:
-    """Drop from choice 0's text the part already relayed (``state["skip"]``), checking it matches."""
-    skip = state.get("skip")
-    if not skip or ch.get("index", 0) != 0:
+    """Drop from choice 0's text and token ids the part already relayed (``state["skip"]``,
+    ``state["skip_ids"]`` when the prefill returned its ids), checking it matches."""
+    skip: str = state.get("skip") or ""
+    skip_ids: list[int] | None = state.get("skip_ids")
+    if (not skip and not skip_ids) or ch.get("index", 0) != 0:
         return
     text = ch.get("text") or ""
     k = min(len(text), len(skip))
@@ -88,3 +113,12 @@ def cut(ch: dict[str, Any], state: dict[str, Any]) -> None:
         raise Mismatch(f"the decoder's first text {text[:k]!r} differs from the prefiller's {skip[:k]!r}")
     ch["text"] = text[k:]
     state["skip"] = skip[k:]
+    toks = ch.get("token_ids")
+    if skip_ids and toks is None and text:
+        state["skip_ids"] = None  # this decoder sends no ids: nothing to cut
+    elif skip_ids and isinstance(toks, list) and toks:
+        k = min(len(toks), len(skip_ids))
+        if toks[:k] != skip_ids[:k]:
+            raise Mismatch(f"the decoder's first token ids {toks[:k]} differ from the prefiller's {skip_ids[:k]}")
+        ch["token_ids"] = toks[k:]
+        state["skip_ids"] = skip_ids[k:] or None

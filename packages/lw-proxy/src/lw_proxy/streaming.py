@@ -13,6 +13,7 @@ from aiohttp import web
 
 from . import recompute as rc
 from . import relay as relay_mod
+from . import token_ids
 from .errors import ProxyError
 from .validate import ClientRequest
 
@@ -28,9 +29,11 @@ class Streaming:
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                       "Cache-Control": "no-cache"})
         held: list[int] = []  # choice indices the decoder ended with "recomputed"
-        # "skip": text already relayed from the prefill (--prefill-first), cut from the decoder's stream
-        state: dict[str, Any] = {"usage": None, "id": None, "skip": ""}
-        ledger = rc.StreamLedger(req.chat, self.cfg.max_resume_bytes)
+        # "skip"/"skip_ids": text and token ids already relayed from the prefill (--prefill-first), cut
+        # from the decoder's stream; "strip": the proxy asked for token ids the client did not (token_ids)
+        state: dict[str, Any] = {"usage": None, "id": None, "skip": "", "skip_ids": None,
+                                 "strip": token_ids.asks(req.body)}
+        ledger = rc.StreamLedger(req.chat, self.cfg.max_resume_bytes, req.n)
         relay = asyncio.get_running_loop().create_future() if self.cfg.prefill_first and relay_mod.eligible(req) else None
         try:
             async with asyncio.timeout_at(deadline):
@@ -64,7 +67,7 @@ class Streaming:
                     ok = await self._pump(call, out, held, state, ledger, None)
                 finally:
                     self._finish(call)
-                state["skip"] = ""  # a resumed choice continues after what the client got
+                state["skip"], state["skip_ids"] = "", None  # a resumed choice continues after what the client got
                 if ok is True and held:
                     ok = await self._resume_stream(req, path, out, held, state, ledger)
         except TimeoutError:
@@ -85,11 +88,10 @@ class Streaming:
                 parent_id, data = relay.result()
                 first = relay_mod.first_event(data, parent_id)
                 if first is not None:
-                    block, text = first
                     await out.prepare(request)
-                    await out.write(block)
-                    ledger.feed_block(block)
-                    state["skip"] = text
+                    await out.write(first.block)
+                    ledger.feed(0, first.text, first.token_ids, first.prompt_ids, ids_follow=first.token_ids is None)
+                    state["skip"], state["skip_ids"] = first.text, first.token_ids
                     self.m.relayed_first.inc()
             return await task
         except BaseException:
@@ -122,10 +124,12 @@ class Streaming:
                     ledger: rc.StreamLedger, rewrite: int | None) -> bool | ProxyError:
         """Forward whole SSE events from the decoder to ``out`` until [DONE].
 
-        Fast path: blocks without "recomputed" pass through as bytes. Once a choice is recomputed
-        (or when ``rewrite`` is set, i.e. a continuation stream whose choice index must become
-        ``rewrite``), events are parsed: recomputed finishes and usage/[DONE] are held back. What
-        goes out feeds ``ledger`` (what a resume needs), nothing else is kept.
+        Fast path: blocks without "recomputed" pass through as bytes (token ids the client did not
+        ask for turned into null, ``token_ids.strip``). Once a choice is recomputed (or when
+        ``rewrite`` is set, i.e. a continuation stream whose choice index must become ``rewrite``),
+        while relayed text is cut, and for chat events with an empty delta (sent only for their token
+        ids), events are parsed (``_filter``). The decoder's events feed ``ledger`` (what a resume
+        needs, the token ids included) before anything is stripped; nothing else is kept.
         Returns True at [DONE], else the error saying how the decoder's stream broke or stalled.
         """
         buf = call.first
@@ -141,9 +145,9 @@ class Streaming:
                     block = block[: -len(_DONE)]
                 if parse or held or b'"recomputed"' in block:
                     parse = True
-                if parse or state["skip"]:
+                if parse or state["skip"] or state["skip_ids"] or (state["strip"] and b'"delta":{}' in block):
                     try:
-                        block = self._filter(block, held, state, rewrite)
+                        block = self._filter(block, held, state, rewrite, ledger)
                     except relay_mod.Mismatch as e:
                         # Nothing of the decoder's answer has reached the client (the mismatch is in
                         # the text that stood for the relayed token). Drop it and resume choice 0
@@ -151,11 +155,16 @@ class Streaming:
                         # the one a single engine gives, so the rest must follow from it.
                         log.warning("lw-proxy --prefill-first: %s; resuming after the relayed token", e)
                         self.m.errors.labels("relay_mismatch").inc()
-                        state["skip"] = ""
+                        if state["skip_ids"] is None:  # ids the decoder sent before the mismatch are not ours
+                            ledger.drop_tokens(0)
+                        state["skip"], state["skip_ids"] = "", None
                         held.append(0)
                         return True
-                if block:
+                else:
                     ledger.feed_block(block)
+                    if state["strip"]:
+                        block = token_ids.strip(block)
+                if block:
                     await out.write(block)
                 if done:
                     return True
@@ -174,7 +183,12 @@ class Streaming:
                 return ProxyError(502, "decoder closed the stream before [DONE]", kind="upstream_died")
             buf += chunk
 
-    def _filter(self, block: bytes, held: list[int], state: dict[str, Any], rewrite: int | None) -> bytes:
+    def _filter(self, block: bytes, held: list[int], state: dict[str, Any], rewrite: int | None,
+                ledger: rc.StreamLedger) -> bytes:
+        """The parsed path of ``_pump``: cut relayed text, rename a continuation's choice, hold back
+        recomputed finishes and the usage summary, feed ``ledger``, strip the ids the client did not
+        ask for. An event is dropped only when none of its choices carries anything any more
+        (``recompute.carries``): tool-call deltas, reasoning, token ids or logprobs alone go out."""
         keep = []
         for ev in rc.sse_events(block):
             obj = rc.sse_json(ev)
@@ -184,25 +198,43 @@ class Streaming:
                 continue
             if state["id"] is None:
                 state["id"] = obj.get("id")
-            choices = obj.get("choices") or []
-            if not choices and obj.get("usage") is not None:  # usage summary: sent once, at the end
-                if state["usage"] is None:
-                    state["usage"] = obj
-                else:
-                    rc.add_usage(state["usage"].get("usage"), obj["usage"])
+            choices = obj.get("choices")
+            if not choices:
+                if obj.get("usage") is not None:  # usage summary: sent once, at the end
+                    if state["usage"] is None:
+                        state["usage"] = obj
+                    else:
+                        rc.add_usage(state["usage"].get("usage"), obj["usage"])
+                else:  # not a choice event (an error event): as it came
+                    keep.append(ev)
                 continue
+            kept = []
             for ch in choices:
-                if state.get("skip"):
+                if state["skip"] or state["skip_ids"]:
                     relay_mod.cut(ch, state)
                 if rewrite is not None:
                     ch["index"] = rewrite
+                    delta = ch.get("delta")
+                    if isinstance(delta, dict):
+                        delta.pop("role", None)  # the continuation's opening event repeats the stream's
+                    if ch.get("prompt_token_ids") is not None:  # the continuation's prompt: not the client's
+                        ch["prompt_token_ids"] = None
                 if rc.is_recomputed(ch):
                     held.append(ch.get("index", 0))
                     ch["finish_reason"] = ch["stop_reason"] = None
+                ledger.feed_choice(ch, obj.get("prompt_token_ids"))
+                if state["strip"]:
+                    token_ids.strip_choice(ch)
+                if rc.carries(ch):
+                    kept.append(ch)
+            if not kept:
+                continue
+            if (state["strip"] or rewrite is not None) and obj.get("prompt_token_ids") is not None:
+                obj["prompt_token_ids"] = None
             if rewrite is not None and state["id"] is not None:
                 obj["id"] = state["id"]
-            if any(rc.choice_text(ch, "delta" in ch) or ch.get("finish_reason") for ch in choices):
-                keep.append(rc.sse_encode(obj))
+            obj["choices"] = kept
+            keep.append(rc.sse_encode(obj))
         return b"".join(keep)
 
     async def _resume_stream(self, req: ClientRequest, path: str, out: web.StreamResponse, held: list[int],
@@ -214,7 +246,8 @@ class Streaming:
                     return ProxyError(502, f"choice {idx} was recomputed after the stream passed "
                                       f"{self.cfg.max_resume_bytes} bytes of output (--max-resume-bytes); "
                                       "it cannot be resumed", kind="recompute_exhausted")
-                cont = rc.continuation(req, idx, ledger.text(idx), ledger.tokens(idx), ledger.generated(idx))
+                cont = rc.continuation(req, idx, ledger.text(idx), ledger.tokens(idx), ledger.generated(idx),
+                                       ledger.prompt_tokens(idx))
                 if cont is None:
                     await out.write(rc.sse_encode({"id": state["id"], "object": "chat.completion.chunk" if req.chat
                                                    else "text_completion", "choices": [

@@ -54,6 +54,9 @@ class ClientRequest:
     prompt_tokens: int  # estimate, for balancing: prefiller pending work
     decode_tokens: int  # estimate, for balancing: decoder active tokens
     raw: bytes | None = None  # the client's bytes: forwarded with our params spliced in, never re-encoded
+    # A resumed chat choice's prompt as token ids (prompt + generated so far), sent to the backends as
+    # kv_transfer_params.prompt_token_ids (see lw_proxy.recompute); None otherwise.
+    prompt_ids: list[int] | None = None
 
 
 def _token_estimate(s: str) -> int:

@@ -75,6 +75,30 @@ def test_unfinished_fan_in_of_an_abandoned_attempt_is_reset():
     run(body())
 
 
+@pytest.mark.parametrize("mode", ["early", "on-metaserver"])
+def test_request_ids_are_capped_at_lw_children_per_attempt_after_dispatch_too(mode):
+    async def body():
+        async with harness(prefill_dispatch=mode) as h:
+            parent = h.proxy.registry.open(1, parse_completion(b'{"prompt": "a"}'))
+            if mode == "early":
+                h.proxy.registry.dispatch(parent)
+
+            async def post(rid):
+                return await h.post("/v1/metaserver", {"lw_parent_id": parent.id, "request_id": rid})
+
+            assert (await post("r-0"))[0] == 200  # on-metaserver: this one completes the fan-in
+            got = await asyncio.gather(*(post(f"r-{i}") for i in range(1, 200)))
+            assert {s for s, _ in got} == {409} and "one too many" in got[0][1]["error"]["message"]
+            assert parent.ids == {"r-0"}
+            assert (await post("r-0"))[0] == 200  # the same id again is no new one
+            h.proxy.registry.retry(parent)  # a retried decoder brings its own ids: one more attempt's worth
+            assert [(await post(r))[0] for r in ("new-0", "new-1")] == [200, 409]
+            assert len(parent.ids) == 2 and len(h.prefillers[0].bodies) == 1
+            h.proxy.registry.close(parent)
+
+    run(body())
+
+
 def test_prefiller_answering_503_is_asked_once_per_parent():
     async def body():
         async with harness(n_prefill=2, n_decode=2, max_retries=3) as h:

@@ -195,8 +195,11 @@ class ParentRegistry:
                            param="lw_parent_id")
             return e.status, e.body()
         if p.task is not None or p.result is not None:
-            # dispatched: a repeated POST, or a retried decoder's, shares that prefill
+            # dispatched: a repeated POST, or a retried decoder's, shares that prefill. Each decoder
+            # attempt brings at most ``children`` new ids: past that, refused as before dispatch.
             if request_id not in p.ids:
+                if len(p.ids) >= p.children * p.attempts:
+                    return self._too_many(p, request_id)
                 p.ids.add(request_id)
                 if p.attempts > 1:
                     self._reused.inc()
@@ -208,9 +211,7 @@ class ParentRegistry:
                 return p.result
         elif request_id not in p.ids:
             if len(p.ids) >= p.children:
-                e = ProxyError(409, f"parent {parent_id} expects {p.children} request ids and already has them; "
-                               f"{request_id!r} is one too many", param="request_id")
-                return e.status, e.body()
+                return self._too_many(p, request_id)
             p.ids.add(request_id)
             if needs_prefill is not False:
                 p.wanted = True
@@ -237,6 +238,13 @@ class ParentRegistry:
                 p.waiters.remove(fut)
         self._observe(out, t0)
         return out
+
+    @staticmethod
+    def _too_many(p: Parent, request_id: str) -> Outcome:
+        have = f"{p.children} request ids" + (f" per decoder attempt ({p.attempts} so far)" if p.attempts > 1 else "")
+        e = ProxyError(409, f"parent {p.id} expects {have} and already has them; {request_id!r} is one too many",
+                       param="request_id")
+        return e.status, e.body()
 
     def _observe(self, out: Outcome, t0: float) -> None:
         if out[0] == 200:

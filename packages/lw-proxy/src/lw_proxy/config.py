@@ -190,8 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "unchanged (see lw_proxy.relay). On by default; --no-prefill-first sends every first "
                         "token from the decoder")
     p.add_argument("--api-key", default=None,
-                   help="bearer token clients must send; prefer env LW_PROXY_API_KEY or --api-key-file: a "
-                        "command-line value shows in the process list (a warning is printed)")
+                   help="bearer token clients must send (not empty, no surrounding whitespace: both are refused); "
+                        "prefer env LW_PROXY_API_KEY or --api-key-file: a command-line value shows in the process "
+                        "list (a warning is printed)")
     p.add_argument("--api-key-file", default=None, help="file holding the client bearer token (one line)")
     p.add_argument("--allow-unauthenticated-admin", action="store_true",
                    help="serve /reset_prefix_cache without an API key (refused by default when no key is set)")

@@ -89,9 +89,10 @@ async def read_body(request: web.Request, limit: int, idle: float, total: float 
 
 
 def close_unread(request: web.Request, resp: web.StreamResponse) -> None:
-    """``resp`` refuses ``request`` before its body was all in (auth, the connection cap, a stalled or
-    oversized body): close the connection after it rather than drain the rest, which a slow sender
-    could make last."""
+    """``resp`` refuses ``request`` before its body was all in (a metaserver call's token or body
+    deadline, the connection cap): close the connection after it rather than drain the rest, which a
+    slow sender could make last while holding a slot. (Other endpoints keep aiohttp's lingering
+    read, so a client still uploading sees its answer rather than a reset.)"""
     resp.force_close()
     drop = getattr(request.protocol, "drop_unread_body", None)  # lw_proxy.server's connections
     if drop is not None:
@@ -138,7 +139,7 @@ class _Handlers:
             except ProxyError as e:
                 m.errors.labels(e.kind).inc()
                 resp = e.response()
-                if not request.content.is_eof():
+                if endpoint == METASERVER_PATH and not request.content.is_eof():
                     close_unread(request, resp)
             status = resp.status
             return resp

@@ -1,4 +1,5 @@
-"""The plugin's registration rules, and the CPU RoPE fix for MLA checked against transformers."""
+"""The plugin's registration rules, the CPU RoPE fix for MLA checked against transformers, and the CPU
+fix for seeded requests with chunked prefills."""
 
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ only once; ``LW_VLLM_SEED_FIX=0`` turns it off (tests use that to show the crash
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
+
+from lw_vllm.cpu_fix_gate import needs_fix
 
 log = logging.getLogger(__name__)
 
@@ -28,16 +29,7 @@ _MARK = "_lw_seed_fix_applied"
 
 
 def _needs_fix() -> tuple[bool, str]:
-    if os.environ.get("LW_VLLM_SEED_FIX", "1") == "0":
-        return False, "disabled by LW_VLLM_SEED_FIX=0"
-    import vllm
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return False, "not the CPU platform"
-    if not vllm.__version__.startswith(AFFECTED_VERSIONS):
-        return False, f"vLLM {vllm.__version__} is not a version known to need it"
-    return True, f"vLLM {vllm.__version__} on CPU"
+    return needs_fix("LW_VLLM_SEED_FIX", AFFECTED_VERSIONS)
 
 
 def _discarding(runner: Any) -> list[int]:

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from lw_core.backend import BackendError, Buffer, ObjectMissing
+from lw_core.backends.segment_stream.checks import check_timeout, check_upto
 
 
 class MemoryHandle:
@@ -218,8 +219,7 @@ class MemoryBackend:
             for h in handles:
                 if not isinstance(h, MemoryHandle) or h._src is not None or h._leased:
                     raise BackendError(f"memory backend: publish needs handles from reserve, got {h!r}")
-                if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= h.nbytes:
-                    raise ValueError(f"memory backend: publish upto={upto!r} must be an int in [0, {h.nbytes}] for {h.key!r}")
+                check_upto("memory backend", "publish", h, upto)
                 e = self._objects.get(h.key)
                 if self._reserved.get(h.key) is h:
                     h._published = max(h._published, upto)
@@ -248,10 +248,8 @@ class MemoryBackend:
         for h in handles:
             if not isinstance(h, MemoryHandle) or h._src is None:
                 raise BackendError(f"memory backend: wait_published needs handles from open_streaming, got {h!r}")
-            if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= h.nbytes:
-                raise ValueError(f"memory backend: wait_published upto={upto!r} must be an int in [0, {h.nbytes}] for {h.key!r}")
-        if not timeout_s >= 0:
-            raise ValueError(f"memory backend: wait_published timeout_s={timeout_s!r} must be >= 0")
+            check_upto("memory backend", "wait_published", h, upto)
+        check_timeout("memory backend", timeout_s)
         deadline = time.monotonic() + timeout_s
         with self._cv:
             while True:

@@ -1,0 +1,118 @@
+"""The shared segment-streaming pieces (lw_core.backends.segment_stream) against a fake store: the
+poll loop's answers for published, aborted, committed and abandoned reservations, the head layout
+and the argument checks every streaming backend uses."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from lw_core.backends.segment_stream import abort_key, seg_key, wait_published
+from lw_core.backends.segment_stream.checks import check_lengths, check_range, check_timeout, check_upto
+from lw_core.backends.segment_stream.head import HEAD, pack_head, unpack_head
+from lw_core.backends.segment_stream.policy import QuietPeriod
+from lw_core.procs import Owner, boot_id, current_owner
+
+
+@dataclass(eq=False)
+class Handle:
+    key: str
+    nbytes: int
+    token: bytes
+    boot: bytes = b""
+    owner: Owner | None = None
+    dead: bool = False
+    whole: bool = False
+
+
+class FakeStore:
+    """A set of object names; ``committed`` maps a key to the token its object carries."""
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+        self.committed: dict[str, bytes] = {}
+        self.polls = 0
+
+    def exists(self, names: list[str]) -> list[int]:
+        self.polls += 1
+        return [int(n in self.names or n in self.committed) for n in names]
+
+    def adopt(self, handles: Any) -> None:
+        for h in handles:
+            h.whole = self.committed.get(h.key) == h.token
+            h.dead = not h.whole
+
+
+def wait(store: FakeStore, hs: list[Handle], upto: int, timeout_s: float) -> list[bool]:
+    return wait_published("fake", store, hs, upto, timeout_s, lambda h: h.whole)
+
+
+def test_published_aborted_committed_and_replaced_each_answer_at_once():
+    st = FakeStore()
+    pub, ab, com, other, idle = (Handle(k, 100, bytes([i]) * 8) for i, k in enumerate("pacoi"))
+    st.names |= {seg_key("p", pub.token, 50), abort_key("a", ab.token)}
+    st.committed.update(c=com.token, o=b"z" * 8)  # "o" was committed by a later reservation
+    t0 = time.monotonic()
+    assert wait(st, [pub, ab, com, other], 50, 5.0) == [True, False, True, False]
+    assert time.monotonic() - t0 < 1.0 and st.polls == 1
+    assert ab.dead and other.dead and com.whole and not pub.dead
+    t0 = time.monotonic()
+    assert wait(st, [idle], 50, 0.1) == [False] and 0.09 <= time.monotonic() - t0 < 1.0  # the deadline
+    assert not idle.dead  # not known dead: the caller may wait again
+    assert wait(st, [idle], 0, 0.0) == [True]  # nothing to wait for
+    assert wait(st, [ab], 0, 0.0) == [False]  # but a dead handle is never ready
+
+
+def test_a_writer_on_this_machine_that_is_gone_fails_its_waiters():
+    st = FakeStore()
+    me = current_owner()
+    gone = Handle("g", 10, b"g" * 8, boot_id(), Owner(me.pidns, me.pid, me.start + 1))  # same pid, other start
+    alive = Handle("l", 10, b"l" * 8, boot_id(), me)
+    assert wait(st, [gone, alive], 10, 0.05) == [False, False]
+    assert gone.dead and not alive.dead
+
+
+def test_the_poll_loop_checks_its_arguments():
+    h = Handle("k", 10, b"t" * 8)
+    for bad in (-1, 11, True, 1.0):
+        with pytest.raises(ValueError, match=r"fake: wait_published upto=.* must be an int in \[0, 10\] for 'k'"):
+            wait(FakeStore(), [h], bad, 1.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="fake: wait_published timeout_s=nan must be >= 0"):
+        wait(FakeStore(), [h], 1, float("nan"))
+
+
+def test_checks_name_the_backend_the_call_and_the_bounds():
+    h = Handle("k", 10, b"t" * 8)
+    check_upto("x", "publish", h, 10)
+    with pytest.raises(ValueError, match=r"x: publish upto=11 must be an int in \[0, 10\] for 'k'"):
+        check_upto("x", "publish", h, 11)
+    check_timeout("x", 0.0)
+    with pytest.raises(ValueError, match="x: wait_published timeout_s=-1 must be >= 0"):
+        check_timeout("x", -1)
+    with pytest.raises(ValueError, match="1 handles, 2 offsets, 1 buffers: lengths differ"):
+        check_lengths([h], [0, 1], [b""])
+    check_range("read", h, 4, 6)
+    with pytest.raises(ValueError, match=r"read of k: range \[4, 11\) outside the object's 10 bytes"):
+        check_range("read", h, 4, 7)
+
+
+def test_a_head_reads_back_only_under_its_magic():
+    me = current_owner()
+    raw = pack_head(b"lwtsHED1", b"t" * 8, 123, boot_id(), me)
+    assert len(raw) == HEAD.size
+    head = unpack_head(b"lwtsHED1", raw)
+    assert head is not None and (head.token, head.nbytes, head.boot, head.owner) == (b"t" * 8, 123, boot_id(), me)
+    assert unpack_head(b"lwxxHED1", raw) is None and unpack_head(b"lwtsHED1", raw[:-1]) is None
+    with pytest.raises(ValueError, match="8 bytes"):
+        pack_head(b"short", b"t" * 8, 1, boot_id(), me)
+
+
+def test_a_quiet_period_starts_on_a_timeout_and_ends():
+    q = QuietPeriod(0.05)
+    assert not q
+    q.start()
+    assert q
+    time.sleep(0.06)
+    assert not q

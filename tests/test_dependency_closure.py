@@ -136,8 +136,8 @@ _CORE_EXTRAS = ({"numpy", "lmdb"}, "lw-core[pipeline] brings numpy, lw-core[embe
 _VLLM = ({"vllm", "torch"}, "vLLM and torch are not declared: CUDA, Ascend and CPU users bring their own build")
 NOT_IN_PLAIN_INSTALL: dict[str, dict[str, tuple[set[str], str]]] = {
     "lw-core": {m: _CORE_EXTRAS for m in (
-        "lw_core.backends.embedded", "lw_core.buffers", "lw_core.host_copier", "lw_core.pipeline",
-        "lw_core.pipeline_context", "lw_core.pipeline_load", "lw_core.pipeline_pool", "lw_core.pipeline_save")},
+        # a package that fails to import hides its modules (lw_core.pipeline's __init__ needs numpy)
+        "lw_core.backends.embedded", "lw_core.pipeline")},
     "lw-vllm": {m: _VLLM for m in (
         "lw_vllm.connector", "lw_vllm.copier", "lw_vllm.device_path", "lw_vllm.device_streams", "lw_vllm.meta",
         "lw_vllm.metrics", "lw_vllm.scheduler_pd", "lw_vllm.scheduler_side", "lw_vllm.staging", "lw_vllm.worker_side")},

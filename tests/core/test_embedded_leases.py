@@ -36,8 +36,11 @@ def _child(role: str, path: str, keys: list[str]) -> None:
     if role == "lease":  # lease KEYS and keep them (until killed)
         assert all(b.open(keys))
     elif role == "writer-lock":  # hold the writer lock and LMDB's write transaction (until stopped/killed)
-        cm = b._locked()
-        cm.__enter__()
+        from lw_core.backends.embedded.writer_lock import WriterLock
+
+        lock = WriterLock(b.path, timeout_s=1.0, capacity=CAP)
+        lock.open_files()
+        lock.locked().__enter__()
         txn = b._env.begin(write=True)
         txn.put(b"x", b"y", db=b._meta)
     print("ready", flush=True)

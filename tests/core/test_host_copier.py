@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from lw_core.copier import Copier
-from lw_core.host_copier import HostCopier, aligned_empty
+from lw_core.pipeline.copier import Copier
+from lw_core.pipeline.host_copier import HostCopier, aligned_empty
 
 
 def test_is_a_copier_with_page_aligned_layers():

@@ -10,7 +10,7 @@ import sys
 import pytest
 from test_pipeline_support import DictBackend, fill_pool, make_layout
 
-from lw_core.host_copier import HostCopier
+from lw_core.pipeline.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ReqLoad, ReqSave
 
@@ -20,7 +20,7 @@ def kv_for(layout):
 
 
 def test_importing_the_pipeline_does_not_import_the_host_copier():
-    code = "import sys, lw_core.pipeline; print('lw_core.host_copier' in sys.modules)"
+    code = "import sys, lw_core.pipeline; print('lw_core.pipeline.host_copier' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"

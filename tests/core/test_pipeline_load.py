@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from lw_core.backend import BackendError
-from lw_core.host_copier import HostCopier
+from lw_core.pipeline.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ReqLoad
 from test_pipeline_support import DictBackend, RecordingCopier, expected_block, fill_pool, make_layout, wait_until

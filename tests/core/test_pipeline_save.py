@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 from lw_core.backend import BackendError, PoolFull
-from lw_core.host_copier import HostCopier
+from lw_core.pipeline.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ReqLoad, ReqSave
 from test_pipeline_support import DictBackend, RecordingCopier, make_layout, wait_until

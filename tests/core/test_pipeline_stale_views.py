@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 from lw_core.backends.embedded import EmbeddedBackend
-from lw_core.host_copier import HostCopier
+from lw_core.pipeline.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ReqLoad
 from test_pipeline_support import fill_pool, make_layout, pattern

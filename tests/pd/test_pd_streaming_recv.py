@@ -1,6 +1,6 @@
 """Streaming PD without vLLM: the decoder worker's receive state machine (lw_vllm.stream_recv)
 against the in-process streaming backend, and the prefiller's per-layer publish in the save
-pipeline (lw_core.pipeline_save, ``stream_publish``)."""
+pipeline (lw_core.pipeline.save, ``stream_publish``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from lw_core.backend import ObjectMissing
 from lw_core.backends.memory import MemoryBackend
 from lw_core.config import ConfigError, parse_config
-from lw_core.host_copier import HostCopier
+from lw_core.pipeline.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqSave
 

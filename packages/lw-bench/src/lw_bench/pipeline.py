@@ -249,7 +249,7 @@ def measure(cfg: dict[str, Any]) -> dict[str, Any]:
     import numpy as np
     from tqdm import tqdm
 
-    from lw_core.host_copier import HostCopier
+    from lw_core.pipeline.host_copier import HostCopier
     from lw_core.pipeline import LayerPipeline
     from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 

@@ -38,7 +38,7 @@ MAX_TRANSFER_BYTES = 1 << 40  # 1 TiB
 MAX_STAGGER_US = 1_000_000  # 1 s per rank step
 MAX_STREAM_RECV_THREADS = 256
 
-# Field types shared with LayerPipeline's arguments (lw_core.pipeline_context.PipelineLimits).
+# Field types shared with LayerPipeline's arguments (lw_core.pipeline.context.PipelineLimits).
 Seconds = Annotated[float, Meta(gt=0, le=MAX_TIMEOUT_S)]
 PrefetchLayers = Annotated[int, Meta(ge=1, le=MAX_PREFETCH_LAYERS)]
 TransferBlocks = Annotated[int, Meta(ge=0, le=MAX_TRANSFER_BLOCKS)]

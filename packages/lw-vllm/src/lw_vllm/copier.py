@@ -1,4 +1,4 @@
-"""A torch ``Copier`` (lw_core.copier protocol) over the KV cache tensors vLLM hands the connector.
+"""A torch ``Copier`` (lw_core.pipeline.copier protocol) over the KV cache tensors vLLM hands the connector.
 
 A block of one layer is moved whole, as opaque bytes: its geometry comes from the tensor, never
 from the attention backend (GQA on CPU is ``[num_blocks, kv_heads, block_size, 2*head_dim]``, MLA
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lw_core.host_copier import aligned_empty
+from lw_core.pipeline.buffers import aligned_empty
 
 from lw_vllm.device_path import DevicePath
 from lw_vllm.device_streams import DeviceOps, TorchDeviceOps
@@ -200,7 +200,7 @@ class TorchCopier:
         if token is not None and self.dev is not None:
             self.dev.make_visible(token)
 
-    # --- optional Copier methods (lw_core.copier) ---
+    # --- optional Copier methods (lw_core.pipeline.copier) ---
     def begin_load(self) -> None:
         """Called on the forward thread when a step's loads start: order them after the compute
         stream's work so far (device); nothing on the CPU."""

@@ -43,7 +43,7 @@ from typing import Any
 from lw_core.backend import BackendUnavailable
 from lw_core.config import PoolConfig
 from lw_core.keys import KeySpace, chunk_hashes
-from lw_core.pipeline_pool import DeadlineCall, WorkerPool
+from lw_core.pipeline.pool import DeadlineCall, WorkerPool
 
 from lw_vllm import pool
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from lw_core.buffers import PAGE, aligned_empty
-from lw_core.copier import Buffer, Token
+from lw_core.pipeline.buffers import PAGE, aligned_empty
+from lw_core.pipeline.copier import Buffer, Token
 
-__all__ = ["PAGE", "HostCopier", "aligned_empty"]  # aligned_empty lives in lw_core.buffers
+__all__ = ["PAGE", "HostCopier", "aligned_empty"]  # aligned_empty lives in lw_core.pipeline.buffers
 
 
 class HostCopier:

@@ -14,7 +14,7 @@ The vLLM connector drives it from the forward thread::
 Nothing here raises for pool failures or blocks past a deadline: errors, stuck stores and missed
 deadlines come back in ``LoadResult`` / ``SaveResult``. Programming errors (a layer out of range,
 a step started twice) raise ``ValueError`` / ``RuntimeError``. Work runs on two small fixed pools
-of daemon threads (loads, saves); see ``pipeline_load`` for the rule that keeps late transfers out
+of daemon threads (loads, saves); see ``lw_core.pipeline.load`` for the rule that keeps late transfers out
 of the KV cache.
 """
 
@@ -26,12 +26,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lw_core.backend import Backend
-from lw_core.copier import Copier
-from lw_core.pipeline_context import LIMIT_NOTES, PipelineLimits, StepContext
-from lw_core.pipeline_load import LoadStep
-from lw_core.pipeline_pool import StagingPool, WorkerPool, describe, log
-from lw_core.pipeline_results import LoadResult, SaveResult
-from lw_core.pipeline_save import SaveStep
+from lw_core.pipeline.copier import Copier
+from lw_core.pipeline.context import LIMIT_NOTES, PipelineLimits, StepContext
+from lw_core.pipeline.load import LoadStep
+from lw_core.pipeline.pool import StagingPool, WorkerPool, describe, log
+from lw_core.pipeline.results import LoadResult, SaveResult
+from lw_core.pipeline.save import SaveStep
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_core.validation import convert_strict
 

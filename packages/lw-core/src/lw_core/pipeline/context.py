@@ -15,8 +15,8 @@ from msgspec import Meta
 
 from lw_core.backend import Backend, BackendError
 from lw_core.config import PrefetchLayers, Seconds, StaggerUs, TransferBlocks, TransferBytes
-from lw_core.copier import Copier
-from lw_core.pipeline_pool import DeadlineCall, ErrorLog, StagingPool, WorkerPool, describe, log
+from lw_core.pipeline.copier import Copier
+from lw_core.pipeline.pool import DeadlineCall, ErrorLog, StagingPool, WorkerPool, describe, log
 from lw_core.plan import ObjectLayout, split_batches
 
 

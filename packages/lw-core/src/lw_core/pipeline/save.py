@@ -17,9 +17,9 @@ from typing import Any
 import numpy as np
 
 from lw_core.backend import BackendError
-from lw_core.pipeline_context import StepContext
-from lw_core.pipeline_pool import ErrorLog, describe, log
-from lw_core.pipeline_results import SaveResult
+from lw_core.pipeline.context import StepContext
+from lw_core.pipeline.pool import ErrorLog, describe, log
+from lw_core.pipeline.results import SaveResult
 from lw_core.plan import ReqSave, flatten
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from lw_core.backend import BackendError
-from lw_core.buffers import aligned_empty
+from lw_core.pipeline.buffers import aligned_empty
 
 log = logging.getLogger("lw_core.pipeline")
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-command device check (issue 15) for a machine with a GPU (or NPU) and torch but no vLLM.
+# One-command device check for a machine with a GPU (or NPU) and torch but no vLLM.
 #
 #   bash scripts/device-check.sh            # from a checkout of this repository
 #

@@ -86,7 +86,7 @@ def test_random_values_parse_or_fail_with_config_error(extra):
 @pytest.mark.parametrize(
     "key, value, accepted",
     [
-        # issue 9 item 12: values that parsed, then broke later
+        # values that parsed, then broke later
         ("layerwise_prefetch_layers", 2**70, "<= 1024"),
         ("layerwise_prefetch_layers", 1025, "<= 1024"),
         ("embedded_capacity_bytes", 2**64, "<= 17592186044416 (1 MiB to 16 TiB)"),

@@ -1,4 +1,4 @@
-"""The embedded pool's directory and files (issue 9 items 9, 10 and 12):
+"""The embedded pool's directory and files:
 
 * a directory or file of another user, or writable by others, or a symlink, is refused with a
   message naming the path, owner and mode; everything is created 0600 / 0700;

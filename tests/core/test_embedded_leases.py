@@ -1,4 +1,4 @@
-"""Embedded pool reads under eviction and stuck processes (issue 9 items 8 and 11):
+"""Embedded pool reads under eviction and stuck processes:
 
 * a reader stalled past its lease gets an error, never another object's bytes (read and view);
 * a dead reader's leases stop pinning objects at once (liveness, not the TTL), and a pid reused by

@@ -1,6 +1,6 @@
 """A load that copies from a zero-copy ``view()`` whose object is evicted and its space reused while
 the copy runs (a reader stalled past its lease) must fail those blocks, so vLLM recomputes them:
-the KV cache may hold another object's bytes (issue 9 item 8, the view path of the pipeline)."""
+the KV cache may hold another object's bytes (the view path of the pipeline)."""
 
 from __future__ import annotations
 

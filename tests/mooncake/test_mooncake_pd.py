@@ -137,7 +137,7 @@ def test_pd_across_hosts_matches_single_engine_and_loads_every_chunk(stack: Stac
 def _short_load_is_a_reported_save_failure(stack: Stack, ex) -> None:
     """A decoder that loaded part of the prompt while clients re-register: either its own load
     failed (failed_blocks), or the prefiller's record shows objects it could not save and the
-    decoder loaded no more chunks than the prefiller saved (docs/mooncake.md, "A PD prompt that
+    decoder loaded no more chunks than the prefiller saved (docs/guide/mooncake.md, "A PD prompt that
     loads only its full chunks"). Loading nothing is a plain miss (e.g. a failed lookup)."""
     assert len(ex.decode_stats) == len(ex.prefill_stats) == 1, (ex.decode_stats, ex.prefill_stats)
     (d,), (p,) = ex.decode_stats, ex.prefill_stats

@@ -1,4 +1,4 @@
-"""Streaming PD (``pd_streaming``, docs/streaming-pd.md) on real vLLM (CPU), tiny GQA model,
+"""Streaming PD (``pd_streaming``, docs/guide/streaming-pd.md) on real vLLM (CPU), tiny GQA model,
 embedded pool, prefiller + decoder + lw-proxy: the decoder pulls the prompt's layers while the
 prefiller publishes them (vLLM's async load), the greedy output equals the single engine's, and a
 prefill that never comes turns into a recompute at the deadline."""

@@ -1,4 +1,4 @@
-"""Prefill and decode at different tensor-parallel sizes (issue 12 item 4), scheduler side, no engine.
+"""Prefill and decode at different tensor-parallel sizes, scheduler side, no engine.
 
 * GQA sizes that both divide the kv heads (P2 -> D1, P1 -> D2): the decoder finds the prefill
   under the prefiller's key space (every saver rank's object), promises it, and its load plan

@@ -1,4 +1,4 @@
-"""Auth (issue 9, item 7): admin endpoints need the key (refused without one unless enabled),
+"""Auth: admin endpoints need the key (refused without one unless enabled),
 metaserver callbacks carry their parent's token when a key is set, the Bearer scheme in any case,
 no credential in /metrics, keys from a file or the environment."""
 

@@ -1,4 +1,4 @@
-"""Request bodies are read whole, however they arrive (issue 9, items 1-2): large bodies, many small
+"""Request bodies are read whole, however they arrive: large bodies, many small
 chunks, curl's ``Expect: 100-continue``; a body that ends short is a 400, one over the limit a 413.
 Everything over real sockets on 127.0.0.1."""
 

@@ -1,4 +1,4 @@
-"""One deadline per client request, a first-byte timeout and a stream idle timeout (issue 9, item 4):
+"""One deadline per client request, a first-byte timeout and a stream idle timeout:
 a hung decoder costs a client seconds, not 4 x --backend-timeout, and every expiry says which limit."""
 
 from __future__ import annotations

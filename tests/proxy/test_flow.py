@@ -1,4 +1,4 @@
-"""Decoder-first PD flow end to end against mock vLLM servers on 127.0.0.1 (ARCHITECTURE §6)."""
+"""Decoder-first PD flow end to end against mock vLLM servers on 127.0.0.1 (docs/design/architecture.md §6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""/v1/models, /tokenize and /detokenize pass through to a backend (issue 10 item 5): vLLM's
+"""/v1/models, /tokenize and /detokenize pass through to a backend: vLLM's
 benchmark client asks the server it benchmarks for them, and the proxy is that server."""
 
 from __future__ import annotations

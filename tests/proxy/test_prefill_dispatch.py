@@ -1,4 +1,4 @@
-"""When a parent's prefill is dispatched (``--prefill-dispatch``, issue 10): ``early`` sends it with
+"""When a parent's prefill is dispatched (``--prefill-dispatch``): ``early`` sends it with
 the client request, in parallel with the decoder, so the decoder's scheduling and metaserver POST are
 off the critical path; ``on-metaserver`` waits for every child's POST. And what happens to a prefill
 still running when its parent closes: left to finish once a decoder answered, cancelled otherwise."""

@@ -1,4 +1,4 @@
-"""A parent's prefill is dispatched at most once (issue 9, item 3): a decoder that calls the
+"""A parent's prefill is dispatched at most once: a decoder that calls the
 metaserver back and then fails is retried on another decoder, whose calls are answered from the
 prefill already finished or running; a prefiller answering 503 is not asked again for that parent."""
 

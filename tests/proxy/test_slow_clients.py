@@ -1,4 +1,4 @@
-"""Slow, half-open and too many clients (issue 9, item 5): header timeout, a connection cap answered
+"""Slow, half-open and too many clients: header timeout, a connection cap answered
 with a quick 503, decoders' metaserver callbacks served on their own listener while clients
 overload the client one, and repeated log lines collapsed."""
 

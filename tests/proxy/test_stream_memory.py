@@ -1,4 +1,4 @@
-"""A stream's memory does not grow with its length (issue 9, item 6): the proxy keeps no copy of the
+"""A stream's memory does not grow with its length: the proxy keeps no copy of the
 events it forwarded, only what resuming a recomputed choice needs, capped by --max-resume-bytes."""
 
 from __future__ import annotations

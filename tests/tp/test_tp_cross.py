@@ -1,4 +1,4 @@
-"""KV saved at one tensor-parallel size, loaded at another (issue 12 item 4), on vLLM's CPU build:
+"""KV saved at one tensor-parallel size, loaded at another, on vLLM's CPU build:
 P at TP=1 -> D at TP=2 and P at TP=2 -> D at TP=1, GQA (2 kv heads). The loader finds nothing under
 its own TP's keys, finds the saver's objects (every saver rank's), and each of its ranks reads its
 heads by byte ranges (``lw_core.tp_split``): one object's half per rank for P1 -> D2, two objects

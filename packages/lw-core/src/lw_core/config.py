@@ -81,7 +81,7 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     save_timeout_s: Seconds = 10.0
     metaserver_timeout_s: Seconds = 30.0
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
-    # Streaming PD (docs/streaming-pd.md): the prefiller publishes each layer of its reservations
+    # Streaming PD (docs/guide/streaming-pd.md): the prefiller publishes each layer of its reservations
     # as it is saved, the decoder pulls layers as they are published instead of waiting for the
     # whole prompt. Needs a backend with the streaming extension (lw_core.backend).
     pd_streaming: bool = False

@@ -1,4 +1,4 @@
-"""PD-disaggregation wire protocol (ARCHITECTURE §6), shared by lw-vllm's connector and lw-proxy.
+"""PD-disaggregation wire protocol (docs/design/architecture.md §6), shared by lw-vllm's connector and lw-proxy.
 
 Flow: proxy -> decoder carries ``DecodeTransferParams``; the decoder's connector POSTs one
 ``MetaserverRequest`` per engine request to ``DecodeTransferParams.metaserver``; once the proxy holds

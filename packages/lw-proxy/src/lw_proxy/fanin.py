@@ -1,4 +1,4 @@
-"""Metaserver fan-in (ARCHITECTURE §6 steps 3-5).
+"""Metaserver fan-in (docs/design/architecture.md §6 steps 3-5).
 
 A *parent* is one client request (one call of ``Proxy._decode``), across every decoder it is tried
 on. Its decoder POSTs one metaserver call per engine request (``children`` of them), and every held

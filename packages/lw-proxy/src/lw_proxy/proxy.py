@@ -1,4 +1,4 @@
-"""The decoder-first PD flow (ARCHITECTURE §6): decoder call with retries, streaming, prefill dispatch,
+"""The decoder-first PD flow (docs/design/architecture.md §6): decoder call with retries, streaming, prefill dispatch,
 recompute resumption. HTTP routing and lifecycle live in ``app``."""
 
 from __future__ import annotations

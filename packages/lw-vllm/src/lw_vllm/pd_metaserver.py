@@ -1,4 +1,4 @@
-"""The decoder's metaserver calls (ARCHITECTURE §6 step 3), off vLLM's scheduler loop.
+"""The decoder's metaserver calls (docs/design/architecture.md §6 step 3), off vLLM's scheduler loop.
 
 A kv_consumer engine request carrying ``do_remote_prefill`` and a ``metaserver`` URL POSTs
 ``{lw_parent_id, request_id}`` once; the proxy holds the POST until the prefiller has committed the

@@ -1,4 +1,4 @@
-"""Streaming PD, decoder worker side (docs/streaming-pd.md §2): pull a request's prompt chunks
+"""Streaming PD, decoder worker side (docs/guide/streaming-pd.md §2): pull a request's prompt chunks
 layer by layer while the prefiller still computes them.
 
 vLLM's async-load flow: the scheduler parks the request in ``WAITING_FOR_REMOTE_KVS`` with blocks

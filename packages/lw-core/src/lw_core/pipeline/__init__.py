@@ -1,4 +1,4 @@
-"""The layer pipeline (ARCHITECTURE §4) and what it runs on, one module each:
+"""The layer pipeline (docs/design/architecture.md §4) and what it runs on, one module each:
 
 * ``layer_pipeline`` — ``LayerPipeline``, the per-step facade the vLLM connector drives;
 * ``context`` — ``PipelineLimits`` (its checked arguments) and ``StepContext``, the frozen state a

@@ -39,7 +39,7 @@ the bytes ``[0, (i+1) * layer_nbytes)``; ``publish_layers``/``wait_layers`` belo
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 # Anything exposing the buffer protocol (memoryview, bytearray, numpy array). Writable for reads.
 Buffer = Any
@@ -66,36 +66,42 @@ class Handle(Protocol):
     nbytes: int
 
 
+# A backend's own handle class. Each backend is a ``Backend[ItsHandle]``: what ``reserve``/``open``
+# return is what its ``write``/``read``/``commit``/... take, so mypy checks a backend's methods
+# against each other; the pipeline, which never looks inside a handle, holds a ``Backend[Any]``.
+H = TypeVar("H", bound=Handle)
+
+
 @runtime_checkable
-class Backend(Protocol):
+class Backend(Protocol[H]):
     name: str
 
     def lookup(self, keys: Sequence[str]) -> int:
         """Number of leading keys that are committed (stop at the first miss)."""
 
-    def reserve(self, keys: Sequence[str], nbytes: int) -> list[Handle | None]:
+    def reserve(self, keys: Sequence[str], nbytes: int) -> list[H | None]:
         """Reserve space for new objects of ``nbytes`` each; ``None`` where a key exists already,
         is being written by another writer, or cannot fit."""
 
-    def write(self, handles: Sequence[Handle], offsets: Sequence[int], srcs: Sequence[Buffer]) -> None:
+    def write(self, handles: Sequence[H], offsets: Sequence[int], srcs: Sequence[Buffer]) -> None:
         """Copy ``srcs[i]`` into reserved object ``handles[i]`` at ``offsets[i]``."""
 
-    def commit(self, handles: Sequence[Handle]) -> None:
+    def commit(self, handles: Sequence[H]) -> None:
         """Publish fully written objects, each atomically."""
 
-    def abort(self, handles: Sequence[Handle]) -> None:
+    def abort(self, handles: Sequence[H]) -> None:
         """Drop reservations; nothing becomes visible."""
 
-    def open(self, keys: Sequence[str]) -> list[Handle | None]:
+    def open(self, keys: Sequence[str]) -> list[H | None]:
         """Lease committed objects for reading; ``None`` where missing."""
 
-    def read(self, handles: Sequence[Handle], offsets: Sequence[int], dsts: Sequence[Buffer]) -> None:
+    def read(self, handles: Sequence[H], offsets: Sequence[int], dsts: Sequence[Buffer]) -> None:
         """Copy ``len(dsts[i])`` bytes of object ``handles[i]`` from ``offsets[i]`` into ``dsts[i]``."""
 
-    def release(self, handles: Sequence[Handle]) -> None:
+    def release(self, handles: Sequence[H]) -> None:
         """End read leases."""
 
-    def view(self, handle: Handle, offset: int, nbytes: int) -> memoryview | None:
+    def view(self, handle: H, offset: int, nbytes: int) -> memoryview | None:
         """A zero-copy window into an object (writable for reserved handles), or ``None`` when the
         store is not host-addressable; callers then use ``read``/``write``."""
 
@@ -111,16 +117,16 @@ class Backend(Protocol):
 
 
 @runtime_checkable
-class StreamingBackend(Backend, Protocol):
+class StreamingBackend(Backend[H], Protocol[H]):
     """A backend with the optional streaming extension (the rules are in the module docstring)."""
 
-    def publish(self, handles: Sequence[Handle], upto: int) -> None:
+    def publish(self, handles: Sequence[H], upto: int) -> None:
         """Make bytes ``[0, upto)`` of each reserved object readable by streaming readers."""
 
-    def open_streaming(self, keys: Sequence[str]) -> list[Handle | None]:
+    def open_streaming(self, keys: Sequence[str]) -> list[H | None]:
         """Handles on the reservation or committed object holding each key; ``None`` where none."""
 
-    def wait_published(self, handles: Sequence[Handle], upto: int, timeout_s: float) -> list[bool]:
+    def wait_published(self, handles: Sequence[H], upto: int, timeout_s: float) -> list[bool]:
         """Whether ``[0, upto)`` of each handle became readable within ``timeout_s``; ``False``
         (promptly) for aborted reservations and dead writers, at the deadline otherwise."""
 
@@ -141,19 +147,19 @@ def _layer_bytes(upto_layer: int, layer_nbytes: int) -> int:
     return (upto_layer + 1) * layer_nbytes
 
 
-def publish_layers(backend: StreamingBackend, handles: Sequence[Handle], upto_layer: int, layer_nbytes: int) -> None:
+def publish_layers(backend: StreamingBackend[H], handles: Sequence[H], upto_layer: int, layer_nbytes: int) -> None:
     """Publish layers ``0..upto_layer`` of layer-major objects of ``layer_nbytes`` per layer."""
     backend.publish(handles, _layer_bytes(upto_layer, layer_nbytes))
 
 
 def wait_layers(
-    backend: StreamingBackend, handles: Sequence[Handle], layer: int, layer_nbytes: int, timeout_s: float
+    backend: StreamingBackend[H], handles: Sequence[H], layer: int, layer_nbytes: int, timeout_s: float
 ) -> list[bool]:
     """Wait (at most ``timeout_s``) until layers ``0..layer`` of each handle are readable."""
     return backend.wait_published(handles, _layer_bytes(layer, layer_nbytes), timeout_s)
 
 
-def open_backend(cfg: Any, **kwargs: Any) -> Backend:
+def open_backend(cfg: Any, **kwargs: Any) -> Backend[Any]:
     """Build the backend ``cfg.backend`` names (a parsed ``PoolConfig``) through its plugin
     (``lw_core.backends.registry``); the store's own modules are imported only now."""
     from lw_core.backends.registry import get_backend

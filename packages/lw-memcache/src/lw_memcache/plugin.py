@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+from lw_core.backend import Backend
 from lw_core.backends.registry import BackendPlugin
 
 from lw_memcache.conf import PROTOCOLS
+
+if TYPE_CHECKING:  # the store itself is imported only when opened
+    from lw_memcache.copies import MemcacheHandle
 
 
 class MemcacheKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -23,7 +27,7 @@ class MemcacheKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     memcache_protocol: Literal[PROTOCOLS] = "host_shm"  # type: ignore[valid-type]
 
 
-def _open(cfg: Any, **kwargs: Any) -> Any:
+def _open(cfg: Any, **kwargs: Any) -> Backend[MemcacheHandle]:
     from lw_memcache.backend import MemcacheBackend
 
     return MemcacheBackend.from_config(cfg, **kwargs)

@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
+from lw_core.backend import Backend
 from lw_core.backends.registry import BackendPlugin
 from msgspec import Meta
+
+if TYPE_CHECKING:  # the store itself is imported only when opened
+    from lw_mooncake.handle import MooncakeHandle
 
 MiB = 1 << 20
 MAX_SEGMENT = 1 << 40
@@ -65,7 +69,7 @@ def _check(keys: MooncakeKeys) -> str | None:
     return None
 
 
-def _open(cfg: Any, **kwargs: Any) -> Any:
+def _open(cfg: Any, **kwargs: Any) -> Backend[MooncakeHandle]:
     from lw_mooncake.backend import MooncakeBackend
 
     return MooncakeBackend.from_config(cfg, **kwargs)

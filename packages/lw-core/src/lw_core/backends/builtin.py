@@ -11,13 +11,17 @@ import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
-from lw_core.backend import Backend, BackendError
+from lw_core.backend import BackendError, StreamingBackend
 from lw_core.backends.registry import BackendPlugin, NoKeys
+
+if TYPE_CHECKING:  # the stores themselves are imported only when opened
+    from lw_core.backends.embedded import EmbeddedHandle
+    from lw_core.backends.memory import MemoryHandle
 
 MIB = 1 << 20
 MAX_CAPACITY_BYTES = 16 << 40  # 16 TiB (also checked against the filesystem's free space at creation)
@@ -105,7 +109,7 @@ def _check_embedded(keys: EmbeddedKeys) -> str | None:
 EMBEDDED_EXTRA = "pip install 'lw-core[embedded]'"
 
 
-def _open_embedded(cfg: Any, **kwargs: Any) -> Backend:
+def _open_embedded(cfg: Any, **kwargs: Any) -> StreamingBackend[EmbeddedHandle]:
     try:
         from lw_core.backends.embedded import EmbeddedBackend
     except ModuleNotFoundError as e:  # lw-core's base install has msgspec only
@@ -140,7 +144,7 @@ EMBEDDED = BackendPlugin(
 )
 
 
-def _open_memory(cfg: Any, **kwargs: Any) -> Backend:
+def _open_memory(cfg: Any, **kwargs: Any) -> StreamingBackend[MemoryHandle]:
     from lw_core.backends.memory import MemoryBackend
 
     return MemoryBackend(**kwargs)

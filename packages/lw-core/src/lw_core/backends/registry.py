@@ -53,7 +53,7 @@ class BackendPlugin:
     """
 
     name: str
-    open: Callable[..., Backend]
+    open: Callable[..., Backend[Any]]
     keys: type[msgspec.Struct] = NoKeys
     check: Callable[[Any], str | None] | None = None
     notes: Mapping[str, str] = field(default_factory=dict)

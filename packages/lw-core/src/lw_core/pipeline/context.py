@@ -87,7 +87,7 @@ class BackgroundErrors:
 
 @dataclass(frozen=True)
 class StepContext:
-    backend: Backend
+    backend: Backend[Any]  # the pipeline never looks inside a handle
     copier: Copier
     layout: ObjectLayout
     limits: PipelineLimits

@@ -41,7 +41,7 @@ __all__ = ["LayerPipeline", "LoadResult", "SaveResult"]
 class LayerPipeline:
     def __init__(
         self,
-        backend: Backend,
+        backend: Backend[Any],
         copier: Copier,
         layout: ObjectLayout,
         *,
@@ -79,7 +79,7 @@ class LayerPipeline:
         self._closed = False
 
     @property
-    def backend(self) -> Backend:
+    def backend(self) -> Backend[Any]:
         return self.ctx.backend
 
     @property

@@ -44,7 +44,7 @@ class MooncakeKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Registered staging per direction: one batch of puts or ranged gets moves at most this much.
     mooncake_staging_size: Annotated[int, Meta(ge=1 * MiB, le=1 << 34)] = 64 * MiB
     # How loads read: "per_layer" = one ranged get per layer batch (the layer pipeline overlaps them
-    # with compute); "whole" = open fetches whole objects (far fewer calls; see docs/mooncake.md).
+    # with compute); "whole" = open fetches whole objects (far fewer calls; see docs/guide/mooncake.md).
     mooncake_load: Literal["per_layer", "whole"] = "per_layer"
     # Deadline of every store call; a call past it raises BackendUnavailable (the caller recomputes).
     mooncake_call_timeout_s: Annotated[float, Meta(gt=0, le=600)] = 5.0

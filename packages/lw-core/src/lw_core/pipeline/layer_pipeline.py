@@ -1,4 +1,4 @@
-"""The layer pipeline (ARCHITECTURE §4): per step, load pool objects into KV blocks layer by layer
+"""The layer pipeline (docs/design/architecture.md §4): per step, load pool objects into KV blocks layer by layer
 ahead of the forward pass, and save KV blocks into pool objects layer by layer behind it.
 
 The vLLM connector drives it from the forward thread::

@@ -133,11 +133,12 @@ def open_for_pipeline(cfg: dict[str, Any], total: int) -> tuple[Any, str | None]
     if cfg["backend"] != "embedded" or cfg.get("backend_keys"):  # its close() stops its throwaway pool
         return open_owning("pipeline", cfg["backend"], total + total // 4 + (16 << 20), cfg["pool_path"],
                            cfg.get("backend_keys")), None
-    from lw_core.backends.embedded import EmbeddedBackend
     from lw_core.config import default_embedded_path
 
     path, tmp = cfg["pool_path"], None
     if path is None:
         base = os.path.dirname(default_embedded_path())
         tmp = path = tempfile.mkdtemp(prefix="lw-bench-pipeline-", dir=base)
-    return EmbeddedBackend(path, capacity_bytes=total + total // 4 + (16 << 20)), tmp
+    # Through the embedded plugin, as the connector opens it (its store's modules are its own).
+    pool = parse_config({"embedded_path": path, "embedded_capacity_bytes": total + total // 4 + (16 << 20)})
+    return open_backend(pool), tmp

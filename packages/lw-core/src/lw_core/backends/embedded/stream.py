@@ -30,6 +30,7 @@ import numpy as np
 
 from lw_core.backend import BackendError, Buffer, ObjectMissing
 from lw_core.backends.embedded import fences
+from lw_core.backends.segment_stream.checks import check_timeout, check_upto
 from lw_core.procs import owner_alive
 from lw_core.backends.embedded.records import (
     BE_U64,
@@ -53,16 +54,12 @@ GONE = -1
 class StreamMixin:
     """``publish``, ``open_streaming``, ``wait_published`` and reads through streaming handles."""
 
-    def _check_upto(self, h: EmbeddedHandle, upto: int, what: str) -> None:
-        if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= h.nbytes:
-            raise ValueError(f"embedded pool: {what} upto={upto!r} must be an int in [0, {h.nbytes}] for {h.key!r}")
-
     def publish(self: Any, handles: Sequence[EmbeddedHandle], upto: int) -> None:
         hs = [self._own(h, "publish") for h in handles]
         for h in hs:
             if h._stream or h._leased:
                 raise BackendError(f"embedded pool: publish needs handles from reserve, got {h!r}")
-            self._check_upto(h, upto, "publish")
+            check_upto("embedded pool", "publish", h, upto)
         if not hs:
             return
         # A handle aborted meanwhile is reported below; one committed already is a no-op.
@@ -138,9 +135,8 @@ class StreamMixin:
     def wait_published(self: Any, handles: Sequence[EmbeddedHandle], upto: int, timeout_s: float) -> list[bool]:
         hs = self._streams(handles, "wait_published")
         for h in hs:
-            self._check_upto(h, upto, "wait_published")
-        if not timeout_s >= 0:
-            raise ValueError(f"embedded pool: wait_published timeout_s={timeout_s!r} must be >= 0")
+            check_upto("embedded pool", "wait_published", h, upto)
+        check_timeout("embedded pool", timeout_s)
         self._usable()
         deadline = time.monotonic() + timeout_s
         pause = _POLL_MIN_S

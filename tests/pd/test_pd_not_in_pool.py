@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from lw_vllm import scheduler_pd
+from lw_vllm import pd_coordinator
 from lw_vllm.metrics import COUNTERS
 
 from test_scheduler_pd import BLOCK, _ask, _publish, _req, _side, meta, pool_dir  # noqa: F401  (fixtures)
@@ -32,10 +32,10 @@ def test_committed_but_in_another_pool_is_counted_and_logged_once(meta, pool_dir
     prefiller = _side(pool_dir)  # host A's pool
     decoder = _decoder(pool_dir + "-host-b")  # host B's own embedded pool
     clock = [1000.0]
-    monkeypatch.setattr(scheduler_pd.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(pd_coordinator.time, "monotonic", lambda: clock[0])
     try:
         meta.mode = "ok"
-        caplog.set_level(logging.WARNING, logger="lw_vllm.scheduler_pd")
+        caplog.set_level(logging.WARNING, logger="lw_vllm.pd_coordinator")
         for i in range(3):  # the same prompt each time (its chunks are committed once)
             req = _req(f"r-far-{i}", 3 * BLOCK + 4, meta.url, f"par-far-{i}")
             if i == 0:
@@ -49,7 +49,7 @@ def test_committed_but_in_another_pool_is_counted_and_logged_once(meta, pool_dir
             assert cause in warned[0]
         assert "r-far-0" in warned[0] and decoder.keyspace.model_fp in warned[0]
 
-        clock[0] += scheduler_pd.NOT_IN_POOL_LOG_S + 1  # a minute later: logged again, with the count
+        clock[0] += pd_coordinator.NOT_IN_POOL_LOG_S + 1  # a minute later: logged again, with the count
         req = _req("r-far-late", 2 * BLOCK, meta.url, "par-far-late")  # its chunks are on host A already
         assert _ask(decoder, req)[0] == 0
         warned = [r.getMessage() for r in caplog.records if WARN in r.getMessage()]

@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
 from lw_core.config import parse_config  # noqa: E402
-from lw_vllm import scheduler_side  # noqa: E402
+from lw_vllm import pd_coordinator, scheduler_side  # noqa: E402
 from lw_vllm.request_state import RemotePhase  # noqa: E402
 from lw_vllm.scheduler_side import SchedulerSide  # noqa: E402
 
@@ -155,7 +155,7 @@ def test_plain_request_to_a_consumer_neither_posts_nor_loads(meta, pool_dir) -> 
         _publish(side, req, 3)
         assert side.get_num_new_matched_tokens(req, 0) == (0, False)
         assert side.last_call_looked_up is False
-        assert side.metaserver is not None and meta.bodies == []
+        assert side.pd.metaserver is not None and meta.bodies == []
         # consumer_is_to_load=true: plain requests load too.
         side2 = _side(pool_dir, consumer_is_to_load=True)
         try:
@@ -222,7 +222,7 @@ def test_idle_wait_is_bounded_and_only_after_an_empty_step(meta, pool_dir) -> No
         t = time.perf_counter()
         assert side.get_num_new_matched_tokens(req, 0) == (None, False)
         waited = time.perf_counter() - t
-        assert scheduler_side.IDLE_WAIT_S * 0.5 <= waited < scheduler_side.IDLE_WAIT_S + 0.05, waited
+        assert pd_coordinator.IDLE_WAIT_S * 0.5 <= waited < pd_coordinator.IDLE_WAIT_S + 0.05, waited
         t = time.perf_counter()
         assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # same pass: no second wait
         assert time.perf_counter() - t < 0.01
@@ -246,7 +246,7 @@ def test_prefiller_saves_what_the_pool_lacks_and_reports_it_with_the_answer(pool
     vc, kc = _configs()
     side = SchedulerSide(vc, kc, cfg, "kv_producer")
     try:
-        assert side.metaserver is None  # a prefiller never calls the metaserver
+        assert side.pd.metaserver is None  # a prefiller never calls the metaserver
         req = _req("p-1", 3 * BLOCK + 5, None)
         _publish(side, req, 2)  # an earlier prefill of the same prefix
         assert side.get_num_new_matched_tokens(req, 0) == (2 * BLOCK, False)  # producer_is_to_load
@@ -313,7 +313,7 @@ def test_whole_prompt_travels_and_the_decoder_computes_one_token(meta, pool_dir,
         plan = prod.build_connector_meta(_step("p-w", blocks, n_tok))
         saved = [h for x in plan.saves for h in x.hashes]
         assert [b for x in plan.saves for b in x.block_ids] == blocks  # every block, the partial one too
-        want = side._prompt_hashes(side._state(dreq))
+        want = side.pd.prompt_hashes(side._state(dreq))
         assert saved == want and len(want) == len(blocks)
         _publish_keys(prod, saved)  # what the prefiller's worker commits
         n, _ = _ask(side, dreq)
@@ -328,7 +328,7 @@ def test_whole_prompt_travels_and_the_decoder_computes_one_token(meta, pool_dir,
         other = _req("d-o", n_tok, None)
         other.kv_transfer_params = {**dreq.kv_transfer_params, "lw_parent_id": "par-other"}
         if tail:
-            assert side._prompt_hashes(side._state(other))[-1] != want[-1]
+            assert side.pd.prompt_hashes(side._state(other))[-1] != want[-1]
     finally:
         side.shutdown()
         prod.shutdown()
@@ -424,7 +424,7 @@ def test_streaming_receive_ends_at_the_answer_when_a_chunk_never_comes(meta, poo
 
         assert step() == [] and rx.busy  # the receive started; nothing is in the pool yet
         # The prefiller commits the three full chunks, not the partial one, then answers.
-        keys = side.keyspace.keys(side.tags[0], side._prompt_hashes(side._state(dreq))[:3])
+        keys = side.keyspace.keys(side.tags[0], side.pd.prompt_hashes(side._state(dreq))[:3])
         hs = side.backend.reserve(keys, LAYERS * PAGE)
         for layer in range(LAYERS):
             side.backend.write(hs, [layer * PAGE] * 3, [np.full(PAGE, 10 * i + layer, np.uint8) for i in range(3)])

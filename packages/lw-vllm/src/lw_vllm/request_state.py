@@ -107,7 +107,7 @@ class ReqState:
     # Wall-clock milestones for the stats record (lw-bench pd's breakdown): a few time.time() calls.
     t: dict[str, float] = field(default_factory=dict)
     parent: str | None = None  # PD: scopes the trailing partial chunk's key
-    pd_hashes: list[bytes] | None = None  # prompt's full chunks (+ partial), see PdMixin
+    pd_hashes: list[bytes] | None = None  # prompt's full chunks (+ partial), see PdCoordinator.prompt_hashes
     load_hashes: list[bytes] = field(default_factory=list)  # the hash list the last lookup used
     partial_saved: bool = False
     next_pool_check: float = 0.0

@@ -14,9 +14,9 @@ request lives in KV block ``block_ids[i]``. Rules:
   their step, so ``request_finished`` never has to delay freeing blocks.
 * Full prompt chunks are shared by every request. A trailing partial chunk is saved only by a PD
   prefill (``discard_partial_chunks`` false), under a key scoped to its parent request, for that
-  parent's decoder requests alone (scheduler_pd).
+  parent's decoder requests alone (pd_coordinator).
 
-PD disaggregation (ARCHITECTURE §6; scheduler_pd). Decoder (kv_consumer, or kv_both): a remote-prefill
+PD disaggregation (ARCHITECTURE §6; ``pd_coordinator.PdCoordinator``, which this side owns). Decoder (kv_consumer, or kv_both): a remote-prefill
 request is "not ready yet" (``None``) until its prefill is committed, then loads the whole prompt
 (even with ``consumer_is_to_load`` false: loading the remote prefill is what a decoder is for; that
 flag governs only plain requests sent straight to a decoder). On a metaserver error or after
@@ -33,6 +33,7 @@ committed before its answer.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -49,8 +50,8 @@ from lw_vllm import pool
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector
 from lw_vllm.pd_metaserver import MetaserverClient
+from lw_vllm.pd_coordinator import PdCoordinator, parent_id
 from lw_vllm.request_state import RemotePhase, ReqState
-from lw_vllm.scheduler_pd import IDLE_WAIT_S, PdMixin, parent_id  # noqa: F401  (IDLE_WAIT_S: tests)
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ LOOKUP_BACKOFF_S = 5.0
 OTHER_TP_SIZES = (1, 2, 4, 8, 16)
 
 
-class SchedulerSide(PdMixin):
+class SchedulerSide:
     """``metrics``: the connector's collector, for what only the scheduler part sees (lookup errors,
     metaserver waits, prefills not in the pool); a fresh one when none is given (tests)."""
 
@@ -83,7 +84,6 @@ class SchedulerSide(PdMixin):
             tp: (pool.key_space(vllm_config, kv_cache_config, cfg, tp), pool.rank_tags(vllm_config, tp))
             for tp in OTHER_TP_SIZES if tp != vllm_config.parallel_config.tensor_parallel_size}
         self.readable_tp = pool.readable_tp_sizes(vllm_config, tuple(self.other_tp))
-        self._vllm_config = vllm_config
         # What engines must agree on to share objects (compare across hosts when nothing hits).
         ident = pool.identity(vllm_config, cfg)
         log.info("lw-vllm: pool keys %s (block_size %d, rank tags %s); model fingerprint %s: %s",
@@ -103,10 +103,10 @@ class SchedulerSide(PdMixin):
         self.stats_path = os.environ.get(STATS_ENV) or None
         self._stats_lock = threading.Lock()
         # A prefiller never waits for anyone; a decoder (or a kv_both engine behind the proxy) does.
-        self.metaserver = MetaserverClient(cfg.metaserver_timeout_s) if role in ("kv_consumer", "kv_both") else None
+        metaserver = MetaserverClient(cfg.metaserver_timeout_s) if role in ("kv_consumer", "kv_both") else None
+        self.pd = PdCoordinator(cfg, self.block_size, self.keyspace, self.tags, self.other_tp, metaserver,
+                                self.metrics, self._lookup, functools.partial(pool.tp_mismatch, vllm_config))
         self._builds = 0
-        self._last_step_empty = False
-        self._idle_waited_at = -1  # build index of the scheduling pass that last idle-waited
         self._lag = 1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0
         # Finished requests whose last step's worker report has not arrived yet: their stats are
         # written when it does, so saved/loaded counts include the final step.
@@ -115,8 +115,6 @@ class SchedulerSide(PdMixin):
         # "not ready yet" answers and plain requests on a non-loading role are not lookups).
         self.last_call_looked_up = False
         self._first_step: list[ReqState] = []  # requests whose first scheduled step has not reported yet
-        self._stream_pending: list[ReqState] = []  # streaming PD: parked requests to hand to the workers
-        self._streams: dict[str, ReqState] = {}  # streaming PD: receives sent, metaserver not answered
 
     # --- helpers ---
     def _state(self, req: Any) -> ReqState:
@@ -195,11 +193,11 @@ class SchedulerSide(PdMixin):
         self.last_call_looked_up = False
         st = self._state(req)
         n_tokens = len(req.all_token_ids)
-        remote = self._remote_prefill(st, num_computed_tokens)
+        remote = self.pd.remote_prefill(st, num_computed_tokens)
         if remote is None:
             return None, False  # vLLM asks again next step
         if remote and st.remote is not None and st.remote.phase is RemotePhase.STREAMING:
-            n, is_async = self._stream_match(st, num_computed_tokens)
+            n, is_async = self.pd.stream_match(st, num_computed_tokens)
             self.last_call_looked_up = is_async
             return n, is_async
         if not (self.can_load or remote):
@@ -209,7 +207,7 @@ class SchedulerSide(PdMixin):
         st.local_computed = num_computed_tokens
         if remote and st.parent is not None:
             # The whole prompt, partial chunk included: the decoder computes the last token only.
-            hashes = self._prompt_hashes(st)
+            hashes = self.pd.prompt_hashes(st)
             limit = len(hashes)
         else:
             hashes = self._hashes(st)
@@ -229,7 +227,7 @@ class SchedulerSide(PdMixin):
             log.warning("lw-vllm: lookup failed for %s, treating as a miss: %s", req.request_id, e)
             return 0, False
         if remote:
-            self._check_prefill_visible(st, hashes, local, limit, hit)
+            self.pd.check_prefill_visible(st, hashes, local, limit, hit)
         st.load_hashes = hashes
         st.load_src_tp = src_tp
         full = min(hit, st.prompt_len // self.block_size)
@@ -249,14 +247,12 @@ class SchedulerSide(PdMixin):
         end = st.local_computed + num_external_tokens
         st.load = (first, -(-end // bs) - first)
         st.promised += num_external_tokens
-        if st.remote is not None and st.remote.phase is RemotePhase.STREAMING and not st.stream_sent:
-            st.block_ids = list(blocks.get_block_ids()[0])  # parked: no scheduler output will carry them
-            st.stream_pending = True
-            self._stream_pending.append(st)
+        self.pd.park(st, blocks)
 
     def build_connector_meta(self, so: Any) -> LayerwiseMeta:
         self._builds += 1
-        self._last_step_empty = getattr(so, "total_num_scheduled_tokens", 1) == 0
+        empty = getattr(so, "total_num_scheduled_tokens", 1) == 0
+        self.pd.begin_step(self._builds, empty)
         self._flush_finishing(older_than=self._builds - 1 - self._lag)
         meta = LayerwiseMeta()
         bs = self.block_size
@@ -279,9 +275,8 @@ class SchedulerSide(PdMixin):
                 st.block_ids.extend(new[0])
             scheduled.append((st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)))
 
-        self._send_streams(meta)
-        self._pass_stream_answers(meta)
-        meta.idle = self._last_step_empty
+        self.pd.plan_streams(meta)
+        meta.idle = empty
         now = time.time()
         for st, computed_after in scheduled:
             if "sched" not in st.t:
@@ -307,7 +302,7 @@ class SchedulerSide(PdMixin):
                     meta.saves.append(Xfer(st.req.request_id, hashes[st.saved_upto:full], st.block_ids[st.saved_upto:full]))
                     st.saved_upto = full
                     st.last_xfer_build = self._builds
-            partial = self._partial_save(st, computed_after)
+            partial = self.pd.partial_save(st, computed_after)
             if partial is not None:  # PD prefill: the decoder loads it and computes one token only
                 meta.saves.append(Xfer(st.req.request_id, [partial[0]], [partial[1]]))
                 st.last_xfer_build = self._builds
@@ -346,13 +341,9 @@ class SchedulerSide(PdMixin):
 
     def request_finished(self, req: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         st = self.reqs.pop(req.request_id, None)
-        self._streams.pop(req.request_id, None)
         if st is not None:
             st.t["finished"] = time.time()
-        if self.metaserver is not None:
-            # A request that finishes while still waiting was aborted: its call goes too. One that
-            # never waited (nothing to load) leaves its call running for its siblings' sake.
-            self.metaserver.forget(req.request_id, cancel=st is None or (st.remote is not None and st.remote.waiting))
+        self.pd.request_finished(req.request_id, st)
         if st is not None and self.stats_path:
             # The report of the step that finished it is still to come only if that step moved
             # its KV (with async scheduling, one more step may have been built meanwhile).
@@ -394,7 +385,6 @@ class SchedulerSide(PdMixin):
     def shutdown(self) -> None:
         if self.stats_path:
             self._flush_finishing()
-        if self.metaserver is not None:
-            self.metaserver.close()
+        self.pd.close()
         self._lookup_pool.close(timeout_s=1.0)
         pool.release_backend(self.cfg, self.backend)

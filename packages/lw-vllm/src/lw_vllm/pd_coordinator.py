@@ -1,4 +1,4 @@
-"""PD parts of the scheduler-side connector (ARCHITECTURE §6), mixed into ``SchedulerSide``.
+"""The scheduler side's PD coordinator (ARCHITECTURE §6): ``PdCoordinator``, owned by ``SchedulerSide``.
 
 Decoder: a request whose ``kv_transfer_params`` carry ``do_remote_prefill`` and a ``metaserver`` URL
 POSTs to the metaserver once (pd_metaserver, off this thread) and is reported "not ready yet"
@@ -11,18 +11,24 @@ full chunk of the prompt; if so its POST says ``needs_prefill: false`` and it do
 The whole prompt travels: the prefiller also saves the trailing partial chunk under a key scoped to
 the parent request (``lw_parent_id``, ``keys.partial_chunk_hash``) unless ``discard_partial_chunks``
 is true, and the decoder loads it, so it recomputes only the last prompt token.
+
+State this module owns (nothing else writes it): the metaserver client (``None`` on a prefiller),
+the streaming receives parked by vLLM and not yet sent to the workers, the receives sent whose
+metaserver answer is still to come, the idle-wait bookkeeping (the step index and whether that
+step ran nothing), and the throttle of the "committed but not in this pool" warning. Per-request
+state stays in the caller's ``ReqState``; the pool is reached only through the ``lookup`` function
+the scheduler side hands in (its deadline and back-off apply).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lw_core.config import PoolConfig
 from lw_core.keys import KeySpace, chunk_hashes, partial_chunk_hash
 
-from lw_vllm import pool
 from lw_vllm.meta import LayerwiseMeta, Xfer
 from lw_vllm.metrics import Collector
 from lw_vllm.pd_metaserver import MetaserverClient, Outcome, remote_prefill_params
@@ -48,6 +54,14 @@ POOL_POLL_S = 0.001
 NOT_IN_POOL_LOG_S = 60.0
 
 
+class Lookup(Protocol):
+    """The scheduler side's pool lookup: leading ``hashes`` every rank of ``tags`` holds under
+    ``keyspace`` (this engine's when ``None``). Raises when the pool cannot answer."""
+
+    def __call__(self, hashes: list[bytes], keyspace: KeySpace | None = None,
+                 tags: list[str] | None = None) -> int: ...
+
+
 def parent_id(req: Any) -> str | None:
     """``lw_parent_id`` of a PD request (decoder or prefiller side), else ``None``."""
     raw = getattr(req, "kv_transfer_params", None)
@@ -59,25 +73,66 @@ def parent_id(req: Any) -> str | None:
     return pid if raw.get("do_remote_decode") or raw.get("do_remote_prefill") else None
 
 
-class PdMixin:
-    """Needs from SchedulerSide the attributes declared below."""
+class PdCoordinator:
+    """PD for one scheduler side. ``cfg``: the pool config (``discard_partial_chunks``,
+    ``pd_streaming``); ``block_size``, ``keyspace``, ``tags``: this engine's chunking and keys;
+    ``other_tp``: key space and rank tags of this model at other TP sizes (to name a mismatch);
+    ``metaserver``: the decoder's client (``None`` on a prefiller, which never waits), owned from
+    here on (``close``); ``metrics``: where ``metaserver_wait_s`` and ``pd_prefill_not_in_pool`` go;
+    ``lookup``: the scheduler side's pool lookup; ``tp_mismatch``: why KV saved at a TP size is not
+    read by this engine (``pool.tp_mismatch`` bound to the engine's config)."""
 
-    cfg: PoolConfig
-    block_size: int
-    keyspace: KeySpace
-    tags: list[str]
-    other_tp: dict[int, tuple[KeySpace, list[str]]]
-    metaserver: MetaserverClient | None
-    metrics: Collector
-    _lookup: Callable[..., int]
-    _last_step_empty: bool
-    _builds: int
-    _idle_waited_at: int
-    _stream_pending: list[ReqState]
-    _streams: dict[str, ReqState]
-    _vllm_config: Any
-    _not_in_pool_logged_at: float | None = None
-    _not_in_pool_unlogged = 0
+    def __init__(self, cfg: PoolConfig, block_size: int, keyspace: KeySpace, tags: list[str],
+                 other_tp: dict[int, tuple[KeySpace, list[str]]], metaserver: MetaserverClient | None,
+                 metrics: Collector, lookup: Lookup, tp_mismatch: Callable[[int], str]) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.keyspace = keyspace
+        self.tags = tags
+        self.other_tp = other_tp
+        self.metaserver = metaserver
+        self.metrics = metrics
+        self._lookup = lookup
+        self._tp_mismatch = tp_mismatch
+        self._build = 0  # index of the step plan being built (the scheduler side counts them)
+        self._last_step_empty = False
+        self._idle_waited_at = -1  # build index of the scheduling pass that last idle-waited
+        self._stream_pending: list[ReqState] = []  # parked requests to hand to the workers
+        self._streams: dict[str, ReqState] = {}  # receives sent, metaserver not answered
+        self._not_in_pool_logged_at: float | None = None
+        self._not_in_pool_unlogged = 0
+
+    # --- the scheduler side's calls ---
+    def begin_step(self, build: int, empty: bool) -> None:
+        """A step plan is being built (index ``build``); ``empty``: the step scheduled no token, so
+        the next scheduling pass may idle-wait for a metaserver answer."""
+        self._build = build
+        self._last_step_empty = empty
+
+    def park(self, st: ReqState, blocks: Any) -> None:
+        """After vLLM allocated ``st``'s blocks: a streaming receive not sent yet is parked (vLLM
+        holds it in ``WAITING_FOR_REMOTE_KVS``) until the next step plan hands it to the workers."""
+        if st.remote is not None and st.remote.phase is RemotePhase.STREAMING and not st.stream_sent:
+            st.block_ids = list(blocks.get_block_ids()[0])  # parked: no scheduler output will carry them
+            st.stream_pending = True
+            self._stream_pending.append(st)
+
+    def plan_streams(self, meta: LayerwiseMeta) -> None:
+        """Streaming PD: the receives to start and the metaserver answers to relay, into ``meta``."""
+        self._send_streams(meta)
+        self._pass_stream_answers(meta)
+
+    def request_finished(self, request_id: str, st: ReqState | None) -> None:
+        """``st``: the request's state, ``None`` when the scheduler side had none (an abort)."""
+        self._streams.pop(request_id, None)
+        if self.metaserver is not None:
+            # A request that finishes while still waiting was aborted: its call goes too. One that
+            # never waited (nothing to load) leaves its call running for its siblings' sake.
+            self.metaserver.forget(request_id, cancel=st is None or (st.remote is not None and st.remote.waiting))
+
+    def close(self) -> None:
+        if self.metaserver is not None:
+            self.metaserver.close()
 
     def _saved_at_other_tp(self, first_hash: bytes) -> int | None:
         """The TP size of an engine of this model that saved the chunk ``first_hash``, if not ours."""
@@ -89,7 +144,7 @@ class PdMixin:
                 return None
         return None
 
-    def _check_prefill_visible(self, st: ReqState, hashes: list[bytes], local: int, limit: int, hit: int) -> None:
+    def check_prefill_visible(self, st: ReqState, hashes: list[bytes], local: int, limit: int, hit: int) -> None:
         """Decoder: the metaserver said the prefill is committed, yet the pool holds none of the
         chunks this engine lacks. Nothing is wrong with the answer (vLLM computes the prompt), but
         every such request pays a full prefill twice and the operator must hear why: counted in
@@ -106,7 +161,7 @@ class PdMixin:
         if other_tp is not None:
             # Never a silent miss: name both sizes (logged for every such request).
             log.error("lw-vllm: %s: the pool holds its prefill, but %s. The prompt is computed here.",
-                      st.req.request_id, pool.tp_mismatch(self._vllm_config, other_tp))
+                      st.req.request_id, self._tp_mismatch(other_tp))
             return
         more = self._not_in_pool_unlogged
         self._not_in_pool_logged_at, self._not_in_pool_unlogged = now, 0
@@ -124,7 +179,7 @@ class PdMixin:
             f" ({more} more since the last message)" if more else "",
         )
 
-    def _prompt_hashes(self, st: ReqState) -> list[bytes]:
+    def prompt_hashes(self, st: ReqState) -> list[bytes]:
         """Full chunks of the prompt, then (PD, ``discard_partial_chunks`` false) the partial one."""
         if st.pd_hashes is None:
             toks = prompt_tokens(st.req)
@@ -139,7 +194,7 @@ class PdMixin:
             st.pd_hashes = out
         return st.pd_hashes
 
-    def _partial_save(self, st: ReqState, computed_after: int) -> tuple[bytes, int] | None:
+    def partial_save(self, st: ReqState, computed_after: int) -> tuple[bytes, int] | None:
         """Prefiller: (hash, block) of the trailing partial chunk once the prompt is computed."""
         if st.partial_saved or st.parent is None or self.cfg.discard_partial_chunks or computed_after < st.prompt_len:
             return None
@@ -147,7 +202,7 @@ class PdMixin:
         if not (getattr(st.req, "kv_transfer_params", None) or {}).get("do_remote_decode"):
             return None  # only a prefill's partial chunk has a decoder waiting for it
         i = st.prompt_len // self.block_size
-        hashes = self._prompt_hashes(st)
+        hashes = self.prompt_hashes(st)
         if st.prompt_len % self.block_size == 0 or len(hashes) <= i or i >= len(st.block_ids):
             return None
         return hashes[i], st.block_ids[i]
@@ -160,7 +215,7 @@ class PdMixin:
         if local >= n_full:
             return True
         try:
-            return self._lookup(self._prompt_hashes(st)[local:n_full]) == n_full - local
+            return self._lookup(self.prompt_hashes(st)[local:n_full]) == n_full - local
         except Exception:
             return False
 
@@ -170,7 +225,7 @@ class PdMixin:
         if now < st.next_pool_check and not force:
             return False
         st.next_pool_check = now + POOL_POLL_S
-        hashes = self._prompt_hashes(st)
+        hashes = self.prompt_hashes(st)
         if not hashes:
             return False
         try:
@@ -187,13 +242,13 @@ class PdMixin:
         st.pool_seen = True  # the load's lookup need not ask again (an eviction meanwhile = load error, recompute)
         return Outcome(True, "ok", time.monotonic() - st.posted_mono)
 
-    def _stream_match(self, st: ReqState, num_computed_tokens: int) -> tuple[int, bool]:
+    def stream_match(self, st: ReqState, num_computed_tokens: int) -> tuple[int, bool]:
         """Streaming PD decoder: the whole prompt but its last token, loaded asynchronously (vLLM
         allocates the blocks and parks the request in ``WAITING_FOR_REMOTE_KVS`` until the workers
         report the receive in ``finished_recving``; blocks that did not arrive are recomputed)."""
         if st.stream_pending or st.stream_sent:
             return 0, False  # asked again after the receive: vLLM holds what arrived
-        hashes = self._prompt_hashes(st)
+        hashes = self.prompt_hashes(st)
         n = min(len(hashes) * self.block_size, st.prompt_len - 1) - num_computed_tokens
         if n <= 0:
             return 0, False
@@ -214,7 +269,7 @@ class PdMixin:
                 meta.stream_loads.append(Xfer(st.req.request_id, hashes[first:first + n],
                                               st.block_ids[first:first + n]))
                 st.t.setdefault("stream_sent", time.time())
-                st.last_xfer_build = self._builds
+                st.last_xfer_build = self._build
                 self._streams[st.req.request_id] = st
             else:  # cannot happen (vLLM allocated the promised blocks); never park a request for good
                 raise RuntimeError(f"lw-vllm: {st.req.request_id}: streaming load of chunks {first}+{n} "
@@ -241,7 +296,7 @@ class PdMixin:
                 log.warning("lw-vllm: %s: remote prefill failed (%s); ending its streaming receive, "
                             "computing what did not arrive", rid, out.detail)
 
-    def _remote_prefill(self, st: ReqState, local_tokens: int) -> bool | None:
+    def remote_prefill(self, st: ReqState, local_tokens: int) -> bool | None:
         """PD decoder: ``None`` while the prefill is not there yet, else whether this request is a
         remote-prefill one (which loads whatever the pool holds, whatever the outcome)."""
         if self.metaserver is None:
@@ -277,8 +332,8 @@ class PdMixin:
             out = self.metaserver.poll(req.request_id)
             if out is None:
                 out = self._seen_in_pool(st)
-            if out is None and self._last_step_empty and self._idle_waited_at != self._builds:
-                self._idle_waited_at = self._builds
+            if out is None and self._last_step_empty and self._idle_waited_at != self._build:
+                self._idle_waited_at = self._build
                 deadline = time.monotonic() + IDLE_WAIT_S
                 while out is None:
                     left = deadline - time.monotonic()

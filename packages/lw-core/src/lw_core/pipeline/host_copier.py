@@ -77,7 +77,7 @@ class HostCopier:
 
     def kv_views(self, layer: int, block_ids: Sequence[int]) -> list[memoryview] | None:
         arr = self._layer(layer)
-        return [memoryview(self._block(arr, layer, b)) for b in block_ids]
+        return [self._block(arr, layer, b).data for b in block_ids]
 
     def to_kv(self, layer: int, block_ids: Sequence[int], srcs: Sequence[Buffer]) -> Token:
         arr = self._layer(layer)

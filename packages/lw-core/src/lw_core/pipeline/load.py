@@ -13,6 +13,7 @@ returns after its deadline would then write into blocks vLLM has reused, so it i
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Sequence
@@ -99,7 +100,7 @@ class LoadStep:
         while self.next_submit <= last:
             layer = self.next_submit
             self.next_submit += 1
-            self.ctx.load_pool.submit(lambda layer=layer: self.run_layer(layer))
+            self.ctx.load_pool.submit(functools.partial(self.run_layer, layer))
 
     def wait(self, layer: int, timeout_s: float) -> None:
         """Wait for ``layer`` (submitting it if needed); on timeout cancel it and fail its blocks."""

@@ -269,7 +269,7 @@ class SaveStep:
             ok = idx
         else:
             buf = None
-            srcs = copier.kv_views(layer, blocks)
+            srcs: list[Any] | None = copier.kv_views(layer, blocks)  # memoryviews, or staging slices
             if srcs is not None:  # host KV: the store copies straight out of it
                 if not copier.wait(token, ctx.limits.save_timeout_s):
                     self._fail(idx, f"layer {layer}: compute did not reach the save point in {ctx.limits.save_timeout_s}s")

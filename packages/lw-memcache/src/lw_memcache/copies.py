@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from lw_core.backends.segment_stream.checks import check_lengths, check_range
 
 # Copy directions (memcache_hybrid's BmCopyType values; AUTO is rejected by batch_copy).
 L2G, G2L, G2H, H2G = 0, 1, 2, 3
@@ -71,8 +72,7 @@ class CopyMixin:
         return any(s <= ptr and ptr + nbytes <= s + n for s, n in self._device_regions)
 
     def _copy(self: Any, handles: Sequence[MemcacheHandle], offsets: Sequence[int], bufs: Sequence[Any], *, to_store: bool) -> None:
-        if not (len(handles) == len(offsets) == len(bufs)):
-            raise ValueError(f"{len(handles)} handles, {len(offsets)} offsets, {len(bufs)} buffers: lengths differ")
+        check_lengths(handles, offsets, bufs)
         store = self._live()
         what = "write" if to_store else "read"
         host_dir, dev_dir = (H2G, L2G) if to_store else (G2H, G2L)
@@ -95,7 +95,7 @@ class CopyMixin:
             else:
                 ptr, n, dev = _memory(buf, writable=not to_store, what=f"{what} of {h.key}")
             if off < 0 or off + n > h.nbytes:
-                raise ValueError(f"{what} of {h.key}: range [{off}, {off + n}) outside the object's {h.nbytes} bytes")
+                check_range(what, h, off, n)  # raises
             if n == 0:
                 continue
             if check_regions:

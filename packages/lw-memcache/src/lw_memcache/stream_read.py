@@ -3,18 +3,17 @@ through streaming handles (the design is in ``lw_memcache.streaming``'s docstrin
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
-from lw_core.procs import Owner
-from lw_core.backends.segment_stream import POLL_MAX_S, POLL_MIN_S, WriterJudge, head_key, poll_names, read_poll, seg_key
+from lw_core.backends.segment_stream import head_key, seg_key, wait_published
+from lw_core.backends.segment_stream.checks import check_lengths, check_range
+from lw_core.backends.segment_stream.head import HEAD, unpack_head
 
 from lw_memcache.streaming import (
-    _HEAD,
-    _HEAD_MAGIC,
+    HEAD_MAGIC,
     _TRAILER,
     _TRAILER_MAGIC,
     TRAILER,
@@ -46,10 +45,10 @@ class StreamReadMixin:
         try:
             infos = store.batch_get_key_info([hk for _, hk in leased], 1)
             got = [(i, hk, int(info.gva_list()[0])) for (i, hk), info in zip(leased, infos)
-                   if info.size() == _HEAD.size and len(info.gva_list())]
-            bufs = [np.zeros(_HEAD.size, np.uint8) for _ in got]
+                   if info.size() == HEAD.size and len(info.gva_list())]
+            bufs = [np.zeros(HEAD.size, np.uint8) for _ in got]
             try:
-                self._copy([_Seg(hk, _HEAD.size, g, 0, False) for _, hk, g in got], [0] * len(got), bufs, to_store=False)
+                self._copy([_Seg(hk, HEAD.size, g, 0, False) for _, hk, g in got], [0] * len(got), bufs, to_store=False)
                 copied = got
             except ObjectMissing:
                 # A head removed after we leased it (its writer aborted, or closed; memcache removes
@@ -57,15 +56,15 @@ class StreamReadMixin:
                 copied = []
                 for one, b in zip(got, bufs):
                     try:
-                        self._copy([_Seg(one[1], _HEAD.size, one[2], 0, False)], [0], [b], to_store=False)
+                        self._copy([_Seg(one[1], HEAD.size, one[2], 0, False)], [0], [b], to_store=False)
                         copied.append(one)
                     except ObjectMissing:
                         pass
                 bufs = [b for one, b in zip(got, bufs) if one in copied]
             for (i, _, _), b in zip(copied, bufs):
-                magic, token, nbytes, boot, pidns, pid, start = _HEAD.unpack(b.tobytes())
-                if magic == _HEAD_MAGIC:
-                    out[i] = MemcacheStreamHandle(keys[i], nbytes, token, boot, Owner(pidns, pid, start))
+                head = unpack_head(HEAD_MAGIC, b.tobytes())
+                if head is not None:
+                    out[i] = MemcacheStreamHandle(keys[i], head.nbytes, head.token, head.boot, head.owner)
         finally:
             store.batch_remove_lease([hk for _, hk in leased])
         lost = [i for i, _ in leased if out[i] is None]
@@ -110,44 +109,15 @@ class StreamReadMixin:
 
     def wait_published(self: Any, handles: Sequence[Any], upto: int, timeout_s: float) -> list[bool]:
         hs = self._streams(handles, "wait_published")
-        for h in hs:
-            self._check_upto(h, upto, "wait_published")
-        if not timeout_s >= 0:
-            raise ValueError(f"memcache: wait_published timeout_s={timeout_s!r} must be >= 0")
-        store = self._live()
-        deadline = time.monotonic() + timeout_s
-        pause = POLL_MIN_S
-        judge = WriterJudge()
-        ready = [upto == 0 or h.leased for h in hs]
-        while True:
-            at = [i for i, h in enumerate(hs) if not ready[i] and not h.dead]
-            todo = [hs[i] for i in at]
-            if todo:
-                res = store.batch_is_exist(poll_names(todo, upto))
-                if len(res) != 3 * len(todo) or any(r not in (0, 1) for r in res):
-                    bad = [r for r in res if r not in (0, 1)]
-                    self._fail(bad[0] if bad else -1, "wait_published (batch_is_exist)")
-                committed, published = read_poll(todo, res, judge)
-                for j in published:
-                    ready[at[j]] = True
-                if committed:
-                    self._adopt([todo[j] for j in committed])
-                ready = [r or h.leased for h, r in zip(hs, ready)]
-            left = deadline - time.monotonic()
-            if left <= 0 or all(r or h.dead for h, r in zip(hs, ready)):
-                return [r and not h.dead for h, r in zip(hs, ready)]
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, POLL_MAX_S)
+        return wait_published("memcache", _Polls(self, self._live()), hs, upto, timeout_s, lambda h: h.leased)
 
     def _read_stream(self: Any, handles: Sequence[Any], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
         hs = self._streams(handles, "a streaming read")
-        if not (len(hs) == len(offsets) == len(dsts)):
-            raise ValueError(f"{len(hs)} handles, {len(offsets)} offsets, {len(dsts)} buffers: lengths differ")
+        check_lengths(hs, offsets, dsts)
         store = self._live()
         sizes = [_nbytes(d) for d in dsts]
         for h, off, n in zip(hs, offsets, sizes):
-            if off < 0 or off + n > h.nbytes:
-                raise ValueError(f"read of {h.key}: range [{off}, {off + n}) outside the object's {h.nbytes} bytes")
+            check_range("read", h, off, n)
         dead = [h.key for h in hs if h.dead]
         if dead:
             raise ObjectMissing(f"memcache: streaming read of {len(dead)} abandoned reservation(s) (aborted, writer dead, or the key "
@@ -201,3 +171,20 @@ class StreamReadMixin:
         finally:
             if leased:
                 store.batch_remove_lease(leased)
+
+
+class _Polls:
+    """memcache as ``wait_published``'s store (``lw_core.backends.segment_stream.PollStore``)."""
+
+    def __init__(self, backend: Any, store: Any) -> None:
+        self.backend, self.store = backend, store
+
+    def exists(self, names: list[str]) -> list[int]:
+        res = list(self.store.batch_is_exist(names))
+        if len(res) != len(names) or any(r not in (0, 1) for r in res):
+            bad = [r for r in res if r not in (0, 1)]
+            self.backend._fail(bad[0] if bad else -1, "wait_published (batch_is_exist)")
+        return res
+
+    def adopt(self, handles: Sequence[MemcacheStreamHandle]) -> None:
+        self.backend._adopt(handles)

@@ -21,7 +21,8 @@ of separate *committed* objects whose names carry a random per-reservation token
   memcache-hybrid 1.3.0 (the client keeps renewing it, -3102), so that reader's client can lease
   nothing placed at that address again until the lease ends: the next prompt's head or segment
   landing there would fail to stream. Readers hold leases on heads and segments for one copy, far
-  shorter than the grace.
+  shorter than the grace (the clean-up policy, shared with Mooncake, is
+  ``lw_core.backends.segment_stream.policy``).
 
 A reader (``open_streaming``) takes the committed object with a lease when there is one, else reads
 the head for the token. ``read`` of a range leases the segment named by the token and the range's
@@ -30,9 +31,10 @@ per call), copies, checks the segment still exists, and drops the lease: bytes c
 objects named by this reservation's token, which only its writer creates, while they are leased
 and not removed. Once the object is committed the reader leases it and checks its trailer holds
 the token (a later reservation of the key writes its own token there before any data), then reads
-it whole. ``wait_published`` polls (0.5 ms up to 20 ms) whether the segment ending at ``upto``
-exists; it answers ``False`` promptly when the abort marker exists, when the committed object
-carries another token, or when the writer runs on this machine and is dead; else at the deadline.
+it whole. ``wait_published`` (``lw_core.backends.segment_stream.poll``) polls (0.5 ms up to
+20 ms) whether the segment ending at ``upto`` exists; it answers ``False`` promptly when the abort
+marker exists, when the committed object carries another token, or when the writer runs on this
+machine and is dead; else at the deadline.
 
 An abandoned reservation never becomes visible: only its writer's ``batch_write_finish`` commits
 the object (``lookup``/``open`` are unchanged). Costs while streaming: per ``write`` one more
@@ -53,21 +55,21 @@ from typing import Any
 
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
-from lw_core.procs import Owner, boot_id, current_owner
 from lw_core.backends.segment_stream import abort_key, head_key, seg_key
+from lw_core.backends.segment_stream.checks import check_upto
+from lw_core.backends.segment_stream.head import HEAD, TOKEN_BYTES, pack_head
+from lw_core.backends.segment_stream.policy import REMOVE_GRACE_S
+from lw_core.procs import Owner, boot_id, current_owner
 
 log = logging.getLogger(__name__)
 
 TRAILER = 16  # bytes after each object's data: magic + the reservation's token
 _TRAILER = struct.Struct("<8s8s")
 _TRAILER_MAGIC = b"lwmcTOK1"
-# head: magic, token, object bytes, boot id (16 bytes), owner (pid namespace, pid, start time)
-_HEAD = struct.Struct("<8s8sQ16sQIQ")
-_HEAD_MAGIC = b"lwmcHED1"
+HEAD_MAGIC = b"lwmcHED1"  # the head's layout: lw_core.backends.segment_stream.head
 _MARKER_BYTES = 64
 _FINISH_OK = 0
 MEDIA_DRAM = 1
-REMOVE_GRACE_S = 2.0  # heads and segments outlive their reservation's commit or abort this long
 
 
 @dataclass(eq=False, slots=True)
@@ -117,7 +119,7 @@ class StreamMixin:
         hs = [h for h in handles if h is not None]
         if not self._streaming or not hs:
             return
-        streams = {h.key: WriteStream(secrets.token_bytes(8)) for h in hs}
+        streams = {h.key: WriteStream(secrets.token_bytes(TOKEN_BYTES)) for h in hs}
         trailers = np.frombuffer(b"".join(_TRAILER.pack(_TRAILER_MAGIC, streams[h.key].token) for h in hs), np.uint8).copy()
         tails = [trailers[i * TRAILER : (i + 1) * TRAILER] for i in range(len(hs))]
         # Written before any data and before the handle is returned: a later reservation of the
@@ -130,7 +132,7 @@ class StreamMixin:
         stale = [k for k, r in zip(heads, store.batch_is_exist(heads)) if r == 1]
         if stale:  # a dead or aborted writer's head: this reservation replaces it
             store.remove_batch(stale)
-        gvas = store.batch_alloc(heads, [_HEAD.size] * len(heads), MEDIA_DRAM, self._write_lease_ms)
+        gvas = store.batch_alloc(heads, [HEAD.size] * len(heads), MEDIA_DRAM, self._write_lease_ms)
         me, boot = current_owner(), boot_id()
         ok = [(h, hk, g) for h, hk, g in zip(hs, heads, gvas) if g > 0]
         failed = [hk for (hk, g) in zip(heads, gvas) if g <= 0]
@@ -139,11 +141,11 @@ class StreamMixin:
         if not ok:
             return
         bufs = [
-            np.frombuffer(_HEAD.pack(_HEAD_MAGIC, streams[h.key].token, h.nbytes, boot, *me), np.uint8).copy()
+            np.frombuffer(pack_head(HEAD_MAGIC, streams[h.key].token, h.nbytes, boot, me), np.uint8).copy()
             for h, _, _ in ok
         ]
         try:
-            self._copy([_Seg(hk, _HEAD.size, g, 0) for _, hk, g in ok], [0] * len(ok), bufs, to_store=True)
+            self._copy([_Seg(hk, HEAD.size, g, 0) for _, hk, g in ok], [0] * len(ok), bufs, to_store=True)
         except BackendError:
             store.batch_write_finish([hk for _, hk, _ in ok], [1] * len(ok))
             raise
@@ -289,7 +291,7 @@ class StreamMixin:
         for h in handles:
             if isinstance(h, MemcacheStreamHandle) or not getattr(h, "writable", False):
                 raise BackendError(f"memcache: publish needs handles from reserve, got {h!r}")
-            self._check_upto(h, upto, "publish")
+            check_upto("memcache", "publish", h, upto)
         if not self._streaming:
             raise BackendError(
                 "memcache: publish on a backend opened without streaming; set kv_connector_extra_config.pd_streaming=true "
@@ -316,11 +318,10 @@ class StreamMixin:
         if bad:
             self._fail(bad[0][1], f"publish (batch_write_finish) of {len(bad)} segment(s), first {bad[0][0]}")
 
-    def _check_upto(self, h: Any, upto: int, what: str) -> None:
-        if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= h.nbytes:
-            raise ValueError(f"memcache: {what} upto={upto!r} must be an int in [0, {h.nbytes}] for {h.key!r}")
-
 
 def _nbytes(buf: Any) -> int:
     n = getattr(buf, "nbytes", None)
     return int(n) if n is not None else memoryview(buf).nbytes
+
+
+__all__ = ["HEAD_MAGIC", "REMOVE_GRACE_S", "TRAILER", "MemcacheStreamHandle", "StreamMixin", "WriteStream"]

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lw_core.backend import BackendError, BackendUnavailable
+from lw_core.backends.segment_stream.policy import QuietPeriod
 
 from lw_mooncake.buffers import Staging
 from lw_mooncake.calls import Deadlines
@@ -98,7 +99,7 @@ class MooncakeBackend(Writes, Reads, StreamWrites, StreamReads):
         self._wstreams: dict = {}  # key -> streaming.WriteStream of our open reservations
         self._garbage: deque = deque()  # (due, key, tries): removals to retry (read leases)
         self._collected_at = 0.0
-        self._quiet_until = 0.0  # streaming housekeeping is skipped until then (the store timed out)
+        self._quiet_period = QuietPeriod()  # streaming housekeeping is skipped during it (the store timed out)
         self.store = MooncakeDistributedStore()
         saved = [(s, signal.getsignal(s)) for s in _SIGNALS]
         rc = None

@@ -9,22 +9,13 @@ its content, so any committed object of the key is the whole, right object.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from lw_core.backend import BackendError, ObjectMissing
-from lw_core.backends.segment_stream import (
-    POLL_MAX_S,
-    POLL_MIN_S,
-    WriterJudge,
-    abort_key,
-    head_key,
-    poll_names,
-    read_poll,
-    seg_key,
-)
+from lw_core.backends.segment_stream import abort_key, head_key, seg_key, wait_published
+from lw_core.backends.segment_stream.checks import check_lengths, check_range
 
 from lw_mooncake.buffers import byte_view
 from lw_mooncake.handle import MooncakeStreamHandle
@@ -60,8 +51,7 @@ class StreamReads:
         for i in want:
             head = unpack_head(ks[i], bufs[i].tobytes())
             if head is not None:  # else gone or replaced while read: the caller retries
-                token, nbytes, boot, owner = head
-                out[i] = MooncakeStreamHandle(ks[i], nbytes, token, boot, owner)
+                out[i] = MooncakeStreamHandle(ks[i], head.nbytes, head.token, head.boot, head.owner)
         return out
 
     def _streams(self, handles: Sequence[Any], what: str) -> list[MooncakeStreamHandle]:
@@ -80,40 +70,14 @@ class StreamReads:
 
     def wait_published(self, handles: Sequence[Any], upto: int, timeout_s: float) -> list[bool]:
         hs = self._streams(handles, "wait_published")
-        for h in hs:
-            if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= h.nbytes:
-                raise ValueError(f"mooncake: wait_published upto={upto!r} must be an int in [0, {h.nbytes}] for {h.key!r}")
-        if not timeout_s >= 0:
-            raise ValueError(f"mooncake: wait_published timeout_s={timeout_s!r} must be >= 0")
-        deadline = time.monotonic() + timeout_s
-        pause = POLL_MIN_S
-        judge = WriterJudge()
-        ready = [not h.dead and (upto == 0 or h.committed) for h in hs]
-        while True:
-            todo = [(i, h) for i, h in enumerate(hs) if not ready[i] and not h.dead]
-            if todo:
-                assert all(h.token is not None for _, h in todo)
-                polled = [h for _, h in todo]
-                committed, published = read_poll(polled, self._exist(poll_names(polled, upto)), judge)
-                for j in published:
-                    ready[todo[j][0]] = True
-                if committed:
-                    self._adopt([polled[j] for j in committed])
-                    ready = [r or h.committed for h, r in zip(hs, ready)]
-            left = deadline - time.monotonic()
-            if left <= 0 or all(r or h.dead for h, r in zip(hs, ready)):
-                return [r and not h.dead for h, r in zip(hs, ready)]
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, POLL_MAX_S)
+        return wait_published("mooncake", _Polls(self), hs, upto, timeout_s, lambda h: h.committed)
 
     def _read_stream(self, handles: Sequence[Any], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
         hs = self._streams(handles, "a streaming read")
-        if not (len(hs) == len(offsets) == len(dsts)):
-            raise ValueError(f"{len(hs)} handles, {len(offsets)} offsets, {len(dsts)} buffers: lengths differ")
+        check_lengths(hs, offsets, dsts)
         arrs = [byte_view(d, writable=True, what="read") for d in dsts]
         for h, off, a in zip(hs, offsets, arrs):
-            if off < 0 or off + a.nbytes > h.nbytes:
-                raise ValueError(f"read of {h.key}: range [{off}, {off + a.nbytes}) outside the object's {h.nbytes} bytes")
+            check_range("read", h, off, a.nbytes)
         dead = [h.key for h in hs if h.dead]
         if dead:
             raise ObjectMissing(f"mooncake: streaming read of {len(dead)} abandoned reservation(s) (aborted, writer dead, "
@@ -147,3 +111,16 @@ class StreamReads:
         whole = [j for j in range(len(hs)) if arrs[j].nbytes and j not in done]  # committed ones, all of them
         if whole:
             self._get([(hs[j].key, offsets[j], arrs[j]) for j in whole])
+
+
+class _Polls:
+    """Mooncake as ``wait_published``'s store (``lw_core.backends.segment_stream.PollStore``)."""
+
+    def __init__(self, backend: StreamReads) -> None:
+        self.backend = backend
+
+    def exists(self, names: list[str]) -> list[int]:
+        return self.backend._exist(names)
+
+    def adopt(self, handles: Sequence[MooncakeStreamHandle]) -> None:
+        self.backend._adopt(handles)

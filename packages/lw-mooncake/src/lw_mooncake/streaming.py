@@ -29,7 +29,8 @@ that lease on ``batch_is_exist`` too (measured: a segment a waiter polled refuse
 with OBJECT_HAS_LEASE), so nearly every segment outlives its commit by about one lease. What could not be
 removed is retried from later calls (``_collect``), so while streaming the pool holds a
 reservation's bytes twice from its first publish until shortly after commit (plus the lease).
-Markers are kept ``MARKER_KEEP_S`` for readers that poll late, then removed the same way.
+Markers are kept ``MARKER_KEEP_S`` for readers that poll late, then removed the same way (the
+policy, shared with memcache: ``lw_core.backends.segment_stream.policy``).
 
 Costs while streaming: per ``reserve`` batch one ``batch_is_exist`` and one put (heads); per
 ``publish`` one put of the layer's bytes (the prefiller sends each byte twice: segment and
@@ -55,25 +56,25 @@ from typing import Any
 
 import numpy as np
 from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
-from lw_core.procs import Owner, boot_id, current_owner
 from lw_core.backends.segment_stream import abort_key, head_key, seg_key
+from lw_core.backends.segment_stream.checks import check_upto
+from lw_core.backends.segment_stream.head import HEAD, TOKEN_BYTES, StreamHead
+from lw_core.backends.segment_stream.head import pack_head as pack_stream_head
+from lw_core.backends.segment_stream.head import unpack_head as unpack_stream_head
+from lw_core.backends.segment_stream.policy import MARKER_KEEP_S, MAX_QUEUED, MAX_TRIES, QUIET_S, RETRY_S, QuietPeriod
+from lw_core.procs import Owner, boot_id, current_owner
 
 from lw_mooncake.errors import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, to_error
 from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
 
 log = logging.getLogger(__name__)
 
-# head: magic, token, object bytes, boot id, owner (pid namespace, pid, start time); then a digest
-_HEAD = struct.Struct("<8s8sQ16sQIQ")
-_HEAD_MAGIC = b"lwmkHED1"
+# head: lw_core.backends.segment_stream.head's layout under this magic, then a digest
+HEAD_MAGIC = b"lwmkHED1"
 _DIGEST = 16
-HEAD_SIZE = _HEAD.size + _DIGEST
+HEAD_SIZE = HEAD.size + _DIGEST
 SEG_HEADER = struct.Struct("<Q")  # a segment's start offset in its object
 MARKER = b"lwmkABT1"
-MARKER_KEEP_S = 120.0  # how long an abort marker stays for readers that poll late
-_RETRY_S = 1.0  # a removal refused by a read lease is tried again after this
-_MAX_GARBAGE = 1 << 16
-QUIET_S = 10.0  # after a store call timed out, streaming's own calls are skipped this long
 
 
 def _digest(key: str, body: bytes) -> bytes:
@@ -81,20 +82,19 @@ def _digest(key: str, body: bytes) -> bytes:
 
 
 def pack_head(key: str, token: bytes, nbytes: int, boot: bytes, owner: Owner) -> np.ndarray:
-    body = _HEAD.pack(_HEAD_MAGIC, token, nbytes, boot, *owner)
+    body = pack_stream_head(HEAD_MAGIC, token, nbytes, boot, owner)
     return np.frombuffer(body + _digest(key, body), np.uint8).copy()
 
 
-def unpack_head(key: str, raw: bytes) -> tuple[bytes, int, bytes, Owner] | None:
+def unpack_head(key: str, raw: bytes) -> StreamHead | None:
     """(token, object bytes, boot id, writer) of a head fetched for ``key``; None unless it is
     whole, of this key, and unchanged (the digest matches)."""
     if len(raw) != HEAD_SIZE:
         return None
-    body, dig = raw[: _HEAD.size], raw[_HEAD.size :]
-    magic, token, nbytes, boot, pidns, pid, start = _HEAD.unpack(body)
-    if magic != _HEAD_MAGIC or dig != _digest(key, body):
+    body, dig = raw[: HEAD.size], raw[HEAD.size :]
+    if dig != _digest(key, body):
         return None
-    return token, nbytes, boot, Owner(pidns, pid, start)
+    return unpack_stream_head(HEAD_MAGIC, body)
 
 
 @dataclass(eq=False, slots=True)
@@ -118,7 +118,7 @@ class StreamWrites:
     _wstreams: dict[str, WriteStream]
     _garbage: deque[tuple[float, str, int]]
     _collected_at: float
-    _quiet_until: float
+    _quiet_period: QuietPeriod
     _exist: Callable[[list[str]], list[int]]
     _put_all: Callable[[list[tuple[str, list[np.ndarray]]]], list[int]]
 
@@ -128,7 +128,7 @@ class StreamWrites:
         hs = [h for h in handles if h is not None]
         if not self._streaming or not hs:
             return
-        streams = {h.key: WriteStream(secrets.token_bytes(8)) for h in hs}
+        streams = {h.key: WriteStream(secrets.token_bytes(TOKEN_BYTES)) for h in hs}
         with self._lock:
             self._wstreams.update(streams)
         heads = [head_key(h.key) for h in hs]
@@ -152,8 +152,7 @@ class StreamWrites:
         for h in handles:
             if not isinstance(h, MooncakeHandle) or not h.reserved:
                 raise BackendError(f"mooncake: publish needs handles from reserve, got {h!r}")
-            if isinstance(upto, bool) or not isinstance(upto, int) or not 0 <= upto <= h.nbytes:
-                raise ValueError(f"mooncake: publish upto={upto!r} must be an int in [0, {h.nbytes}] for {h.key!r}")
+            check_upto("mooncake", "publish", h, upto)
         if not self._streaming:
             raise BackendError(
                 "mooncake: publish on a backend opened without streaming; set kv_connector_extra_config.pd_streaming=true "
@@ -226,10 +225,10 @@ class StreamWrites:
             self._stream_end(open_, aborted=True)
 
     def _quiet(self) -> bool:
-        return time.monotonic() < self._quiet_until
+        return bool(self._quiet_period)
 
     def _go_quiet(self) -> None:
-        self._quiet_until = time.monotonic() + QUIET_S
+        self._quiet_period.start()
 
     # ----- removal that respects read leases -----
 
@@ -237,7 +236,7 @@ class StreamWrites:
         due = time.monotonic() + after_s
         with self._lock:
             for k in keys:
-                if len(self._garbage) >= _MAX_GARBAGE:
+                if len(self._garbage) >= MAX_QUEUED:
                     dropped = self._garbage.popleft()
                     log.warning("mooncake streaming: removal queue full; %s is left to eviction", dropped[1])
                 self._garbage.append((due, k, 0))
@@ -246,14 +245,14 @@ class StreamWrites:
         if not keys:
             return
         res = self.calls.call("batch_remove", self.store.batch_remove, keys, False)
-        self._later([k for k, r in zip(keys, res) if r not in (0, OBJECT_NOT_FOUND)], _RETRY_S)
+        self._later([k for k, r in zip(keys, res) if r not in (0, OBJECT_NOT_FOUND)], RETRY_S)
 
     def _collect(self, *, every_s: float = 0.5) -> None:
         """Remove what is due in the queue (at most every ``every_s``); refused again (still
-        leased) goes back, up to 600 tries."""
+        leased) goes back, up to ``MAX_TRIES`` tries."""
         now = time.monotonic()
         with self._lock:
-            if now - self._collected_at < every_s or not self._garbage or now < self._quiet_until:
+            if now - self._collected_at < every_s or not self._garbage or self._quiet_period:
                 return
             self._collected_at = now
             due = [g for g in self._garbage if g[0] <= now]
@@ -267,11 +266,11 @@ class StreamWrites:
             log.debug("mooncake streaming: removal of %d leftover(s) failed: %s", len(due), e)
         with self._lock:
             for (_, k, tries), r in zip(due, res):
-                if r not in (0, OBJECT_NOT_FOUND) and tries < 600:
+                if r not in (0, OBJECT_NOT_FOUND) and tries < MAX_TRIES:
                     if r != OBJECT_HAS_LEASE:
                         log.debug("mooncake streaming: removal of %s: %s", k, r)
-                    self._garbage.append((now + _RETRY_S, k, tries + 1))
+                    self._garbage.append((now + RETRY_S, k, tries + 1))
 
 
-__all__ = ["HEAD_SIZE", "MARKER", "SEG_HEADER", "MooncakeStreamHandle", "StreamWrites", "WriteStream", "pack_head",
+__all__ = ["HEAD_SIZE", "MARKER", "MARKER_KEEP_S", "QUIET_S", "SEG_HEADER", "MooncakeStreamHandle", "StreamWrites", "WriteStream", "pack_head",
            "unpack_head"]

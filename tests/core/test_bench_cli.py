@@ -1,6 +1,6 @@
-"""``lw-bench``'s modes: its own (pipeline, backend, serve, pd) and other packages' by the
-``lw_bench.modes`` entry-point group (lw-proxy's ``proxy``); the console script and
-``python -m lw_bench`` are the same command."""
+"""``lw-bench``'s modes: its own (pipeline, backend, serve, pd, proxy) and other packages' by the
+``lw_bench.modes`` entry-point group; the console script and ``python -m lw_bench`` are the same
+command."""
 
 from __future__ import annotations
 

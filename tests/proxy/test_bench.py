@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from lw_proxy import bench
+from lw_bench.proxy import mode as bench
 
 
 def test_bench_quick_reports_documented_keys():
@@ -25,12 +25,12 @@ def test_bench_quick_reports_documented_keys():
 
 
 def test_percentile_matches_numpys_linear_interpolation():
-    """lw-proxy computes its bench percentiles without numpy (it does not depend on it)."""
+    """The proxy bench's percentile (linear interpolation between closest ranks) is numpy's default one."""
     import random
 
     import numpy as np
 
-    from lw_proxy.bench import percentile
+    from lw_bench.proxy.mode import percentile
 
     r = random.Random(3)
     for n in (1, 2, 7, 100):

@@ -149,7 +149,7 @@ def test_bench_soak_mode_reports_every_request():
     """``lw-bench proxy --soak`` (proxy in its own process): every request accounted for, none wrong."""
     import argparse
 
-    from lw_proxy import bench
+    from lw_bench.proxy import mode as bench
 
     p = argparse.ArgumentParser()
     bench.add_arguments(p)

@@ -14,6 +14,7 @@ MODES = {
     "backend": "lw_bench.backend",
     "serve": "lw_bench.serve.mode",  # needs lw-bench[vllm] and a vLLM build
     "pd": "lw_bench.pd.mode",
+    "proxy": "lw_bench.proxy.mode",  # needs lw-bench[proxy] (lw-proxy)
 }
 
 

@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import multiprocessing as mp
 import time
 from typing import Any
 
 import aiohttp
-from aiohttp.test_utils import unused_port
 import msgspec
 
 from lw_core.wire import DecodeTransferParams, MetaserverRequest, decode_transfer_params
+from lw_proxy.config import ProxyConfig
 
-from .config import ProxyConfig
+from lw_bench.proxy.stack import free_port, proxy_main, serve_mocks, wait_closed, wait_ready
 
 _ANSWER = msgspec.json.encode({
     "id": "cmpl-bench", "object": "text_completion", "model": "mock",
@@ -50,7 +49,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the proxy's event loop (lw-proxy --event-loop; default auto: uvloop when installed)")
     p.add_argument("--quick", action="store_true", help="smoke test: 0.5 s per point")
     p.add_argument("--soak", type=int, default=0, metavar="N",
-                   help="instead: soak the proxy with N requests against failing mocks (see lw_proxy.soak)")
+                   help="instead: soak the proxy with N requests against failing mocks (see lw_bench.proxy.soak)")
     p.add_argument("--soak-concurrency", type=int, default=64)
     p.add_argument("--soak-fail-rate", type=float, default=0.2, help="share of mock answers that fail")
 
@@ -83,7 +82,7 @@ def _mock_main(conn: Any) -> None:
         conn.send(ports)
         # Run until the parent closes its end of the pipe.
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, _wait_closed, conn)
+        await loop.run_in_executor(None, wait_closed, conn)
         await session.close()
         for r in runners:
             await r.cleanup()
@@ -91,61 +90,7 @@ def _mock_main(conn: Any) -> None:
     asyncio.run(main())
 
 
-async def serve_mocks(handlers) -> tuple[list[int], list]:
-    """One mock vLLM server per handler on 127.0.0.1 (free ports): POST /v1/completions, GET /health."""
-    from aiohttp import web
-
-    async def health(request: web.Request) -> web.Response:
-        return web.Response()
-
-    ports, runners = [], []
-    for handler in handlers:
-        app = web.Application()
-        app.router.add_post("/v1/completions", handler)
-        app.router.add_get("/health", health)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
-        await site.start()
-        ports.append(site._server.sockets[0].getsockname()[1])
-        runners.append(runner)
-    return ports, runners
-
-
-def _wait_closed(conn: Any) -> None:
-    with contextlib.suppress(EOFError, OSError):
-        conn.recv()
-
-
-def _proxy_main(cfg: ProxyConfig, event_loop: str = "auto") -> None:
-    import logging
-
-    from .cli import serve
-
-    logging.basicConfig(level="WARNING")
-    serve(cfg, event_loop=event_loop)
-
-
-def _free_port() -> int:
-    return unused_port()
-
-
 # ------------------------------------------------------------------------ load generator
-async def _wait_ready(url: str, deadline_s: float = 30.0) -> None:
-    end = time.monotonic() + deadline_s
-    async with aiohttp.ClientSession() as s:
-        while True:
-            try:
-                async with s.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
-                    if r.status in (200, 404, 405):
-                        return
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
-                pass
-            if time.monotonic() > end:
-                raise RuntimeError(f"{url} did not come up within {deadline_s:g} s")
-            await asyncio.sleep(0.1)
-
-
 async def _load(url: str, concurrency: int, duration: float) -> dict[str, Any]:
     conn = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
     headers = {"Content-Type": "application/json"}
@@ -196,7 +141,7 @@ def percentile(sorted_values: list[float], q: float) -> float:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "soak", 0):
-        from . import soak
+        from lw_bench.proxy import soak
 
         return soak.run(args.soak, args.soak_concurrency, args.soak_fail_rate, quiet=getattr(args, "json", False))
     duration = 0.5 if args.quick else args.duration
@@ -212,10 +157,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not parent_end.poll(30):
             raise RuntimeError("mock backends did not start within 30 s")
         dport, pport = parent_end.recv()
-        port = _free_port()
+        port = free_port()
         cfg = ProxyConfig(host="127.0.0.1", port=port, prefillers=[f"http://127.0.0.1:{pport}"],
                           decoders=[f"http://127.0.0.1:{dport}"])
-        proxy = ctx.Process(target=_proxy_main, args=(cfg, getattr(args, "event_loop", "auto")), daemon=True)
+        proxy = ctx.Process(target=proxy_main, args=(cfg, getattr(args, "event_loop", "auto")), daemon=True)
         proxy.start()
         direct_url = f"http://127.0.0.1:{dport}/v1/completions"
         proxy_url = f"http://127.0.0.1:{port}/v1/completions"
@@ -234,7 +179,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 async def _measure(direct_url: str, proxy_url: str, health: str, levels: list[int],
                    duration: float) -> dict[str, Any]:
-    await _wait_ready(health)
+    await wait_ready(health)
     out: dict[str, Any] = {"concurrency": levels}
     for c in levels:
         d = await _load(direct_url, c, duration)

@@ -26,8 +26,9 @@ import aiohttp
 import msgspec
 
 from lw_core.wire import DecodeTransferParams, MetaserverRequest, decode_transfer_params
+from lw_proxy.config import ProxyConfig
 
-from .config import ProxyConfig
+from lw_bench.proxy.stack import free_port, proxy_main, serve_mocks, wait_closed, wait_ready
 
 
 def _mock_main(conn: Any, fail_rate: float, seed: int) -> None:
@@ -65,12 +66,10 @@ def _mock_main(conn: Any, fail_rate: float, seed: int) -> None:
                 return web.json_response({"error": {"message": "mock prefill failure", "code": 500}}, status=500)
             return web.json_response({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
 
-        from .bench import _wait_closed, serve_mocks
-
         ports, runners = await serve_mocks((decoder, decoder, prefiller))
         conn.send(ports)
 
-        await asyncio.get_running_loop().run_in_executor(None, _wait_closed, conn)
+        await asyncio.get_running_loop().run_in_executor(None, wait_closed, conn)
         await session.close()
         for r in runners:
             await r.cleanup()
@@ -84,9 +83,7 @@ def _rss_mib(pid: int) -> float:
 
 
 async def _drive(url: str, n: int, concurrency: int, proxy_pid: int) -> dict[str, Any]:
-    from .bench import _wait_ready
-
-    await _wait_ready(url.rsplit("/v1/", 1)[0] + "/healthcheck")
+    await wait_ready(url.rsplit("/v1/", 1)[0] + "/healthcheck")
     out: dict[str, Any] = {"ok": 0, "errors": {}, "lost": 0, "wrong_answer": 0}
     warm = max(1, n // 10)
     rss: dict[str, float] = {}
@@ -140,8 +137,6 @@ def run(n: int, concurrency: int, fail_rate: float, *, quiet: bool = False) -> d
         raise SystemExit("lw-bench proxy: --soak must be >= 1 and --soak-concurrency 1-4096")
     if not 0.0 <= fail_rate < 1.0:
         raise SystemExit(f"lw-bench proxy: --soak-fail-rate={fail_rate} must be in [0, 1)")
-    from .bench import _free_port, _proxy_main
-
     ctx = mp.get_context("spawn")
     parent_end, child_end = ctx.Pipe()
     mocks = ctx.Process(target=_mock_main, args=(child_end, fail_rate, 7), daemon=True)
@@ -151,12 +146,13 @@ def run(n: int, concurrency: int, fail_rate: float, *, quiet: bool = False) -> d
         if not parent_end.poll(30):
             raise RuntimeError("mock backends did not start within 30 s")
         d0, d1, pf = parent_end.recv()
-        port = _free_port()
+        port = free_port()
         cfg = ProxyConfig(host="127.0.0.1", port=port, prefillers=[f"http://127.0.0.1:{pf}"],
                           decoders=[f"http://127.0.0.1:{d0}", f"http://127.0.0.1:{d1}"], max_retries=2,
                           retry_delay=0.0, health_interval=0.1)
-        proxy = ctx.Process(target=_proxy_main, args=(cfg,), daemon=True)
+        proxy = ctx.Process(target=proxy_main, args=(cfg,), daemon=True)
         proxy.start()
+        assert proxy.pid is not None  # set by start()
         res = asyncio.run(_drive(f"http://127.0.0.1:{port}/v1/completions", n, concurrency, proxy.pid))
     finally:
         parent_end.close()

@@ -6,7 +6,7 @@ plugin's keys) and for ``LayerPipeline``'s arguments, so a constraint is written
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 
@@ -29,7 +29,8 @@ def explain(e: msgspec.ValidationError, data: Mapping[str, Any], typ: type, *, p
     """Name the first rejected key: found by converting each value alone into its field's type,
     whose accepted values are read with ``msgspec.inspect``."""
     annotations = {f.name: f.type for f in msgspec.structs.fields(typ)}
-    infos = {f.name: f.type for f in msgspec.inspect.type_info(typ).fields}
+    info = cast(msgspec.inspect.StructType, msgspec.inspect.type_info(typ))  # structs.fields took it
+    infos = {f.name: f.type for f in info.fields}
     for key, value in data.items():
         if key not in annotations:
             return f"{prefix}unknown argument {key!r}; accepted: {', '.join(annotations)}"

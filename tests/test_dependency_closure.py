@@ -3,6 +3,7 @@ dependencies alone): lw-core and lw-proxy stay free of torch and vLLM (ARCHITECT
 and lw-core's base install pull only what they run (issue 11 item 2), benches and test support
 live outside the libraries."""
 
+import ast
 import json
 import os
 import shutil
@@ -70,6 +71,42 @@ def test_edges_point_toward_lw_core_only():
     assert not {d["name"] for d in pkgs["lw-core"].get("dependencies", [])} & ours
     # lw-bench's base needs lw-core only; its `vllm` extra adds the connector and the proxy.
     assert {d["name"] for d in pkgs["lw-bench"].get("dependencies", [])} & ours == {"lw-core"}
+
+
+# What lw-bench imports without declaring it: vLLM's build brings these (each platform its own).
+BROUGHT_BY_VLLM = {"vllm", "torch", "transformers", "tokenizers", "safetensors"}
+
+
+def _top_imports(src: Path) -> set[str]:
+    """The top-level names of every absolute import under ``src``, function-level ones included."""
+    names: set[str] = set()
+    for p in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def test_bench_declares_what_it_imports():
+    """Every distribution lw-bench's modes import is in its dependencies or one of its extras
+    (lw-memcache for ``pd --stores memcache``, lw-vllm for ``pipeline --kv-device``, lw-proxy for
+    ``proxy``), except what vLLM's own build brings."""
+    from importlib.metadata import packages_distributions
+
+    bench = _lock()["lw-bench"]
+    declared = {d["name"] for d in bench.get("dependencies", [])}
+    declared |= {d["name"] for ds in bench.get("optional-dependencies", {}).values() for d in ds}
+    # Workspace members are editable installs, which packages_distributions() does not map.
+    dists = {**packages_distributions(), **{n.replace("-", "_"): [n] for n in LIBRARIES | BENCH_AND_DEV}}
+    imported = _top_imports(ROOT / "packages" / "lw-bench" / "src" / "lw_bench")
+    assert {"lw_core", "lw_memcache", "lw_proxy", "lw_vllm", "numpy"} <= imported  # the walk saw the source
+    third = imported - set(sys.stdlib_module_names) - {"lw_bench"} - BROUGHT_BY_VLLM
+    unknown = sorted(m for m in third if m not in dists)
+    assert not unknown, f"lw-bench imports {unknown}, which no installed distribution provides"
+    needed = {dists[m][0].lower().replace("_", "-") for m in third}
+    assert needed - declared == set(), f"lw-bench imports {sorted(needed - declared)} without declaring them"
 
 
 def test_test_support_is_dev_only():

@@ -116,3 +116,25 @@ def test_a_quiet_period_starts_on_a_timeout_and_ends():
     assert q
     time.sleep(0.06)
     assert not q
+
+
+def test_removals_come_due_in_time_stay_bounded_and_retry_a_bounded_number_of_times():
+    from lw_core.backends.segment_stream.policy import MAX_TRIES, RETRY_S
+    from lw_core.backends.segment_stream.removals import Removals
+
+    q: Removals[str] = Removals(max_queued=3)
+    assert q.next_at() is None and q.take_due(1e9) == []
+    assert q.add(["a", "b"], 10.0) == [] and q.add(["m"], 5.0) == []
+    assert q.add(["c"], 20.0) == ["a"]  # the oldest goes beyond the bound
+    assert len(q) == 3 and q.next_at() == 5.0
+    assert [d.item for d in q.take_due(10.0)] == ["b", "m"] and len(q) == 1
+    (c,) = q.take_due(20.0)
+    q.retry([c], 20.0)
+    assert q.next_at() == 20.0 + RETRY_S
+    (c,) = q.take_all()
+    assert c.tries == 1 and len(q) == 0
+    c.tries = MAX_TRIES
+    q.retry([c], 30.0)  # refused too often: left to eviction
+    assert len(q) == 0
+    with pytest.raises(ValueError, match="max_queued=0 must be >= 1"):
+        Removals(0)

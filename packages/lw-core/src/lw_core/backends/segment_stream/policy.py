@@ -13,8 +13,8 @@ clean-up is about the pool's room and about not hurting readers, never about cor
   after the commit or abort (far longer than a reader's one-copy lease), by a reaper thread.
   Mooncake refuses to remove what a reader holds a read lease on (OBJECT_HAS_LEASE; its master
   leases what ``batch_is_exist`` finds too), so it removes at once and retries what was refused
-  every ``RETRY_S``, up to ``MAX_TRIES`` times, from later calls; its queue holds at most
-  ``MAX_QUEUED`` names (beyond, the oldest is left to eviction).
+  every ``RETRY_S``, up to ``MAX_TRIES`` times, from later calls. Both queue what waits in a
+  ``removals.Removals`` of at most ``MAX_QUEUED`` entries (beyond, the oldest is left to eviction).
 * **Quiet after a timeout.** When the store stops answering (a call past its deadline),
   streaming's own calls (publishing, markers, clean-up) are skipped for ``QUIET_S``, so a dead
   store costs one deadline, not one per layer in the save path; readers then wait for their

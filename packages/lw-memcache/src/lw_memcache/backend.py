@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
+from lw_core.backends.segment_stream.removals import Removals
 
 from lw_memcache import errors
 from lw_memcache.copies import CopyMixin, MemcacheHandle
@@ -126,7 +127,7 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
         self._lock = threading.Lock()
         # streaming: heads and segments waiting for their grace, and the thread removing them
         self._reap_cv = threading.Condition(self._lock)
-        self._graveyard: list = []
+        self._graveyard: Removals[tuple[str, int | None]] = Removals()  # (key, head's address or None)
         self._reaper: threading.Thread | None = None
         self._remove_grace_s = REMOVE_GRACE_S
         self._writing: dict[str, MemcacheHandle] = {}

@@ -59,6 +59,7 @@ from lw_core.backends.segment_stream import abort_key, head_key, seg_key
 from lw_core.backends.segment_stream.checks import check_upto
 from lw_core.backends.segment_stream.head import HEAD, TOKEN_BYTES, pack_head
 from lw_core.backends.segment_stream.policy import REMOVE_GRACE_S
+from lw_core.backends.segment_stream.removals import Removals
 from lw_core.procs import Owner, boot_id, current_owner
 
 log = logging.getLogger(__name__)
@@ -228,11 +229,17 @@ class StreamMixin:
     # ----- removal after the grace (see the module docstring) -----
 
     def _remove_later(self: Any, heads: list[tuple[str, int]], segs: list[str]) -> None:
+        """Queue heads (with the address we wrote each at) and segments (address None)."""
+        items: list[tuple[str, int | None]] = [*heads, *((s, None) for s in segs)]
+        graveyard: Removals[tuple[str, int | None]] = self._graveyard
         with self._reap_cv:
             if self._closed:
-                self._graveyard.append((0.0, heads, segs))  # close() is removing what is left
+                graveyard.add(items, 0.0)  # close() is removing what is left
                 return
-            self._graveyard.append((time.monotonic() + self._remove_grace_s, heads, segs))
+            dropped = graveyard.add(items, time.monotonic() + self._remove_grace_s)
+            if dropped:
+                log.warning("memcache streaming: removal queue full; %d object(s) left to eviction, first %s",
+                            len(dropped), dropped[0][0])
             if self._reaper is None:
                 reaper = threading.Thread(target=self._reap, name="lw-memcache-reaper", daemon=True)
                 reaper.start()
@@ -242,21 +249,18 @@ class StreamMixin:
     def _reap(self: Any) -> None:
         while True:
             with self._reap_cv:
-                while not self._closed and (not self._graveyard or self._graveyard[0][0] > time.monotonic()):
-                    wait = self._graveyard[0][0] - time.monotonic() if self._graveyard else None
-                    self._reap_cv.wait(wait)
+                while not self._closed and ((at := self._graveyard.next_at()) is None or at > time.monotonic()):
+                    self._reap_cv.wait(None if at is None else at - time.monotonic())
                 if self._closed:
                     return
-                now = time.monotonic()
-                due = [g for g in self._graveyard if g[0] <= now]
-                self._graveyard = [g for g in self._graveyard if g[0] > now]
+                due = [d.item for d in self._graveyard.take_due(time.monotonic())]
             self._remove_now(due)
 
-    def _remove_now(self: Any, entries: Sequence[tuple[float, list[tuple[str, int]], list[str]]]) -> None:
+    def _remove_now(self: Any, items: Sequence[tuple[str, int | None]]) -> None:
         """Remove segments (named by a token only their writer has) and heads that are still the
         ones this client wrote (same address, and no reservation of ours has the key again)."""
-        heads = [h for _, hs, _ in entries for h in hs]
-        gone = [k for _, _, ss in entries for k in ss]
+        heads = [(k, g) for k, g in items if g is not None]
+        gone = [k for k, g in items if g is None]
         store = self._store
         try:
             if heads:
@@ -280,7 +284,7 @@ class StreamMixin:
         if reaper is not None:
             reaper.join(5.0)
         with self._reap_cv:
-            left, self._graveyard = self._graveyard, []
+            left = [d.item for d in self._graveyard.take_all()]
         if left:
             self._remove_now(left)
 

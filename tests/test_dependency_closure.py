@@ -1,6 +1,6 @@
 """What each package pulls in, checked on the resolved closure in uv.lock (not on the declared
-dependencies alone): lw-core and lw-proxy stay free of torch and vLLM (ARCHITECTURE §1), lw-proxy
-and lw-core's base install pull only what they run (issue 11 item 2), benches and test support
+dependencies alone): lw-core and lw-proxy stay free of torch and vLLM (docs/design/architecture.md §1), lw-proxy
+and lw-core's base install pull only what they run, benches and test support
 live outside the libraries."""
 
 import ast
@@ -127,7 +127,7 @@ def test_library_source_names_no_bench_or_test_support(pkg):
 
 
 def test_lw_core_source_names_no_sibling_package():
-    """lw-core reaches other backends only through its plugin registry (issue 11 item 1): no
+    """lw-core reaches other backends only through its plugin registry: no
     import of, or name for, the memcache/proxy/bench modules in its source, and no import of
     lw_vllm (comments may say which lw_vllm module uses a key)."""
     src = ROOT / "packages" / "lw-core" / "src"

@@ -1,4 +1,4 @@
-"""The scheduler side's PD coordinator (ARCHITECTURE §6): ``PdCoordinator``, owned by ``SchedulerSide``.
+"""The scheduler side's PD coordinator (docs/design/architecture.md §6): ``PdCoordinator``, owned by ``SchedulerSide``.
 
 Decoder: a request whose ``kv_transfer_params`` carry ``do_remote_prefill`` and a ``metaserver`` URL
 POSTs to the metaserver once (pd_metaserver, off this thread) and is reported "not ready yet"

@@ -16,7 +16,7 @@ request lives in KV block ``block_ids[i]``. Rules:
   prefill (``discard_partial_chunks`` false), under a key scoped to its parent request, for that
   parent's decoder requests alone (pd_coordinator).
 
-PD disaggregation (ARCHITECTURE §6; ``pd_coordinator.PdCoordinator``, which this side owns). Decoder (kv_consumer, or kv_both): a remote-prefill
+PD disaggregation (docs/design/architecture.md §6; ``pd_coordinator.PdCoordinator``, which this side owns). Decoder (kv_consumer, or kv_both): a remote-prefill
 request is "not ready yet" (``None``) until its prefill is committed, then loads the whole prompt
 (even with ``consumer_is_to_load`` false: loading the remote prefill is what a decoder is for; that
 flag governs only plain requests sent straight to a decoder). On a metaserver error or after

@@ -105,7 +105,7 @@ def test_resubmission_without_a_decoder_ends_the_started_stream_with_an_error_ev
     async def body():
         async with harness(max_retries=0) as h:
             h.decoders[0].knobs.recompute_after = 2
-            orig = h.proxy._decode
+            orig = h.proxy.decode
             calls = 0
 
             async def decode(req, path, read):  # every decoder is gone once the first answer streamed
@@ -115,7 +115,7 @@ def test_resubmission_without_a_decoder_ends_the_started_stream_with_an_error_ev
                     raise ProxyError(502, "no decoder completed the request after 1 attempts; last error: down")
                 return await orig(req, path, read)
 
-            h.proxy._decode = decode
+            h.proxy.decode = decode
             status, raw = await _stream(h, {"prompt": "p", "max_tokens": 5, "stream": True})
             ev = _events(raw)
             assert status == 200 and ev[-1] == "[DONE]"

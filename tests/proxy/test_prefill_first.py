@@ -161,15 +161,14 @@ def test_first_event_only_for_a_whole_token_that_hit_the_length():
 
 
 def test_cut_drops_the_relayed_text_across_events_and_refuses_a_different_one():
-    state = {"skip": " hello"}
     a = {"index": 0, "text": " he"}
-    relay.cut(a, state)
+    skip, skip_ids = relay.cut(a, " hello", None)
+    assert (skip, skip_ids) == ("llo", None)
     b = {"index": 0, "text": "llo world"}
-    relay.cut(b, state)
-    assert a["text"] == "" and b["text"] == " world" and state["skip"] == ""
-    state = {"skip": " w5"}
+    assert relay.cut(b, skip, skip_ids) == ("", None)
+    assert a["text"] == "" and b["text"] == " world"
     try:
-        relay.cut({"index": 0, "text": " w6"}, state)
+        relay.cut({"index": 0, "text": " w6"}, " w5", None)
     except relay.Mismatch:
         pass
     else:

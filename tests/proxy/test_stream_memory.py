@@ -77,20 +77,20 @@ def test_recompute_past_the_resume_cap_ends_the_stream_with_a_clear_error():
 
 
 def test_decoder_stream_without_event_boundaries_is_cut_not_buffered(monkeypatch):
-    from lw_proxy import streaming
+    from lw_proxy import sse_relay
 
-    monkeypatch.setattr(streaming, "_MAX_EVENT", 64 << 10)
+    monkeypatch.setattr(sse_relay, "MAX_EVENT_BYTES", 64 << 10)
 
     async def body():
         async with harness() as h:
-            orig = h.proxy._decode
+            orig = h.proxy.decode
 
             async def decode(req, path, read):  # a decoder whose stream never ends an event
                 call = await orig(req, path, read)
                 call.first = b"data: " + b"x" * (100 << 10)
                 return call
 
-            h.proxy._decode = decode
+            h.proxy.decode = decode
             async with h.session.post(h.url + "/v1/completions",
                                       json={"prompt": "p", "max_tokens": 3, "stream": True}) as r:
                 raw = (await r.read()).decode()

@@ -41,7 +41,8 @@ from .backends import probe_loop
 from .config import ProxyConfig
 from .errors import ProxyError
 from .passthrough import PASSTHROUGH, forward
-from .proxy import CHAT, COMPLETIONS, UPSTREAM_ERRORS, Proxy
+from .proxy import CHAT, COMPLETIONS, Proxy
+from .upstream import UPSTREAM_ERRORS
 from .validate import ClientRequest, parse_chat, parse_completion
 
 PROXY_KEY = web.AppKey("proxy", Proxy)

@@ -1,6 +1,6 @@
 """Metaserver fan-in (docs/design/architecture.md §6 steps 3-5).
 
-A *parent* is one client request (one call of ``Proxy._decode``), across every decoder it is tried
+A *parent* is one client request (one call of ``Proxy.decode``), across every decoder it is tried
 on. Its decoder POSTs one metaserver call per engine request (``children`` of them), and every held
 POST is answered with the outcome of the parent's ONE prefill. That prefill is dispatched either
 when the client request arrives, in parallel with the decoder call (``dispatch``, the proxy's

@@ -9,7 +9,8 @@ import aiohttp
 from aiohttp import web
 
 from .errors import ProxyError
-from .proxy import RETRY_STATUSES, UPSTREAM_ERRORS, Proxy
+from .proxy import Proxy
+from .upstream import RETRY_STATUSES, UPSTREAM_ERRORS
 
 # path -> method, as vLLM's OpenAI server serves them
 PASSTHROUGH = {"/v1/models": "GET", "/tokenize": "POST", "/detokenize": "POST"}

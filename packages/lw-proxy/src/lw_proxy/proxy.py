@@ -1,12 +1,14 @@
-"""The decoder-first PD flow (docs/design/architecture.md §6): decoder call with retries, streaming, prefill dispatch,
-recompute resumption. HTTP routing and lifecycle live in ``app``."""
+"""The decoder-first PD flow (docs/design/architecture.md §6): decoder call with retries, prefill dispatch,
+non-streaming recompute resumption. Streams go through the ``SseRelay`` this proxy owns (``sse_relay``),
+which calls back only ``decode`` and ``finish`` (``upstream.Upstream``). HTTP routing and lifecycle
+live in ``app``."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Literal, overload
 
 import aiohttp
 import msgspec
@@ -22,29 +24,17 @@ from .errors import ProxyError
 from .fanin import OK_BODY, Outcome, Parent, ParentRegistry
 from .metrics import ProxyMetrics
 from .relay import request_id as relay_request_id
-from .streaming import UPSTREAM_ERRORS, Streaming
+from .sse_relay import SseRelay, deadline_error
+from .upstream import RETRY_STATUSES, UPSTREAM_ERRORS, DecoderCall
 from .validate import ClientRequest
 
 log = logging.getLogger("lw_proxy")
 
-# Statuses that say "this backend cannot serve now" (not "this request is wrong"): try another one.
-RETRY_STATUSES = frozenset({502, 503, 504})
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _encode = msgspec.json.encode
 
 
-class _Call:
-    """An open decoder response whose body the caller streams (``first``: its first bytes, already
-    read); ``finish`` frees everything."""
-
-    __slots__ = ("dec", "parent", "resp", "work", "t0", "first")
-
-    def __init__(self, dec: Backend, parent: Parent, resp: aiohttp.ClientResponse, work: int, t0: float,
-                 first: bytes) -> None:
-        self.dec, self.parent, self.resp, self.work, self.t0, self.first = dec, parent, resp, work, t0, first
-
-
-class Proxy(Streaming):
+class Proxy:
     def __init__(self, cfg: ProxyConfig) -> None:
         self.cfg = cfg
         self.m = ProxyMetrics()
@@ -63,12 +53,18 @@ class Proxy(Streaming):
         self._prefill_timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout, sock_connect=cfg.connect_timeout)
         self._retry_dec = self.m.retries.labels("decoder")
         self._retry_pf = self.m.retries.labels("prefiller")
+        self.sse = SseRelay(cfg, self.m, upstream=self)
 
     async def start(self) -> None:
         conn = aiohttp.TCPConnector(limit=self.cfg.max_connections, limit_per_host=0, ttl_dns_cache=300)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout,
                                         sock_read=self.cfg.backend_timeout)
         self.session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=False)
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self.session is None:
+            raise RuntimeError("lw-proxy: Proxy.start() was not awaited before the first backend call")
+        return self.session
 
     async def close(self) -> None:
         await self.registry.shutdown()
@@ -121,7 +117,7 @@ class Proxy(Streaming):
         headers = {**self.headers, "X-Request-Id": f"lw-prefill-{parent.id}"}
         # Each prefiller is tried at most once per parent: one that answered 503 is overloaded, and
         # asking it again only adds load; the decoders recompute instead.
-        last, tried = "no prefiller configured", set()
+        last, tried = "no prefiller configured", set[Backend]()
         attempts = min(self.cfg.max_retries + 1, len(self.prefillers.backends))
         for attempt in range(attempts):
             if attempt:
@@ -134,7 +130,7 @@ class Proxy(Streaming):
             pf.acquire(req.prompt_tokens)
             t0 = time.perf_counter()
             try:
-                async with self.session.post(pf.url + path, data=payload, headers=headers,
+                async with self._client().post(pf.url + path, data=payload, headers=headers,
                                              timeout=self._prefill_timeout) as r:
                     data = await r.read()
                     status = r.status
@@ -161,12 +157,20 @@ class Proxy(Streaming):
                          f"at most once); last error: {last}", kind="prefill_failed")
 
     # ---------------------------------------------------------------- decoder calls
-    async def _decode(self, req: ClientRequest, path: str, read: bool,
-                      relay: asyncio.Future | None = None) -> tuple[int, bytes, str] | _Call:
+    @overload
+    async def decode(self, req: ClientRequest, path: str, read: Literal[True],
+                     relay: asyncio.Future | None = None) -> tuple[int, bytes, str]: ...
+
+    @overload
+    async def decode(self, req: ClientRequest, path: str, read: bool,
+                     relay: asyncio.Future | None = None) -> tuple[int, bytes, str] | DecoderCall: ...
+
+    async def decode(self, req: ClientRequest, path: str, read: bool,
+                     relay: asyncio.Future | None = None) -> tuple[int, bytes, str] | DecoderCall:
         """Send ``req`` to a decoder, retrying other decoders on connect errors and 502/503/504.
 
         ``read``: read the whole body inside the retry loop (a decoder dying mid-body is retried)
-        and return (status, body, content type). Otherwise return the open ``_Call`` once a 200's
+        and return (status, body, content type). Otherwise return the open ``DecoderCall`` once a 200's
         first body bytes arrived (within ``first_byte_timeout``: a decoder silent that long counts as
         hung); a non-200 is read and returned as a tuple.
 
@@ -202,14 +206,14 @@ class Proxy(Streaming):
                 first_byte = asyncio.timeout(None if read else self.cfg.first_byte_timeout)
                 try:
                     async with first_byte:
-                        resp = await self.session.post(dec.url + path, data=self._decoder_payload(req, parent),
+                        resp = await self._client().post(dec.url + path, data=self._decoder_payload(req, parent),
                                                        headers=headers)
                         status = resp.status
                         if status == 200 and not read:
                             data = await resp.content.readany()
                             if data:
                                 handed_over = True
-                                return _Call(dec, parent, resp, work, t0, data)
+                                return DecoderCall(dec, parent, resp, work, t0, data)
                         else:
                             data = await resp.read()
                 except UPSTREAM_ERRORS as e:
@@ -244,10 +248,9 @@ class Proxy(Streaming):
                          f"last error: {last}", kind="timeout" if timed_out else "upstream")
 
     def deadline_error(self) -> ProxyError:
-        return ProxyError(504, f"the request did not complete within {self.cfg.request_timeout:g} s "
-                          "(--request-timeout)", kind="timeout")
+        return deadline_error(self.cfg)
 
-    def _finish(self, call: _Call) -> None:
+    def finish(self, call: DecoderCall) -> None:
         if call.resp.content.at_eof():
             call.resp.release()
         else:
@@ -255,9 +258,13 @@ class Proxy(Streaming):
         call.dec.release(call.work, call.t0)
         self.registry.close(call.parent, answered=True)  # the decoder sent a 200 and its first bytes
 
-    # ---------------------------------------------------------------- non-streaming
+    # ---------------------------------------------------------------- streaming (the SSE relay) and not
+    async def stream(self, request: web.Request, req: ClientRequest, path: str,
+                     deadline: float) -> web.StreamResponse:
+        return await self.sse.stream(request, req, path, deadline)
+
     async def complete(self, req: ClientRequest, path: str) -> web.Response:
-        status, data, ctype = await self._decode(req, path, read=True)
+        status, data, ctype = await self.decode(req, path, read=True)
         if status == 200 and b'"recomputed"' in data:
             data = await self._resume(req, path, data)
         if status == 200 and token_ids.asks(req.body):
@@ -285,7 +292,7 @@ class Proxy(Streaming):
                     ch["finish_reason"], ch["stop_reason"] = "length", None
                     break
                 self.m.recomputes.inc()
-                status, sub, _ = await self._decode(cont, path, read=True)
+                status, sub, _ = await self.decode(cont, path, read=True)
                 if status != 200:
                     raise ProxyError(502, f"resubmitting a recomputed choice failed with HTTP {status}: "
                                      f"{sub[:300].decode(errors='replace')}", kind="recompute_exhausted")

@@ -100,25 +100,24 @@ class Mismatch(Exception):
     """The decoder's text (or token ids) does not start with what was relayed."""
 
 
-def cut(ch: dict[str, Any], state: dict[str, Any]) -> None:
-    """Drop from choice 0's text and token ids the part already relayed (``state["skip"]``,
-    ``state["skip_ids"]`` when the prefill returned its ids), checking it matches."""
-    skip: str = state.get("skip") or ""
-    skip_ids: list[int] | None = state.get("skip_ids")
+def cut(ch: dict[str, Any], skip: str, skip_ids: list[int] | None) -> tuple[str, list[int] | None]:
+    """Drop from choice 0's text and token ids the part already relayed (``skip``, and ``skip_ids``
+    when the prefill returned its ids), checking it matches; returns what is still to be cut."""
     if (not skip and not skip_ids) or ch.get("index", 0) != 0:
-        return
+        return skip, skip_ids
     text = ch.get("text") or ""
     k = min(len(text), len(skip))
     if text[:k] != skip[:k]:
         raise Mismatch(f"the decoder's first text {text[:k]!r} differs from the prefiller's {skip[:k]!r}")
     ch["text"] = text[k:]
-    state["skip"] = skip[k:]
+    skip = skip[k:]
     toks = ch.get("token_ids")
     if skip_ids and toks is None and text:
-        state["skip_ids"] = None  # this decoder sends no ids: nothing to cut
+        skip_ids = None  # this decoder sends no ids: nothing to cut
     elif skip_ids and isinstance(toks, list) and toks:
         k = min(len(toks), len(skip_ids))
         if toks[:k] != skip_ids[:k]:
             raise Mismatch(f"the decoder's first token ids {toks[:k]} differ from the prefiller's {skip_ids[:k]}")
         ch["token_ids"] = toks[k:]
-        state["skip_ids"] = skip_ids[k:] or None
+        skip_ids = skip_ids[k:] or None
+    return skip, skip_ids

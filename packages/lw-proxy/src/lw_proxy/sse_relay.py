@@ -1,50 +1,80 @@
-"""Streamed answers (SSE): forwarding the decoder's events, the deadlines of a stream, and resuming
-choices the decoder ended with ``stop_reason == "recomputed"``. A mixin of ``proxy.Proxy``, which
-provides ``_decode``, ``_finish``, ``cfg``, ``m`` and ``deadline_error``."""
+"""The proxy's SSE relay (``SseRelay``, owned by ``proxy.Proxy``): forwarding the decoder's events,
+the deadlines of a stream, and resuming choices the decoder ended with ``stop_reason ==
+"recomputed"``. Built from the proxy's config and metrics and an ``upstream.Upstream`` (the decoder
+calls); it holds no state across streams. Each stream's state is one ``StreamState``: what was
+relayed from the prefill and is still to be cut, whether token ids the client did not ask for are
+stripped, the stream's id and usage summary, and the ledger a resume is built from."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Literal
 
-import aiohttp
 from aiohttp import web
 
 from . import recompute as rc
 from . import relay as relay_mod
 from . import token_ids
+from .config import ProxyConfig
 from .errors import ProxyError
+from .metrics import ProxyMetrics
+from .upstream import UPSTREAM_ERRORS, DecoderCall, Upstream
 from .validate import ClientRequest
 
 log = logging.getLogger("lw_proxy")
 _DONE = b"data: [DONE]\n\n"
-_MAX_EVENT = 16 << 20  # the most bytes one SSE event may hold while the proxy waits for its end
-UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+MAX_EVENT_BYTES = 16 << 20  # the most bytes one SSE event may hold while the proxy waits for its end
 
 
-class Streaming:
+def deadline_error(cfg: ProxyConfig) -> ProxyError:
+    return ProxyError(504, f"the request did not complete within {cfg.request_timeout:g} s "
+                      "(--request-timeout)", kind="timeout")
+
+
+@dataclass(slots=True)
+class StreamState:
+    """One client stream's state, across the decoder's call and any resumed choices."""
+
+    ledger: rc.StreamLedger  # what the decoder sent per choice (a resume's text and token ids)
+    strip: bool  # the proxy asked for token ids the client did not (lw_proxy.token_ids): strip them
+    usage: dict[str, Any] | None = None  # the usage summary, sent once at the end
+    id: str | None = None  # the stream's id (a continuation's events are renamed to it)
+    skip: str = ""  # text relayed from the prefill (--prefill-first), cut from the decoder's stream
+    skip_ids: list[int] | None = None  # token ids relayed likewise
+
+    def stop_cutting(self) -> None:
+        self.skip, self.skip_ids = "", None
+
+
+class SseRelay:
+    """``cfg``: deadlines, retries, ``max_resume_bytes``, ``prefill_first``; ``m``: the proxy's
+    metrics; ``upstream``: the decoder calls (``Proxy``)."""
+
+    def __init__(self, cfg: ProxyConfig, m: ProxyMetrics, upstream: Upstream) -> None:
+        self.cfg = cfg
+        self.m = m
+        self.upstream = upstream
+
     async def stream(self, request: web.Request, req: ClientRequest, path: str,
                      deadline: float) -> web.StreamResponse:
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                       "Cache-Control": "no-cache"})
         held: list[int] = []  # choice indices the decoder ended with "recomputed"
-        # "skip"/"skip_ids": text and token ids already relayed from the prefill (--prefill-first), cut
-        # from the decoder's stream; "strip": the proxy asked for token ids the client did not (token_ids)
-        state: dict[str, Any] = {"usage": None, "id": None, "skip": "", "skip_ids": None,
-                                 "strip": token_ids.asks(req.body)}
-        ledger = rc.StreamLedger(req.chat, self.cfg.max_resume_bytes, req.n)
+        state = StreamState(rc.StreamLedger(req.chat, self.cfg.max_resume_bytes, req.n), token_ids.asks(req.body))
         relay = asyncio.get_running_loop().create_future() if self.cfg.prefill_first and relay_mod.eligible(req) else None
+        call: tuple[int, bytes, str] | DecoderCall | ProxyError
         try:
             async with asyncio.timeout_at(deadline):
                 if relay is None:
-                    call = await self._decode(req, path, read=False)
+                    call = await self.upstream.decode(req, path, read=False)
                 else:
-                    call = await self._decode_relaying(request, req, path, relay, out, state, ledger)
+                    call = await self._decode_relaying(request, req, path, relay, out, state)
         except TimeoutError:
             if not out.prepared:
-                raise self.deadline_error() from None
-            call = self.deadline_error()
+                raise deadline_error(self.cfg) from None
+            call = deadline_error(self.cfg)
         except ProxyError as e:
             if not out.prepared:
                 raise
@@ -58,30 +88,30 @@ class Streaming:
         if isinstance(call, tuple):  # the decoder refused (4xx/500): pass its error through as-is
             status, data, ctype = call
             return web.Response(status=status, body=data, headers={"Content-Type": ctype})
-        ok: bool | ProxyError
+        ok: Literal[True] | ProxyError
         try:
             async with asyncio.timeout_at(deadline):
                 try:
                     if not out.prepared:
                         await out.prepare(request)
-                    ok = await self._pump(call, out, held, state, ledger, None)
+                    ok = await self._pump(call, out, held, state, None)
                 finally:
-                    self._finish(call)
-                state["skip"], state["skip_ids"] = "", None  # a resumed choice continues after what the client got
+                    self.upstream.finish(call)
+                state.stop_cutting()  # a resumed choice continues after what the client got
                 if ok is True and held:
-                    ok = await self._resume_stream(req, path, out, held, state, ledger)
+                    ok = await self._resume_stream(req, path, out, held, state)
         except TimeoutError:
-            ok = self.deadline_error()
+            ok = deadline_error(self.cfg)
         except ProxyError as e:  # a resubmission found no decoder: the stream has started, so end it with the error
             ok = e
         await self._end_stream(request, out, ok, state)
         return out
 
     async def _decode_relaying(self, request: web.Request, req: ClientRequest, path: str, relay: asyncio.Future,
-                               out: web.StreamResponse, state: dict[str, Any], ledger: rc.StreamLedger) -> Any:
-        """``_decode`` while the prefill runs: if the prefill answers first with a relayable token
+                               out: web.StreamResponse, state: StreamState) -> tuple[int, bytes, str] | DecoderCall:
+        """``decode`` while the prefill runs: if the prefill answers first with a relayable token
         (lw_proxy.relay), start the client's stream with it; then wait for the decoder's call."""
-        task = asyncio.create_task(self._decode(req, path, read=False, relay=relay))
+        task = asyncio.create_task(self.upstream.decode(req, path, read=False, relay=relay))
         try:
             await asyncio.wait({task, relay}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
@@ -90,19 +120,22 @@ class Streaming:
                 if first is not None:
                     await out.prepare(request)
                     await out.write(first.block)
-                    ledger.feed(0, first.text, first.token_ids, first.prompt_ids, ids_follow=first.token_ids is None)
-                    state["skip"], state["skip_ids"] = first.text, first.token_ids
+                    state.ledger.feed(0, first.text, first.token_ids, first.prompt_ids,
+                                      ids_follow=first.token_ids is None)
+                    state.skip, state.skip_ids = first.text, first.token_ids
                     self.m.relayed_first.inc()
             return await task
         except BaseException:
             if not task.done():
                 task.cancel()
-            elif not task.cancelled() and task.exception() is None and not isinstance(task.result(), tuple):
-                self._finish(task.result())
+            elif not task.cancelled() and task.exception() is None:
+                result = task.result()
+                if not isinstance(result, tuple):
+                    self.upstream.finish(result)
             raise
 
-    async def _end_stream(self, request: web.Request, out: web.StreamResponse, ok: bool | ProxyError,
-                          state: dict[str, Any]) -> None:
+    async def _end_stream(self, request: web.Request, out: web.StreamResponse, ok: Literal[True] | ProxyError,
+                          state: StreamState) -> None:
         if not out.prepared:  # the deadline passed before the response started
             assert isinstance(ok, ProxyError)
             raise ok
@@ -112,23 +145,23 @@ class Streaming:
                 if ok is not True:
                     self.m.errors.labels(ok.kind).inc()
                     await out.write(b"data: " + ok.body() + b"\n\n")
-                elif state["usage"] is not None:
-                    await out.write(rc.sse_encode(state["usage"]))
+                elif state.usage is not None:
+                    await out.write(rc.sse_encode(state.usage))
                 await out.write(_DONE)
                 await out.write_eof()
         except TimeoutError:
             if request.transport is not None:
                 request.transport.close()
 
-    async def _pump(self, call: Any, out: web.StreamResponse, held: list[int], state: dict[str, Any],
-                    ledger: rc.StreamLedger, rewrite: int | None) -> bool | ProxyError:
+    async def _pump(self, call: DecoderCall, out: web.StreamResponse, held: list[int], state: StreamState,
+                    rewrite: int | None) -> Literal[True] | ProxyError:
         """Forward whole SSE events from the decoder to ``out`` until [DONE].
 
         Fast path: blocks without "recomputed" pass through as bytes (token ids the client did not
         ask for turned into null, ``token_ids.strip``). Once a choice is recomputed (or when
         ``rewrite`` is set, i.e. a continuation stream whose choice index must become ``rewrite``),
         while relayed text is cut, and for chat events with an empty delta (sent only for their token
-        ids), events are parsed (``_filter``). The decoder's events feed ``ledger`` (what a resume
+        ids), events are parsed (``_filter``). The decoder's events feed ``state.ledger`` (what a resume
         needs, the token ids included) before anything is stripped; nothing else is kept.
         Returns True at [DONE], else the error saying how the decoder's stream broke or stalled.
         """
@@ -145,9 +178,9 @@ class Streaming:
                     block = block[: -len(_DONE)]
                 if parse or held or b'"recomputed"' in block:
                     parse = True
-                if parse or state["skip"] or state["skip_ids"] or (state["strip"] and b'"delta":{}' in block):
+                if parse or state.skip or state.skip_ids or (state.strip and b'"delta":{}' in block):
                     try:
-                        block = self._filter(block, held, state, rewrite, ledger)
+                        block = self._filter(block, held, state, rewrite)
                     except relay_mod.Mismatch as e:
                         # Nothing of the decoder's answer has reached the client (the mismatch is in
                         # the text that stood for the relayed token). Drop it and resume choice 0
@@ -155,20 +188,20 @@ class Streaming:
                         # the one a single engine gives, so the rest must follow from it.
                         log.warning("lw-proxy --prefill-first: %s; resuming after the relayed token", e)
                         self.m.errors.labels("relay_mismatch").inc()
-                        if state["skip_ids"] is None:  # ids the decoder sent before the mismatch are not ours
-                            ledger.drop_tokens(0)
-                        state["skip"], state["skip_ids"] = "", None
+                        if state.skip_ids is None:  # ids the decoder sent before the mismatch are not ours
+                            state.ledger.drop_tokens(0)
+                        state.stop_cutting()
                         held.append(0)
                         return True
                 else:
-                    ledger.feed_block(block)
-                    if state["strip"]:
+                    state.ledger.feed_block(block)
+                    if state.strip:
                         block = token_ids.strip(block)
                 if block:
                     await out.write(block)
                 if done:
                     return True
-            if len(buf) > _MAX_EVENT:  # no event boundary in sight: not an SSE stream we can forward
+            if len(buf) > MAX_EVENT_BYTES:  # no event boundary in sight: not an SSE stream we can forward
                 return ProxyError(502, f"the decoder sent {len(buf)} bytes without ending an SSE event",
                                   kind="upstream_died")
             try:
@@ -183,10 +216,9 @@ class Streaming:
                 return ProxyError(502, "decoder closed the stream before [DONE]", kind="upstream_died")
             buf += chunk
 
-    def _filter(self, block: bytes, held: list[int], state: dict[str, Any], rewrite: int | None,
-                ledger: rc.StreamLedger) -> bytes:
+    def _filter(self, block: bytes, held: list[int], state: StreamState, rewrite: int | None) -> bytes:
         """The parsed path of ``_pump``: cut relayed text, rename a continuation's choice, hold back
-        recomputed finishes and the usage summary, feed ``ledger``, strip the ids the client did not
+        recomputed finishes and the usage summary, feed the ledger, strip the ids the client did not
         ask for. An event is dropped only when none of its choices carries anything any more
         (``recompute.carries``): tool-call deltas, reasoning, token ids or logprobs alone go out."""
         keep = []
@@ -196,22 +228,22 @@ class Streaming:
                 if ev.strip() != _DONE.strip():
                     keep.append(ev)
                 continue
-            if state["id"] is None:
-                state["id"] = obj.get("id")
+            if state.id is None:
+                state.id = obj.get("id")
             choices = obj.get("choices")
             if not choices:
                 if obj.get("usage") is not None:  # usage summary: sent once, at the end
-                    if state["usage"] is None:
-                        state["usage"] = obj
+                    if state.usage is None:
+                        state.usage = obj
                     else:
-                        rc.add_usage(state["usage"].get("usage"), obj["usage"])
+                        rc.add_usage(state.usage.get("usage"), obj["usage"])
                 else:  # not a choice event (an error event): as it came
                     keep.append(ev)
                 continue
             kept = []
             for ch in choices:
-                if state["skip"] or state["skip_ids"]:
-                    relay_mod.cut(ch, state)
+                if state.skip or state.skip_ids:
+                    state.skip, state.skip_ids = relay_mod.cut(ch, state.skip, state.skip_ids)
                 if rewrite is not None:
                     ch["index"] = rewrite
                     delta = ch.get("delta")
@@ -222,47 +254,48 @@ class Streaming:
                 if rc.is_recomputed(ch):
                     held.append(ch.get("index", 0))
                     ch["finish_reason"] = ch["stop_reason"] = None
-                ledger.feed_choice(ch, obj.get("prompt_token_ids"))
-                if state["strip"]:
+                state.ledger.feed_choice(ch, obj.get("prompt_token_ids"))
+                if state.strip:
                     token_ids.strip_choice(ch)
                 if rc.carries(ch):
                     kept.append(ch)
             if not kept:
                 continue
-            if (state["strip"] or rewrite is not None) and obj.get("prompt_token_ids") is not None:
+            if (state.strip or rewrite is not None) and obj.get("prompt_token_ids") is not None:
                 obj["prompt_token_ids"] = None
-            if rewrite is not None and state["id"] is not None:
-                obj["id"] = state["id"]
+            if rewrite is not None and state.id is not None:
+                obj["id"] = state.id
             obj["choices"] = kept
             keep.append(rc.sse_encode(obj))
         return b"".join(keep)
 
     async def _resume_stream(self, req: ClientRequest, path: str, out: web.StreamResponse, held: list[int],
-                             state: dict[str, Any], ledger: rc.StreamLedger) -> bool | ProxyError:
+                             state: StreamState) -> Literal[True] | ProxyError:
         while held:
             idx = held.pop(0)
             for _ in range(self.cfg.max_retries + 1):
-                if ledger.overflowed:
+                if state.ledger.overflowed:
                     return ProxyError(502, f"choice {idx} was recomputed after the stream passed "
                                       f"{self.cfg.max_resume_bytes} bytes of output (--max-resume-bytes); "
                                       "it cannot be resumed", kind="recompute_exhausted")
+                ledger = state.ledger
                 cont = rc.continuation(req, idx, ledger.text(idx), ledger.tokens(idx), ledger.generated(idx),
                                        ledger.prompt_tokens(idx))
                 if cont is None:
-                    await out.write(rc.sse_encode({"id": state["id"], "object": "chat.completion.chunk" if req.chat
+                    await out.write(rc.sse_encode({"id": state.id, "object": "chat.completion.chunk" if req.chat
                                                    else "text_completion", "choices": [
                                                        {"index": idx, "finish_reason": "length", "stop_reason": None,
                                                         **({"delta": {}} if req.chat else {"text": ""})}]}))
                     break
                 self.m.recomputes.inc()
-                call = await self._decode(cont, path, read=False)
+                call = await self.upstream.decode(cont, path, read=False)
                 if isinstance(call, tuple):
                     return ProxyError(502, f"resubmitting recomputed choice {idx} failed with HTTP {call[0]}")
                 again: list[int] = []
                 try:
-                    ok = await self._pump(call, out, again, state, ledger, idx)
+                    ok = await self._pump(call, out, again, state, idx)
                 finally:
-                    self._finish(call)
+                    self.upstream.finish(call)
                 if ok is not True:
                     return ok
                 if not again:

@@ -57,12 +57,12 @@ def apply() -> bool:
         # A contiguous input is staged as a view of itself: the op already wrote it in place.
         if q2.data_ptr() != query.data_ptr():
             query.copy_(q2.view(query.shape))
-        if key is not None and k2.data_ptr() != key.data_ptr():
+        if k2 is not None and k2.data_ptr() != key.data_ptr():  # k2 is None iff key is
             key.copy_(k2.view(key.shape))
         return query, key
 
     setattr(forward_cpu, _MARK, True)
     forward_cpu.__wrapped__ = original  # type: ignore[attr-defined]
-    RotaryEmbedding.forward_cpu = forward_cpu  # type: ignore[method-assign]
+    RotaryEmbedding.forward_cpu = forward_cpu
     log.info("lw-vllm: applied the CPU RoPE fix for 3-D strided (MLA) inputs (%s)", why)
     return True

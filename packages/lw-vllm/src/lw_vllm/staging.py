@@ -60,7 +60,7 @@ class PinnedStaging:
         # Weakly: when the pipeline drops the buffer, the registry forgets it.
         addr = arr.ctypes.data
         with self._lock:
-            self._known[addr] = (arr.nbytes, weakref.ref(arr, lambda _r, a=addr: self._forget(a)))
+            self._known[addr] = (arr.nbytes, weakref.ref(arr, lambda _ref: self._forget(addr)))
 
     def _forget(self, addr: int) -> None:
         with self._lock:

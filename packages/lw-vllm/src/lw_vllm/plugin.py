@@ -10,6 +10,7 @@ CPU fix for seeded requests with chunked prefills (see ``seed_fix``).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -18,7 +19,7 @@ ALIAS_NAME = "AscendStoreConnector"
 MODULE = "lw_vllm.connector"
 
 
-def _register(factory: type, name: str) -> bool:
+def _register(factory: Any, name: str) -> bool:
     registry = getattr(factory, "_registry", None)
     if registry is not None and name in registry:
         return False

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
@@ -79,6 +79,8 @@ def merge_into(dst: dict[str, Any], src: dict[str, Any]) -> dict[str, Any]:
 @dataclass
 class LayerwiseStats(KVConnectorStats):
     """One interval of connector numbers (counters and samples); sums under ``aggregate``."""
+
+    data: dict[str, Any] = field(default_factory=dict)  # the base class's field, typed for mypy
 
     def __post_init__(self) -> None:
         if not self.data:

@@ -28,12 +28,13 @@ import logging
 import signal
 import socket
 import threading
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
 from lw_core.backend import BackendError, BackendUnavailable
 from lw_core.backends.segment_stream.policy import QuietPeriod
+from lw_core.backends.segment_stream.removals import Removals
 
 from lw_mooncake.buffers import Staging
 from lw_mooncake.calls import Deadlines
@@ -97,7 +98,7 @@ class MooncakeBackend(Writes, Reads, StreamWrites, StreamReads):
         self._closed = False
         self._streaming = bool(streaming)  # reservations get heads; publish puts segments
         self._wstreams: dict = {}  # key -> streaming.WriteStream of our open reservations
-        self._garbage: deque = deque()  # (due, key, tries): removals to retry (read leases)
+        self._garbage: Removals[str] = Removals()  # removals to retry (read leases) and markers kept a while
         self._collected_at = 0.0
         self._quiet_period = QuietPeriod()  # streaming housekeeping is skipped during it (the store timed out)
         self.store = MooncakeDistributedStore()

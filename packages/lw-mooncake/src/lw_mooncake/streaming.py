@@ -49,7 +49,6 @@ import secrets
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,7 +60,8 @@ from lw_core.backends.segment_stream.checks import check_upto
 from lw_core.backends.segment_stream.head import HEAD, TOKEN_BYTES, StreamHead
 from lw_core.backends.segment_stream.head import pack_head as pack_stream_head
 from lw_core.backends.segment_stream.head import unpack_head as unpack_stream_head
-from lw_core.backends.segment_stream.policy import MARKER_KEEP_S, MAX_QUEUED, MAX_TRIES, QUIET_S, RETRY_S, QuietPeriod
+from lw_core.backends.segment_stream.policy import MARKER_KEEP_S, QUIET_S, RETRY_S, QuietPeriod
+from lw_core.backends.segment_stream.removals import Removals
 from lw_core.procs import Owner, boot_id, current_owner
 
 from lw_mooncake.errors import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, to_error
@@ -116,7 +116,7 @@ class StreamWrites:
     _pending: dict[str, MooncakeHandle]
     _streaming: bool
     _wstreams: dict[str, WriteStream]
-    _garbage: deque[tuple[float, str, int]]
+    _garbage: Removals[str]
     _collected_at: float
     _quiet_period: QuietPeriod
     _exist: Callable[[list[str]], list[int]]
@@ -233,13 +233,10 @@ class StreamWrites:
     # ----- removal that respects read leases -----
 
     def _later(self, keys: list[str], after_s: float) -> None:
-        due = time.monotonic() + after_s
         with self._lock:
-            for k in keys:
-                if len(self._garbage) >= MAX_QUEUED:
-                    dropped = self._garbage.popleft()
-                    log.warning("mooncake streaming: removal queue full; %s is left to eviction", dropped[1])
-                self._garbage.append((due, k, 0))
+            dropped = self._garbage.add(keys, time.monotonic() + after_s)
+        for k in dropped:
+            log.warning("mooncake streaming: removal queue full; %s is left to eviction", k)
 
     def _remove(self, keys: list[str]) -> None:
         if not keys:
@@ -249,27 +246,26 @@ class StreamWrites:
 
     def _collect(self, *, every_s: float = 0.5) -> None:
         """Remove what is due in the queue (at most every ``every_s``); refused again (still
-        leased) goes back, up to ``MAX_TRIES`` tries."""
+        leased) goes back (``Removals.retry``)."""
         now = time.monotonic()
         with self._lock:
             if now - self._collected_at < every_s or not self._garbage or self._quiet_period:
                 return
             self._collected_at = now
-            due = [g for g in self._garbage if g[0] <= now]
+            due = self._garbage.take_due(now)
             if not due:
                 return
-            self._garbage = deque(g for g in self._garbage if g[0] > now)
         try:
-            res = self.calls.call("batch_remove", self.store.batch_remove, [k for _, k, _ in due], False)
+            res = self.calls.call("batch_remove", self.store.batch_remove, [d.item for d in due], False)
         except BackendError as e:
             res = [-1] * len(due)
             log.debug("mooncake streaming: removal of %d leftover(s) failed: %s", len(due), e)
+        refused = [d for d, r in zip(due, res) if r not in (0, OBJECT_NOT_FOUND)]
+        for d, r in zip(due, res):
+            if r not in (0, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE):
+                log.debug("mooncake streaming: removal of %s: %s", d.item, r)
         with self._lock:
-            for (_, k, tries), r in zip(due, res):
-                if r not in (0, OBJECT_NOT_FOUND) and tries < MAX_TRIES:
-                    if r != OBJECT_HAS_LEASE:
-                        log.debug("mooncake streaming: removal of %s: %s", k, r)
-                    self._garbage.append((now + RETRY_S, k, tries + 1))
+            self._garbage.retry(refused, now)
 
 
 __all__ = ["HEAD_SIZE", "MARKER", "MARKER_KEEP_S", "QUIET_S", "SEG_HEADER", "MooncakeStreamHandle", "StreamWrites", "WriteStream", "pack_head",

@@ -2,6 +2,8 @@
 
 Each test module that asks for a stack gets its own, started once and always stopped; the pool
 is a fresh embedded pool on tmpfs. Servers' logs stay under pytest's tmp dir for post-mortems.
+The engine-free scheduler tests (test_scheduler_pd.py and the modules that reuse its helpers) take
+a metaserver stand-in (``meta``, one per module) and a fresh pool directory (``pool_dir``).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from lw_bench.pd.stack import Stack, start_stack
+from lw_dev.fake_metaserver import FakeMetaserver
 
 # Decoders give up on the metaserver after this; the never-called-back test waits it out. Generous:
 # a tiny prefill takes ~0.1 s once warmed up, but a shared 2-core host can stall it for seconds.
@@ -43,3 +46,18 @@ def gqa_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def mla_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     yield from _stack("mla", MLA_METASERVER_TIMEOUT_S, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def meta() -> Iterator[FakeMetaserver]:
+    s = FakeMetaserver()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def pool_dir() -> Iterator[str]:
+    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path("/tmp")
+    p = base / f"lw-pd-sched-{uuid.uuid4().hex[:8]}"
+    yield str(p)
+    shutil.rmtree(p, ignore_errors=True)

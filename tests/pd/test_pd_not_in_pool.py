@@ -13,7 +13,7 @@ import pytest
 from lw_vllm import pd_coordinator
 from lw_vllm.metrics import COUNTERS
 
-from test_scheduler_pd import BLOCK, _ask, _publish, _req, _side, meta, pool_dir  # noqa: F401  (fixtures)
+from test_scheduler_pd import BLOCK, _ask, _publish, _req, _side
 
 WARN = "holds none of"
 

@@ -19,11 +19,12 @@ from types import SimpleNamespace
 import pytest
 
 from lw_core.config import parse_config
+from lw_core.keys import chunk_hashes
 from lw_vllm import pool
 from lw_vllm.metrics import Collector
 from lw_vllm.scheduler_side import SchedulerSide
 
-from test_scheduler_pd import BLOCK, LAYERS, PAGE, _ask, _req, _step, meta, pool_dir  # noqa: F401  (fixtures)
+from test_scheduler_pd import BLOCK, LAYERS, PAGE, _ask, _req, _step
 
 KV_HEADS = 2
 
@@ -46,7 +47,7 @@ def _side(path: str, tp: int, mla: bool = False, role: str = "kv_consumer", kv_h
 
 
 def _publish_all_ranks(side: SchedulerSide, req, n_chunks: int, skip_tags: tuple[str, ...] = ()) -> None:
-    hashes = side._hashes(side._state(req))[:n_chunks]
+    hashes = chunk_hashes(req.all_token_ids, BLOCK)[:n_chunks]
     for tag in side.tags:
         if tag in skip_tags:
             continue
@@ -73,7 +74,7 @@ def test_decoder_loads_a_prefill_saved_at_another_tp(meta, pool_dir, caplog, p_t
         decoder.update_state_after_alloc(req, None, 3 * BLOCK)
         plan = decoder.build_connector_meta(_step("r-tp", [4, 5, 6, 7], 2))
         (ld,) = plan.loads
-        assert ld.block_ids == [4, 5, 6] and ld.hashes == decoder._hashes(decoder._state(req))[:3]
+        assert ld.block_ids == [4, 5, 6] and ld.hashes == chunk_hashes(req.all_token_ids, BLOCK)[:3]
         # GQA: the workers read the saver's objects by head ranges; MLA: the same keys at every size.
         assert ld.src_tp == (0 if mla else p_tp)
         assert _errors(caplog) == []

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
-from test_scheduler_pd import _publish, _req, _side, pool_dir  # noqa: E402,F401  (fixture reused)
+from test_scheduler_pd import _publish, _req, _side  # noqa: E402
 
 
 class _StallingLookups:
@@ -25,7 +25,7 @@ class _StallingLookups:
         return getattr(self._backend, name)
 
 
-def test_stalled_lookup_is_a_miss_within_the_deadline_then_lookups_pause_and_resume(pool_dir) -> None:  # noqa: F811
+def test_stalled_lookup_is_a_miss_within_the_deadline_then_lookups_pause_and_resume(pool_dir) -> None:
     side = _side(pool_dir, lookup_timeout_s=0.3, consumer_is_to_load=True)
     try:
         req = _req("r1", 5 * 16 + 3, None)

@@ -6,16 +6,12 @@ request however often vLLM asks; a load once the answer is 200 even with consume
 false; recompute (pool lookup only) on error; short prompts post without waiting and their call
 survives the request; an aborted waiting request cancels its call; the idle wait is bounded and
 wakes on the answer; a streaming receive ends at the metaserver's answer (ok: at a chunk never
-saved; error: cancelled), relayed through the step plan to the worker's receiver."""
+saved; error: cancelled), relayed through the step plan to the worker's receiver. The fixtures
+``meta`` (the metaserver stand-in) and ``pool_dir`` are tests/pd/conftest.py's."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import time
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -23,11 +19,10 @@ import pytest
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
 from lw_core.config import parse_config  # noqa: E402
+from lw_core.keys import chunk_hashes  # noqa: E402
 from lw_vllm import pd_coordinator, scheduler_side  # noqa: E402
-from lw_vllm.request_state import RemotePhase  # noqa: E402
+from lw_vllm.request_state import RemotePhase, ReqState  # noqa: E402
 from lw_vllm.scheduler_side import SchedulerSide  # noqa: E402
-
-from lw_dev.fake_metaserver import FakeMetaserver
 
 BLOCK = 16
 LAYERS = 2
@@ -47,21 +42,6 @@ def _configs():
     return vllm_config, kv_cache_config
 
 
-@pytest.fixture(scope="module")
-def meta() -> Iterator[FakeMetaserver]:
-    s = FakeMetaserver()
-    yield s
-    s.close()
-
-
-@pytest.fixture
-def pool_dir() -> Iterator[str]:
-    base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path("/tmp")
-    p = base / f"lw-pd-sched-{uuid.uuid4().hex[:8]}"
-    yield str(p)
-    shutil.rmtree(p, ignore_errors=True)
-
-
 def _side(pool_dir: str, **extra) -> SchedulerSide:
     cfg = parse_config({"embedded_path": pool_dir, "embedded_capacity_bytes": 4 << 20, "metaserver_timeout_s": 2.0,
                         **extra})
@@ -79,7 +59,7 @@ def _req(rid: str, n_tokens: int, url: str | None, parent: str = "par") -> Simpl
 
 def _publish(side: SchedulerSide, req: SimpleNamespace, n_chunks: int) -> None:
     """What a prefiller does: commit the first ``n_chunks`` chunk objects of ``req``'s prompt."""
-    keys = side.keyspace.keys(side.tags[0], side._hashes(side._state(req))[:n_chunks])
+    keys = side.keyspace.keys(side.tags[0], chunk_hashes(req.all_token_ids, BLOCK)[:n_chunks])
     handles = side.backend.reserve(keys, LAYERS * PAGE)
     assert all(h is not None for h in handles)
     side.backend.commit(handles)
@@ -258,7 +238,7 @@ def test_prefiller_saves_what_the_pool_lacks_and_reports_it_with_the_answer(pool
         assert ld.block_ids == [10, 11] and len(meta.saves) == 1
         assert not meta.bulk_load  # a real tail to compute: the load stays layerwise
         (x,) = meta.saves
-        assert x.block_ids == [12] and x.hashes == side._hashes(side._state(req))[2:3]  # only chunk 2
+        assert x.block_ids == [12] and x.hashes == chunk_hashes(req.all_token_ids, BLOCK)[2:3]  # only chunk 2
         # max_tokens=1: vLLM finishes the request before handing over that step's worker report.
         side.request_finished(req, [10, 11, 12, 13])
         assert not stats.exists() or stats.read_text() == ""
@@ -313,7 +293,7 @@ def test_whole_prompt_travels_and_the_decoder_computes_one_token(meta, pool_dir,
         plan = prod.build_connector_meta(_step("p-w", blocks, n_tok))
         saved = [h for x in plan.saves for h in x.hashes]
         assert [b for x in plan.saves for b in x.block_ids] == blocks  # every block, the partial one too
-        want = side.pd.prompt_hashes(side._state(dreq))
+        want = side.pd.prompt_hashes(ReqState.of(dreq, "par-w"))  # the decoder's view of the prompt
         assert saved == want and len(want) == len(blocks)
         _publish_keys(prod, saved)  # what the prefiller's worker commits
         n, _ = _ask(side, dreq)
@@ -328,7 +308,7 @@ def test_whole_prompt_travels_and_the_decoder_computes_one_token(meta, pool_dir,
         other = _req("d-o", n_tok, None)
         other.kv_transfer_params = {**dreq.kv_transfer_params, "lw_parent_id": "par-other"}
         if tail:
-            assert side.pd.prompt_hashes(side._state(other))[-1] != want[-1]
+            assert side.pd.prompt_hashes(ReqState.of(other, "par-other"))[-1] != want[-1]
     finally:
         side.shutdown()
         prod.shutdown()
@@ -424,7 +404,7 @@ def test_streaming_receive_ends_at_the_answer_when_a_chunk_never_comes(meta, poo
 
         assert step() == [] and rx.busy  # the receive started; nothing is in the pool yet
         # The prefiller commits the three full chunks, not the partial one, then answers.
-        keys = side.keyspace.keys(side.tags[0], side.pd.prompt_hashes(side._state(dreq))[:3])
+        keys = side.keyspace.keys(side.tags[0], chunk_hashes(dreq.all_token_ids, BLOCK)[:3])
         hs = side.backend.reserve(keys, LAYERS * PAGE)
         for layer in range(LAYERS):
             side.backend.write(hs, [layer * PAGE] * 3, [np.full(PAGE, 10 * i + layer, np.uint8) for i in range(3)])

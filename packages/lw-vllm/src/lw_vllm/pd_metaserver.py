@@ -18,9 +18,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgspec
 from lw_core.wire import DecodeTransferParams, MetaserverRequest, MetaserverResponse, decode_transfer_params
+
+if TYPE_CHECKING:  # imported when the first call is made
+    import aiohttp
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +74,7 @@ class MetaserverClient:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._session = None
+        self._session: aiohttp.ClientSession | None = None  # made on the loop thread, on first use
         self._calls: dict[str, _Call] = {}
         self._answered = threading.Event()  # set by the loop thread whenever a call completes
 

@@ -18,9 +18,12 @@ import contextlib
 import shutil
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lw_bench.pipeline import _median, open_backend, summarize
+
+if TYPE_CHECKING:
+    from lw_vllm.device_streams import InlineOps
 
 
 class _Accel:
@@ -31,6 +34,7 @@ class _Accel:
 
         self.torch = torch
         self.inline = name == "cpu-torch"
+        self.ops: InlineOps | None = None  # TorchCopier's device ops: inline on the CPU, its own on a device
         if self.inline:
             from lw_vllm.device_streams import InlineOps
 

@@ -1,5 +1,6 @@
 """MemoryBackend: the in-process fake others test against must keep the Backend contract, and the
-same contract checks run on EmbeddedBackend so the fake cannot drift from the real thing."""
+same checks run on EmbeddedBackend so the fake cannot drift from the real thing. The contract
+itself (lw_dev.backend_contract) runs on both in test_pipeline_backends.py."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 
 from lw_core.backends.embedded import EmbeddedBackend
 from lw_core.backends.memory import MemoryBackend
-from lw_dev.backend_contract import check_protocol, check_write_once_and_abort
 
 MiB = 1 << 20
 
@@ -23,10 +23,6 @@ def backend(request, tmp_path):
         b = EmbeddedBackend(str(tmp_path / "p"), capacity_bytes=4 * MiB, lease_ttl_s=0.3)
     yield b
     b.close()
-
-
-def test_protocol(backend):
-    check_protocol(backend)
 
 
 def test_round_trip_layerwise(backend):
@@ -47,10 +43,6 @@ def test_round_trip_layerwise(backend):
         np.testing.assert_array_equal(o, data[k][per : 2 * per])
     assert bytes(backend.view(rs[0], 0, 3)) == b"aaa" and backend.view(rs[0], 0, 3).readonly
     backend.release(rs[:2])
-
-
-def test_write_once_and_abort(backend):
-    check_write_once_and_abort(backend)
 
 
 def test_lru_eviction_spares_leases(backend):

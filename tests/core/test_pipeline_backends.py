@@ -1,5 +1,5 @@
 """The pipeline over the real backends: in-process MemoryBackend and the multi-process embedded pool.
-The contract checks are lw_dev.backend_contract's (tests/mooncake runs the same ones on Mooncake)."""
+The contract is lw_dev.backend_contract's, run on both here (tests/mooncake runs it on Mooncake)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,7 @@ import pytest
 from lw_core.backends import embedded, memory
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ReqLoad, ReqSave
-from lw_dev.backend_contract import (LAYOUT, SAVES, check_loads_use_zero_copy_views,
-                                     check_missing_key_fails_only_its_block, check_round_trip_exact_bytes, load_all,
-                                     save_all, seeded_kv)
+from lw_dev.backend_contract import LAYOUT, SAVES, BackendContract, ViewsContract, load_all, save_all, seeded_kv
 from test_pipeline_support import make_layout
 
 @pytest.fixture(params=["memory", "embedded"])
@@ -26,17 +24,8 @@ def backend(request, tmp_path):
     b.close()
 
 
-@pytest.mark.parametrize("layerwise", [True, False])
-def test_round_trip_exact_bytes(backend, layerwise):
-    check_round_trip_exact_bytes(backend, layerwise)
-
-
-def test_loads_use_zero_copy_views(backend):
-    check_loads_use_zero_copy_views(backend)
-
-
-def test_missing_key_fails_only_its_block(backend):
-    check_missing_key_fails_only_its_block(backend)
+class TestBackendContract(BackendContract, ViewsContract):
+    """The whole contract over ``backend``: memory and embedded (both serve loads from views)."""
 
 
 def _save_in_child(path: str, ready) -> None:

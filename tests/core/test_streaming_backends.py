@@ -11,19 +11,7 @@ import time
 import pytest
 from lw_core.backend import wait_layers
 from lw_core.backends import embedded, memory
-from lw_dev import streaming_contract
-from lw_dev.streaming_contract import (  # noqa: F401  (pytest collects the contract's tests here)
-    LB,
-    NB,
-    test_supports_streaming,
-    test_layers_become_readable_in_order_with_the_published_bytes,
-    test_published_is_not_visible_to_lookup_or_open_until_commit,
-    test_waiter_times_out_at_its_deadline,
-    test_concurrent_writer_and_waiting_reader,
-    test_abort_fails_waiters_promptly_and_leaves_nothing,
-    test_reader_never_gets_a_layer_of_a_later_reservation_of_the_same_key,
-    test_bad_arguments_name_the_field,
-)
+from lw_dev.streaming_contract import LB, NB, StreamingContract
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,8 +23,8 @@ def be(request, pool_path):
     b.close()
 
 
-def test_this_module_runs_the_whole_contract():
-    assert all(name in globals() for name in streaming_contract.TESTS), streaming_contract.TESTS
+class TestStreamingContract(StreamingContract):
+    """The whole contract over ``be``: memory and embedded."""
 
 
 def test_memory_close_ends_a_waiter_before_its_deadline():

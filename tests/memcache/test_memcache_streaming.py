@@ -1,4 +1,4 @@
-"""The streaming contract (lw_dev.streaming_contract, the test functions tests/core runs) over
+"""The streaming contract (lw_dev.streaming_contract.StreamingContract, as tests/core runs it) over
 MemcacheBackend(streaming=True) on a real MetaService, plus what memcache adds: reads never come from an address alone (tests/memcache/test_memcache_stream_reuse.py has
 the reuse of an aborted reservation's address by another writer)."""
 
@@ -13,27 +13,15 @@ from mc_support import HAVE_MEMCACHE, needs_memcache
 from lw_core.backend import BackendError, ObjectMissing, publish_layers, wait_layers
 from lw_core.backends.segment_stream import head_key, seg_key
 
-# The contract, unchanged: each function takes the fixture ``be`` below.
+# The contract, unchanged: TestStreamingContract runs its tests on the fixture ``be`` below.
 from lw_dev import streaming_contract
-from lw_dev.streaming_contract import (  # noqa: F401  (pytest collects the contract's tests here)
-    LB,
-    NB,
-    NL,
-    test_supports_streaming,
-    test_layers_become_readable_in_order_with_the_published_bytes,
-    test_published_is_not_visible_to_lookup_or_open_until_commit,
-    test_waiter_times_out_at_its_deadline,
-    test_concurrent_writer_and_waiting_reader,
-    test_abort_fails_waiters_promptly_and_leaves_nothing,
-    test_reader_never_gets_a_layer_of_a_later_reservation_of_the_same_key,
-    test_bad_arguments_name_the_field,
-)
+from lw_dev.streaming_contract import LB, NB, NL, StreamingContract
 
 pytestmark = [needs_memcache, pytest.mark.slow, pytest.mark.timeout(120)]
 
 
-def test_this_module_runs_the_whole_contract():
-    assert all(name in globals() for name in streaming_contract.TESTS), streaming_contract.TESTS
+class TestStreamingContract(StreamingContract):
+    """The whole contract over ``be``: one key space per test on the module's memcache client."""
 
 
 _KEYED = ("lookup", "reserve", "open", "open_streaming")

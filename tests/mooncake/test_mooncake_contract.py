@@ -14,10 +14,8 @@ import numpy as np
 import pytest
 from lw_core.plan import ReqLoad, ReqSave
 from lw_mooncake.errors import NO_AVAILABLE_HANDLE
-from lw_dev.backend_contract import (LAYOUT, SAVES, check_loads_use_zero_copy_views,
-                                     check_missing_key_fails_only_its_block, check_protocol,
-                                     check_round_trip_exact_bytes, check_write_once_and_abort, load_all, save_all,
-                                     seeded_kv)
+from lw_dev.backend_contract import (LAYOUT, SAVES, BackendContract, check_loads_use_zero_copy_views, load_all,
+                                     save_all, seeded_kv)
 
 
 @pytest.fixture(scope="module", params=["per_layer", "whole"])
@@ -37,21 +35,9 @@ def backend(client_a):
     assert client_a.store.remove_all(True) >= 0
 
 
-def test_protocol(backend):
-    check_protocol(backend)
-
-
-def test_write_once_and_abort(backend):
-    check_write_once_and_abort(backend)
-
-
-@pytest.mark.parametrize("layerwise", [True, False])
-def test_round_trip_exact_bytes(backend, layerwise):
-    check_round_trip_exact_bytes(backend, layerwise)
-
-
-def test_missing_key_fails_only_its_block(backend):
-    check_missing_key_fails_only_its_block(backend)
+class TestBackendContract(BackendContract):
+    """The whole contract over ``backend``, in both load modes (views only in "whole": see
+    test_whole_load_serves_the_pipeline_from_views)."""
 
 
 def test_views_writable_when_reserved_and_read_handles_by_load_mode(backend):

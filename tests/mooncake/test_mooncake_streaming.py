@@ -1,4 +1,4 @@
-"""The streaming contract (lw_dev.streaming_contract, the functions tests/core and tests/memcache
+"""The streaming contract (lw_dev.streaming_contract.StreamingContract, as tests/core and tests/memcache
 run) over MooncakeBackend(streaming=True) against a real master and holder on host B, the clients
 on host A, plus what Mooncake adds: heads that do not verify are not used, reads only at published
 ranges, head and segments removed after commit (a segment a reader leased, once the lease ends), a
@@ -21,30 +21,14 @@ import pytest
 from mc_cluster import start_cluster
 from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing, publish_layers, wait_layers
 
-from lw_dev import streaming_contract
-from lw_dev.streaming_contract import (  # noqa: F401  (pytest collects the contract's tests here)
-    LB,
-    NB,
-    NL,
-    layer_bytes,
-    read_layer,
-    test_abort_fails_waiters_promptly_and_leaves_nothing,
-    test_bad_arguments_name_the_field,
-    test_concurrent_writer_and_waiting_reader,
-    test_layers_become_readable_in_order_with_the_published_bytes,
-    test_published_is_not_visible_to_lookup_or_open_until_commit,
-    test_reader_never_gets_a_layer_of_a_later_reservation_of_the_same_key,
-    test_supports_streaming,
-    test_waiter_times_out_at_its_deadline,
-    write_layer,
-)
+from lw_dev.streaming_contract import LB, NB, NL, StreamingContract, layer_bytes, read_layer, write_layer
 
 HERE = Path(__file__).parent
 LEASE_MS = 1000
 
 
-def test_this_module_runs_the_whole_contract():
-    assert all(name in globals() for name in streaming_contract.TESTS), streaming_contract.TESTS
+class TestStreamingContract(StreamingContract):
+    """The whole contract over ``be``: the module's Mooncake client, emptied after each test."""
 
 
 @pytest.fixture(scope="module")

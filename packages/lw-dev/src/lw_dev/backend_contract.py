@@ -1,9 +1,11 @@
-"""The backend contract checks every pool backend passes, as plain functions of a backend.
+"""The backend contract checks every pool backend passes: plain functions of a backend
+(``check_*``), and the base classes that run them as pytest tests, ``BackendContract`` (every
+backend) and ``ViewsContract`` (backends whose read handles have views, which loads then use).
 
-Test modules wrap them in their own parametrised tests: tests/core runs them on MemoryBackend and
-EmbeddedBackend, tests/mooncake on MooncakeBackend against a real master (and lw-memcache may do the
-same). A check leaves the objects it committed in the backend; callers that share one backend
-between checks clear it in between. Keys used: "a".."d" (the pipeline saves), "k" (write-once).
+A test module subclasses them and defines the fixture ``backend``: tests/core on MemoryBackend and
+EmbeddedBackend, tests/mooncake on MooncakeBackend against a real master. A check leaves the
+objects it committed in the backend; a fixture that shares one backend between tests clears it in
+between. Keys used: "a".."d" (the pipeline saves), "k" (write-once).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import pytest
 from lw_core.backend import Backend, ObjectMissing
 from lw_core.pipeline.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
@@ -19,6 +22,7 @@ from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 __all__ = [
     "LAYOUT", "SAVES", "seeded_kv", "save_all", "load_all", "check_protocol", "check_write_once_and_abort",
     "check_round_trip_exact_bytes", "check_loads_use_zero_copy_views", "check_missing_key_fails_only_its_block",
+    "BackendContract", "ViewsContract",
 ]
 
 # Four layers of unequal size (a layer's bytes need not be equal), 28 KiB an object.
@@ -108,3 +112,29 @@ def check_missing_key_fails_only_its_block(backend: Any) -> None:
     assert save_all(backend, src, LAYOUT, SAVES[:1]).ok
     res = load_all(backend, dst, LAYOUT, [ReqLoad("x", ["a", "zz"], [0, 1]), ReqLoad("y", ["b"], [2])])
     assert res.failed_block_ids == [1] and res.failed_req_ids == ["x"] and res.loaded_objects == 2
+
+
+class BackendContract:
+    """The contract's tests. A test module subclasses it (``class TestBackendContract(BackendContract)``)
+    and defines the fixture ``backend``: a backend holding none of the contract's keys."""
+
+    def test_protocol(self, backend: Any) -> None:
+        check_protocol(backend)
+
+    def test_write_once_and_abort(self, backend: Any) -> None:
+        check_write_once_and_abort(backend)
+
+    @pytest.mark.parametrize("layerwise", [True, False])
+    def test_round_trip_exact_bytes(self, backend: Any, layerwise: bool) -> None:
+        check_round_trip_exact_bytes(backend, layerwise)
+
+    def test_missing_key_fails_only_its_block(self, backend: Any) -> None:
+        check_missing_key_fails_only_its_block(backend)
+
+
+class ViewsContract:
+    """For backends whose read handles always have views: loads are served from them. Subclassed
+    beside ``BackendContract``, over the same fixture ``backend``."""
+
+    def test_loads_use_zero_copy_views(self, backend: Any) -> None:
+        check_loads_use_zero_copy_views(backend)

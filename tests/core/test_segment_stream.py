@@ -138,3 +138,20 @@ def test_removals_come_due_in_time_stay_bounded_and_retry_a_bounded_number_of_ti
     assert len(q) == 0
     with pytest.raises(ValueError, match="max_queued=0 must be >= 1"):
         Removals(0)
+
+
+def test_publish_checks_name_the_handle_the_switch_and_the_lost_keys():
+    from lw_core.backend import BackendError, ObjectMissing
+    from lw_core.backends.segment_stream.checks import check_publish, require_streaming, unpublishable
+
+    h = Handle("k", 10, b"t" * 8)
+    check_publish("x", [h], 10, lambda h: True)
+    with pytest.raises(BackendError, match="x: publish needs handles from reserve, got Handle"):
+        check_publish("x", [h], 10, lambda h: False)
+    with pytest.raises(ValueError, match=r"x: publish upto=11 must be an int in \[0, 10\]"):
+        check_publish("x", [h], 11, lambda h: True)
+    require_streaming("x", True, "XBackend", "why")
+    with pytest.raises(BackendError, match=r"pd_streaming=true \(XBackend\(streaming=True\)\) so that why"):
+        require_streaming("x", False, "XBackend", "why")
+    e = unpublishable("x", ["a", "b", "c", "d"])
+    assert isinstance(e, ObjectMissing) and str(e) == "x: 4 reservation(s) cannot be published: aborted: ['a', 'b', 'c']"

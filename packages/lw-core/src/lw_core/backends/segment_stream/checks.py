@@ -1,10 +1,13 @@
 """The argument checks of the streaming calls, one copy for every backend: ``who`` names the
-backend in the message ("memcache", "embedded pool", ...), ``what`` the call."""
+backend in the message ("memcache", "embedded pool", ...), ``what`` the call. Errors name the
+argument and the accepted values."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+from lw_core.backend import BackendError, ObjectMissing
 
 
 def check_upto(who: str, what: str, h: Any, upto: int) -> None:
@@ -29,3 +32,23 @@ def check_range(what: str, h: Any, off: int, n: int) -> None:
     """``[off, off + n)`` lies within handle ``h``'s object."""
     if off < 0 or off + n > h.nbytes:
         raise ValueError(f"{what} of {h.key}: range [{off}, {off + n}) outside the object's {h.nbytes} bytes")
+
+
+def check_publish(who: str, handles: Sequence[Any], upto: int, is_reservation: Callable[[Any], bool]) -> None:
+    """``publish``'s handles are this backend's reservations, and ``upto`` fits each."""
+    for h in handles:
+        if not is_reservation(h):
+            raise BackendError(f"{who}: publish needs handles from reserve, got {h!r}")
+        check_upto(who, "publish", h, upto)
+
+
+def require_streaming(who: str, streaming: bool, backend: str, why: str) -> None:
+    """``publish`` on a backend opened without streaming names the switch that turns it on."""
+    if not streaming:
+        raise BackendError(f"{who}: publish on a backend opened without streaming; set "
+                           f"kv_connector_extra_config.pd_streaming=true ({backend}(streaming=True)) so that {why}")
+
+
+def unpublishable(who: str, lost: Sequence[str]) -> ObjectMissing:
+    """The error for reservations aborted before ``publish``."""
+    return ObjectMissing(f"{who}: {len(lost)} reservation(s) cannot be published: aborted: {list(lost[:3])}")

@@ -54,9 +54,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from lw_core.backend import BackendError, ObjectMissing
+from lw_core.backend import BackendError
 from lw_core.backends.segment_stream import abort_key, head_key, seg_key
-from lw_core.backends.segment_stream.checks import check_upto
+from lw_core.backends.segment_stream.checks import check_publish, require_streaming, unpublishable
 from lw_core.backends.segment_stream.head import HEAD, TOKEN_BYTES, pack_head
 from lw_core.backends.segment_stream.policy import REMOVE_GRACE_S
 from lw_core.backends.segment_stream.removals import Removals
@@ -292,15 +292,9 @@ class StreamMixin:
 
     def publish(self: Any, handles: Sequence[Any], upto: int) -> None:
         store = self._live()
-        for h in handles:
-            if isinstance(h, MemcacheStreamHandle) or not getattr(h, "writable", False):
-                raise BackendError(f"memcache: publish needs handles from reserve, got {h!r}")
-            check_upto("memcache", "publish", h, upto)
-        if not self._streaming:
-            raise BackendError(
-                "memcache: publish on a backend opened without streaming; set kv_connector_extra_config.pd_streaming=true "
-                "(MemcacheBackend(streaming=True)) so that writes are also staged for streaming readers"
-            )
+        check_publish("memcache", handles, upto,
+                      lambda h: not isinstance(h, MemcacheStreamHandle) and getattr(h, "writable", False))
+        require_streaming("memcache", self._streaming, "MemcacheBackend", "writes are also staged for streaming readers")
         todo: list[_Seg] = []
         lost = []
         with self._lock:
@@ -312,7 +306,7 @@ class StreamMixin:
                     continue
                 todo += [s for end, s in sorted(ws.segs.items()) if end <= upto and not s.published]
         if lost:
-            raise ObjectMissing(f"memcache: {len(lost)} reservation(s) cannot be published: aborted: {lost[:3]}")
+            raise unpublishable("memcache", lost)
         if not todo:
             return
         res = store.batch_write_finish([s.key for s in todo], [_FINISH_OK] * len(todo))

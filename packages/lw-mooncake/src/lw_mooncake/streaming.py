@@ -54,9 +54,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
+from lw_core.backend import BackendError, BackendUnavailable
 from lw_core.backends.segment_stream import abort_key, head_key, seg_key
-from lw_core.backends.segment_stream.checks import check_upto
+from lw_core.backends.segment_stream.checks import check_publish, require_streaming, unpublishable
 from lw_core.backends.segment_stream.head import HEAD, TOKEN_BYTES, StreamHead
 from lw_core.backends.segment_stream.head import pack_head as pack_stream_head
 from lw_core.backends.segment_stream.head import unpack_head as unpack_stream_head
@@ -149,14 +149,8 @@ class StreamWrites:
             streams[h.key].head = r == 0
 
     def publish(self, handles: Sequence[Any], upto: int) -> None:
-        for h in handles:
-            if not isinstance(h, MooncakeHandle) or not h.reserved:
-                raise BackendError(f"mooncake: publish needs handles from reserve, got {h!r}")
-            check_upto("mooncake", "publish", h, upto)
-        if not self._streaming:
-            raise BackendError(
-                "mooncake: publish on a backend opened without streaming; set kv_connector_extra_config.pd_streaming=true "
-                "(MooncakeBackend(streaming=True)) so that reservations get a head streaming readers find")
+        check_publish("mooncake", handles, upto, lambda h: isinstance(h, MooncakeHandle) and h.reserved)
+        require_streaming("mooncake", self._streaming, "MooncakeBackend", "reservations get a head streaming readers find")
         todo: list[tuple[WriteStream, str, int, np.ndarray]] = []  # segments: stream, name, end, bytes
         lost = []
         with self._lock:
@@ -172,7 +166,7 @@ class StreamWrites:
                     todo.append((ws, seg_key(h.key, ws.token, end), end, h.buf[start:end]))
                     start = end
         if lost:
-            raise ObjectMissing(f"mooncake: {len(lost)} reservation(s) cannot be published: aborted: {lost[:3]}")
+            raise unpublishable("mooncake", lost)
         if not todo:
             return
         if self._quiet():

@@ -45,6 +45,7 @@ def ping(h: netns.Hosts, src: str, dst: str, port: int) -> str:
     return r.stdout.strip() if r.returncode == 0 else f"FAILED: {r.stderr[-500:]}"
 
 
+@pytest.mark.slow  # network namespaces
 def test_hosts_ping_each_other_on_their_own_addresses(two_hosts: netns.Hosts) -> None:
     a, b = two_hosts.addr("a"), two_hosts.addr("b")
     assert (a, b) == ("10.231.0.1", "10.231.0.2")
@@ -56,6 +57,7 @@ def test_hosts_ping_each_other_on_their_own_addresses(two_hosts: netns.Hosts) ->
     assert "UP" in two_hosts.run("a", ["ip", "link", "show", "lo"]).stdout
 
 
+@pytest.mark.slow  # network namespaces
 def test_http_between_hosts_crosses_the_link(two_hosts: netns.Hosts, tmp_path) -> None:
     (tmp_path / "hello.txt").write_text("hello from b\n")
     _http_server(two_hosts, "b", 18080, str(tmp_path))
@@ -69,6 +71,7 @@ def test_http_between_hosts_crosses_the_link(two_hosts: netns.Hosts, tmp_path) -
     assert r.returncode != 0 and "ConnectionRefused" in r.stderr
 
 
+@pytest.mark.slow  # network namespaces
 def test_entered_puts_this_thread_on_a_host(two_hosts: netns.Hosts, tmp_path) -> None:
     (tmp_path / "x.txt").write_text("x")
     _http_server(two_hosts, "b", 18084, str(tmp_path))
@@ -93,6 +96,7 @@ def _get_here(url: str, timeout_s: float = 20.0) -> str:
             time.sleep(0.2)
 
 
+@pytest.mark.slow  # network namespaces
 def test_close_removes_namespaces_links_and_processes() -> None:
     require_netns()
     h = netns.Hosts(["a", "b", "c"])
@@ -110,6 +114,7 @@ def test_close_removes_namespaces_links_and_processes() -> None:
     assert "br0" not in root_links and "veth" not in root_links
 
 
+@pytest.mark.slow  # network namespaces
 def test_a_failing_body_still_cleans_up() -> None:
     require_netns()
     h = netns.Hosts(["a", "b"])
@@ -122,6 +127,7 @@ def test_a_failing_body_still_cleans_up() -> None:
     assert not set(names) & set(netns.list_namespaces())
 
 
+@pytest.mark.slow  # network namespaces
 def test_leftovers_of_a_crashed_run_are_removed() -> None:
     require_netns()
     # A "crashed run": a child creates hosts and is SIGKILLed before it can clean up.

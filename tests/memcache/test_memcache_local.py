@@ -15,6 +15,7 @@ from lw_memcache.local import LocalMemcache, LocalMemcacheError, free_ports, met
 pytestmark = [needs_memcache]
 
 
+@pytest.mark.slow  # a MetaService
 def test_second_pool_waits_for_the_machine_lock_and_names_the_holder(pool, tmp_path):
     holder = meta_lock_holder()
     assert holder == pool.proc.pid

@@ -17,6 +17,9 @@ from lw_mooncake.errors import NO_AVAILABLE_HANDLE
 from lw_dev.backend_contract import (LAYOUT, SAVES, BackendContract, check_loads_use_zero_copy_views, load_all,
                                      save_all, seeded_kv)
 
+# Slow tier: these tests need a Mooncake master and holder in network-namespace hosts.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module", params=["per_layer", "whole"])
 def client_a(cluster, hosts, request):

@@ -16,6 +16,9 @@ from mc_cluster import start_cluster
 from lw_core.backend import BackendError, BackendUnavailable
 from mc_putter import content
 
+# Slow tier: these tests need a Mooncake master and holder in network-namespace hosts.
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 MiB = 1 << 20
 

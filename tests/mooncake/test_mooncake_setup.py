@@ -72,6 +72,7 @@ def test_master_refuses_bind_flags_that_bypass_host():
     assert p.returncode != 0 and "--host" in p.stderr
 
 
+@pytest.mark.slow  # a master in network-namespace hosts
 def test_master_binds_only_its_host_address_and_clients_unreachable_master_fail_fast(hosts):
     c = start_cluster(hosts, port=50101)
     try:

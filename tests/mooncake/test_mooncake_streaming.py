@@ -23,6 +23,9 @@ from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing, pub
 
 from lw_dev.streaming_contract import LB, NB, NL, StreamingContract, layer_bytes, read_layer, write_layer
 
+# Slow tier: these tests need a Mooncake master and holder in network-namespace hosts.
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 LEASE_MS = 1000
 

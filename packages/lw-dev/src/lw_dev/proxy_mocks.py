@@ -99,7 +99,7 @@ class MockState:
     knobs: Knobs = field(default_factory=Knobs)
     bodies: list[dict[str, Any]] = field(default_factory=list)
     auth: list[str | None] = field(default_factory=list)
-    metaserver_results: list[tuple[int, Any]] = field(default_factory=list)
+    metaserver_results: list[tuple[int | None, Any]] = field(default_factory=list)  # None: no answer
     aborted: int = 0
     completed: int = 0
     recomputed: int = 0
@@ -167,18 +167,19 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
         params = body.get("kv_transfer_params") or {}
         n = body.get("n") or 1
         prompts = [None] if chat else _choice_prompts(body)
-        failing = k.status_after_metaserver is not None and (k.fail_times is None or st.failed < k.fail_times)
+        fail_status = k.status_after_metaserver if k.fail_times is None or st.failed < k.fail_times else None
+        failing = fail_status is not None
         if role == "decoder" and params.get("do_remote_prefill") and not k.skip_metaserver:
             calls = _call_metaserver(request.app[SESSION], st, params, len(prompts) * n)
             if k.wait_metaserver or not failing:
                 await calls
             else:
                 st.background.append(asyncio.ensure_future(calls))
-        if failing:
+        if fail_status is not None:
             st.failed += 1
             return web.json_response({"error": {"message": "mock failure after the metaserver call", "type": "x",
                                                 "param": None, "code": k.status_after_metaserver}},
-                                     status=k.status_after_metaserver)
+                                     status=fail_status)
         if k.empty_200:
             return web.Response(status=200, body=b"")
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
@@ -318,7 +319,8 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
         for t in range(limit):
             for idx, pids in choices:
                 if k.die_after is not None and sent >= k.die_after:
-                    request.transport.close()  # the decoder process "dies" mid-stream
+                    if request.transport is not None:
+                        request.transport.close()  # the decoder process "dies" mid-stream
                     return resp
                 last = t == limit - 1
                 tok = gen[idx][t]
@@ -396,7 +398,9 @@ class Harness:
 @contextlib.asynccontextmanager
 async def harness(n_prefill: int = 1, n_decode: int = 1, **cfg: Any):
     runners = []
-    decoders, prefillers, urls = [], [], {"prefiller": [], "decoder": []}
+    decoders: list[MockState] = []
+    prefillers: list[MockState] = []
+    urls: dict[str, list[str]] = {"prefiller": [], "decoder": []}
     try:
         for role, n, acc in (("prefiller", n_prefill, prefillers), ("decoder", n_decode, decoders)):
             for _ in range(n):

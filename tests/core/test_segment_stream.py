@@ -20,7 +20,7 @@ from lw_core.procs import Owner, boot_id, current_owner
 class Handle:
     key: str
     nbytes: int
-    token: bytes
+    token: bytes | None
     boot: bytes = b""
     owner: Owner | None = None
     dead: bool = False

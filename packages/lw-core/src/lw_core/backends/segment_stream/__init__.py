@@ -22,6 +22,7 @@ from lw_core.backends.segment_stream.names import abort_key, head_key, seg_key
 from lw_core.backends.segment_stream.poll import (
     POLL_MAX_S,
     POLL_MIN_S,
+    PolledHandle,
     PollStore,
     WriterJudge,
     poll_names,
@@ -29,5 +30,5 @@ from lw_core.backends.segment_stream.poll import (
     wait_published,
 )
 
-__all__ = ["POLL_MAX_S", "POLL_MIN_S", "PollStore", "WriterJudge", "abort_key", "head_key", "poll_names", "read_poll",
+__all__ = ["POLL_MAX_S", "POLL_MIN_S", "PollStore", "PolledHandle", "WriterJudge", "abort_key", "head_key", "poll_names", "read_poll",
            "seg_key", "wait_published"]

@@ -12,11 +12,28 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from lw_core.backends.segment_stream.checks import check_timeout, check_upto
 from lw_core.backends.segment_stream.names import abort_key, seg_key
 from lw_core.procs import Owner, boot_id, current_owner, owner_alive
+
+class PolledHandle(Protocol):
+    """What the poll reads and sets of a backend's streaming handle."""
+
+    key: str
+    nbytes: int
+    token: bytes | None  # None: a handle on a committed object (never polled)
+    boot: bytes
+    owner: Owner | None
+    dead: bool
+
+
+def _token(h: PolledHandle) -> bytes:
+    if h.token is None:
+        raise AssertionError(f"segment stream: {h.key!r} is polled without a reservation token")
+    return h.token
+
 
 # A waiter polls the store (one metadata call) with a pause growing from the first to the second.
 POLL_MIN_S, POLL_MAX_S = 0.0005, 0.02
@@ -42,14 +59,14 @@ class WriterJudge:
         return self._seen[owner] is False
 
 
-def poll_names(todo: Sequence[Any], upto: int) -> list[str]:
+def poll_names(todo: Sequence[PolledHandle], upto: int) -> list[str]:
     """What one poll asks the store whether it exists, for readers' handles (``key``, ``token``):
     each one's segment ending at ``upto``, then each one's abort marker, then each one's object."""
-    return ([seg_key(h.key, h.token, upto) for h in todo] + [abort_key(h.key, h.token) for h in todo]
+    return ([seg_key(h.key, _token(h), upto) for h in todo] + [abort_key(h.key, _token(h)) for h in todo]
             + [h.key for h in todo])
 
 
-def read_poll(todo: Sequence[Any], exists: Sequence[int], judge: WriterJudge) -> tuple[list[int], list[int]]:
+def read_poll(todo: Sequence[PolledHandle], exists: Sequence[int], judge: WriterJudge) -> tuple[list[int], list[int]]:
     """The answer to ``poll_names(todo, upto)`` (1 = exists), per handle (``dead``, ``boot``,
     ``owner``): marks aborted handles and those whose writer is judged dead (``dead = True``), and
     returns the indices into ``todo`` of the committed ones and of those published up to ``upto``."""
@@ -69,7 +86,7 @@ def read_poll(todo: Sequence[Any], exists: Sequence[int], judge: WriterJudge) ->
     return committed, published
 
 
-H = TypeVar("H")
+H = TypeVar("H", bound=PolledHandle)
 H_contra = TypeVar("H_contra", contravariant=True)
 
 
@@ -90,7 +107,7 @@ def wait_published(who: str, store: PollStore[H], handles: Sequence[H], upto: in
                    whole: Callable[[H], bool]) -> list[bool]:
     """``StreamingBackend.wait_published`` for ``handles`` (already checked to be the backend's
     streaming handles); ``whole(h)``: ``h`` reads the committed object now."""
-    hs: list[Any] = list(handles)
+    hs = list(handles)
     for h in hs:
         check_upto(who, "wait_published", h, upto)
     check_timeout(who, timeout_s)

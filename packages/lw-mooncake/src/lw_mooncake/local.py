@@ -50,7 +50,14 @@ class LocalMooncake:
         log = open(os.path.join(self.log_dir, "holder.log"), "ab")
         p = self._popen(argv, stdout=subprocess.PIPE, stderr=log, text=True)
         ready = threading.Event()
-        threading.Thread(target=lambda: (p.stdout.readline().startswith("ready") and ready.set()), daemon=True).start()
+        out = p.stdout
+        assert out is not None  # stdout=PIPE
+
+        def wait_ready() -> None:
+            if out.readline().startswith("ready"):
+                ready.set()
+
+        threading.Thread(target=wait_ready, daemon=True).start()
         if not ready.wait(self.start_timeout_s):
             self._stop(p)
             raise RuntimeError(f"lw-mooncake hold did not get ready in {self.start_timeout_s} s (logs in {self.log_dir})")

@@ -20,7 +20,9 @@ clean-up is about the pool's room and about not hurting readers, never about cor
   store costs one deadline, not one per layer in the save path; readers then wait for their
   deadline and recompute, as without streaming. (memcache's client calls have no deadline of
   ours; its calls fail or answer.)
-* **At close** what waits for its grace is removed at once (the client is leaving).
+* **At close** memcache removes at once what waits for its grace (the client is leaving); Mooncake
+  removes what is due, and leaves the rest (markers kept for late pollers, leased segments) to
+  eviction.
 
 The cost: while streaming, the pool holds a reservation's published bytes twice, from its first
 publish until the grace (or the last reader's lease) after its commit.

@@ -155,3 +155,32 @@ def test_publish_checks_name_the_handle_the_switch_and_the_lost_keys():
         require_streaming("x", False, "XBackend", "why")
     e = unpublishable("x", ["a", "b", "c", "d"])
     assert isinstance(e, ObjectMissing) and str(e) == "x: 4 reservation(s) cannot be published: aborted: ['a', 'b', 'c']"
+
+
+def test_the_reaper_removes_after_the_grace_and_the_rest_at_close():
+    import threading
+
+    from lw_core.backends.segment_stream.reaper import Reaper
+
+    removed: list[tuple[float, list[str]]] = []
+    done = threading.Event()
+
+    def remove(items):
+        removed.append((time.monotonic(), list(items)))
+        done.set()
+
+    r: Reaper[str] = Reaper("test-reaper", remove, grace_s=0.2)
+    t0 = time.monotonic()
+    r.later(["a", "b"])
+    time.sleep(0.1)
+    assert removed == [] and len(r) == 2  # within the grace
+    assert done.wait(5.0)
+    assert removed[0][1] == ["a", "b"] and removed[0][0] - t0 >= 0.2 and len(r) == 0
+    r.grace_s = 60.0
+    r.later(["c"])
+    r.close()  # leaving: what waits goes now
+    assert removed[-1][1] == ["c"]
+    r.later(["d"])  # after close (an abort during close): removed by nobody but queued at once
+    assert len(r) == 1
+    with pytest.raises(ValueError, match="grace_s=-1 must be >= 0"):
+        Reaper("x", remove, grace_s=-1)

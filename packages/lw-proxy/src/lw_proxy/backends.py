@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from typing import Literal
 
 import aiohttp
 
@@ -14,11 +15,14 @@ from .metrics import ProxyMetrics
 log = logging.getLogger("lw_proxy")
 
 
+Role = Literal["prefiller", "decoder"]
+
+
 class Backend:
     __slots__ = ("url", "role", "healthy", "in_flight", "load", "failures", "down_since", "_seconds", "_healthy_g",
                  "_load_g", "_in_flight_g", "_failures_c")
 
-    def __init__(self, url: str, role: str, metrics: ProxyMetrics) -> None:
+    def __init__(self, url: str, role: Role, metrics: ProxyMetrics) -> None:
         self.url = url
         self.role = role
         self.healthy = True
@@ -65,17 +69,18 @@ class Backend:
 
 
 class BackendPool:
-    def __init__(self, role: str, urls: Iterable[str], metrics: ProxyMetrics) -> None:
+    def __init__(self, role: Role, urls: Iterable[str], metrics: ProxyMetrics) -> None:
         self.role = role
         self.backends = [Backend(u, role, metrics) for u in urls]
         self._rr = 0
 
-    def pick(self, exclude: Backend | set[Backend] | None = None) -> Backend:
+    def pick(self, exclude: Backend | set[Backend] | None = None) -> Backend | None:
         """Least-loaded healthy backend not in ``exclude``; ties broken round-robin so equal backends
         share the work.
 
         When every backend is out, fall back to all of them: a probe may simply not have run yet,
         and a fast connect error beats refusing traffic to a cluster that just came back.
+        ``None`` only when the pool has no backends.
         """
         skip = exclude if isinstance(exclude, set) else {exclude}
         cands = [b for b in self.backends if b.healthy and b not in skip]

@@ -176,7 +176,7 @@ def test_a_lease_taken_just_before_the_commit_is_released_cleanly(mc, be):
     objects too, and a lease on a removed object outlives its release: that client could then lease
     nothing placed at that address again, so a later prompt's head or segment there failed to
     stream and was recomputed: 'failed to register gva interval' in the decoder's log.)"""
-    grace, mc._remove_grace_s = getattr(mc, "_remove_grace_s", 2.0), 0.5
+    grace, mc._reaper.grace_s = mc._reaper.grace_s, 0.5
     try:
         (w,) = be.reserve(["k"], NB)
         streaming_contract.write_layer(be, w, 3, 0)
@@ -195,7 +195,7 @@ def test_a_lease_taken_just_before_the_commit_is_released_cleanly(mc, be):
         assert _exists(mc, names) == [0, 0], "the head and the segment were never removed"
         assert be.lookup(["k"]) == 1
     finally:
-        mc._remove_grace_s = grace
+        mc._reaper.grace_s = grace
 
 
 def test_a_head_removed_between_its_lease_and_the_copy_is_no_error(mc, be):

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
-from lw_core.backends.segment_stream.removals import Removals
+from lw_core.backends.segment_stream.reaper import Reaper
 
 from lw_memcache import errors
 from lw_memcache.copies import CopyMixin, MemcacheHandle
@@ -125,11 +125,9 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
         self._read_lease_ms = read_lease_ms
         self._write_lease_ms = write_lease_ms
         self._lock = threading.Lock()
-        # streaming: heads and segments waiting for their grace, and the thread removing them
-        self._reap_cv = threading.Condition(self._lock)
-        self._graveyard: Removals[tuple[str, int | None]] = Removals()  # (key, head's address or None)
-        self._reaper: threading.Thread | None = None
-        self._remove_grace_s = REMOVE_GRACE_S
+        # streaming: heads and segments waiting for their grace: (key, head's address or None)
+        self._reaper: Reaper[tuple[str, int | None]] = Reaper("lw-memcache-reaper", self._remove_now,
+                                                             grace_s=REMOVE_GRACE_S)
         self._writing: dict[str, MemcacheHandle] = {}
         self._sightings = Sightings(write_lease_ms / 1000)  # keys seen being written by others
         self._reading: Counter[str] = Counter()  # open read leases, released at close if forgotten
@@ -471,7 +469,7 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
                 self._store.batch_remove_lease(leased)
         except Exception:  # noqa: BLE001 - leaving anyway
             pass
-        self._reap_all()
+        self._reaper.close()
         self._store.close()
         _open_in_process.discard(self)
 

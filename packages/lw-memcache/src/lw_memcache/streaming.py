@@ -16,7 +16,8 @@ of separate *committed* objects whose names carry a random per-reservation token
 * ``publish(upto)`` commits the segments that end at or before ``upto``.
 * ``commit`` commits the object; ``abort`` (and ``close`` with reservations open) first commits an
   abort marker ``<key>#x<token>``. Either way the head and the segments are removed
-  ``REMOVE_GRACE_S`` later, by a reaper thread (at once at ``close``): memcache removes leased
+  ``REMOVE_GRACE_S`` later, by the reaper (``lw_core.backends.segment_stream.reaper``; at once at
+  ``close``): memcache removes leased
   objects too, and a reader's lease on an object removed under it outlives its release in
   memcache-hybrid 1.3.0 (the client keeps renewing it, -3102), so that reader's client can lease
   nothing placed at that address again until the lease ends: the next prompt's head or segment
@@ -47,8 +48,6 @@ from __future__ import annotations
 import logging
 import secrets
 import struct
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,7 +58,6 @@ from lw_core.backends.segment_stream import abort_key, head_key, seg_key
 from lw_core.backends.segment_stream.checks import check_publish, require_streaming, unpublishable
 from lw_core.backends.segment_stream.head import HEAD, TOKEN_BYTES, pack_head
 from lw_core.backends.segment_stream.policy import REMOVE_GRACE_S
-from lw_core.backends.segment_stream.removals import Removals
 from lw_core.procs import Owner, boot_id, current_owner
 
 log = logging.getLogger(__name__)
@@ -226,35 +224,14 @@ class StreamMixin:
         if heads or segs:
             self._remove_later(heads, segs)
 
-    # ----- removal after the grace (see the module docstring) -----
+    # ----- removal after the grace (see the module docstring): the reaper calls _remove_now -----
 
     def _remove_later(self: Any, heads: list[tuple[str, int]], segs: list[str]) -> None:
-        """Queue heads (with the address we wrote each at) and segments (address None)."""
-        items: list[tuple[str, int | None]] = [*heads, *((s, None) for s in segs)]
-        graveyard: Removals[tuple[str, int | None]] = self._graveyard
-        with self._reap_cv:
-            if self._closed:
-                graveyard.add(items, 0.0)  # close() is removing what is left
-                return
-            dropped = graveyard.add(items, time.monotonic() + self._remove_grace_s)
-            if dropped:
-                log.warning("memcache streaming: removal queue full; %d object(s) left to eviction, first %s",
-                            len(dropped), dropped[0][0])
-            if self._reaper is None:
-                reaper = threading.Thread(target=self._reap, name="lw-memcache-reaper", daemon=True)
-                reaper.start()
-                self._reaper = reaper
-            self._reap_cv.notify()
-
-    def _reap(self: Any) -> None:
-        while True:
-            with self._reap_cv:
-                while not self._closed and ((at := self._graveyard.next_at()) is None or at > time.monotonic()):
-                    self._reap_cv.wait(None if at is None else at - time.monotonic())
-                if self._closed:
-                    return
-                due = [d.item for d in self._graveyard.take_due(time.monotonic())]
-            self._remove_now(due)
+        """Hand heads (with the address we wrote each at) and segments (address None) to the reaper."""
+        dropped = self._reaper.later([*heads, *((s, None) for s in segs)])
+        if dropped:
+            log.warning("memcache streaming: removal queue full; %d object(s) left to eviction, first %s",
+                        len(dropped), dropped[0][0])
 
     def _remove_now(self: Any, items: Sequence[tuple[str, int | None]]) -> None:
         """Remove segments (named by a token only their writer has) and heads that are still the
@@ -275,18 +252,6 @@ class StreamMixin:
                 store.remove_batch(gone)
         except Exception as e:  # noqa: BLE001 - leftovers are unreadable and get evicted
             log.debug("memcache streaming: removing %d finished stream object(s) failed: %s", len(gone), e)
-
-    def _reap_all(self: Any) -> None:
-        """At close: what is waiting for its grace goes now (the client is leaving)."""
-        with self._reap_cv:
-            self._reap_cv.notify_all()
-            reaper, self._reaper = self._reaper, None
-        if reaper is not None:
-            reaper.join(5.0)
-        with self._reap_cv:
-            left = [d.item for d in self._graveyard.take_all()]
-        if left:
-            self._remove_now(left)
 
     # ----- StreamingBackend -----
 

@@ -25,8 +25,8 @@ async def forward(proxy: Proxy, request: web.Request, body: bytes | None) -> web
     last = "no backend configured"
     for b in backends:
         try:
-            async with proxy.session.request(request.method, b.url + request.path, data=body,
-                                             headers=proxy.headers, timeout=timeout) as r:
+            async with proxy._client().request(request.method, b.url + request.path, data=body,
+                                               headers=proxy.headers, timeout=timeout) as r:
                 data = await r.read()
                 if r.status in RETRY_STATUSES:
                     last = f"{b.url}: HTTP {r.status}"

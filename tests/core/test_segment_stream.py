@@ -184,3 +184,38 @@ def test_the_reaper_removes_after_the_grace_and_the_rest_at_close():
     assert len(r) == 1
     with pytest.raises(ValueError, match="grace_s=-1 must be >= 0"):
         Reaper("x", remove, grace_s=-1)
+
+
+def test_the_collector_retries_refused_removals_from_later_calls_and_rests_when_quiet():
+    from lw_core.backend import BackendUnavailable
+    from lw_core.backends.segment_stream.collector import Collector
+
+    leased = {"s1"}
+    calls: list[list[str]] = []
+    fail = [False]
+
+    def remove(names):
+        calls.append(list(names))
+        if fail[0]:
+            raise BackendUnavailable("store timed out")
+        return [n not in leased for n in names]
+
+    c = Collector("test", remove)
+    c.remove(["s0", "s1"])
+    assert calls == [["s0", "s1"]] and len(c) == 1  # s1 refused: queued for a retry
+    c.collect(every_s=0.0)
+    assert len(calls) == 1  # not due yet (RETRY_S)
+    c.later(["m"], 0.0)  # e.g. a marker whose keep is over
+    fail[0] = True
+    c.collect(every_s=0.0)  # the store fails: "m" goes back for a retry
+    assert calls[-1] == ["m"] and len(c) == 2
+    fail[0] = False
+    c.quiet.start()
+    c.later(["n"], 0.0)
+    c.collect(every_s=0.0)
+    assert calls[-1] == ["m"]  # quiet: nothing is tried
+    c.quiet.until = 0.0
+    c.collect(every_s=0.0)
+    assert calls[-1] == ["n"] and len(c) == 2
+    c.clear()
+    assert len(c) == 0

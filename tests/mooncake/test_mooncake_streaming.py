@@ -56,7 +56,7 @@ def be(client):
     yield client
     # Objects of one test must not be seen by the next (force: reads lease objects for a while).
     assert client.store.remove_all(True) >= 0
-    client._garbage.clear()
+    client._collector.clear()
 
 
 def exists(be, keys: list[str]) -> list[int]:

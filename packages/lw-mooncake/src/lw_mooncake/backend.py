@@ -33,8 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lw_core.backend import BackendError, BackendUnavailable
-from lw_core.backends.segment_stream.policy import QuietPeriod
-from lw_core.backends.segment_stream.removals import Removals
+from lw_core.backends.segment_stream.collector import Collector
 
 from lw_mooncake.buffers import Staging
 from lw_mooncake.calls import Deadlines
@@ -98,9 +97,8 @@ class MooncakeBackend(Writes, Reads, StreamWrites, StreamReads):
         self._closed = False
         self._streaming = bool(streaming)  # reservations get heads; publish puts segments
         self._wstreams: dict = {}  # key -> streaming.WriteStream of our open reservations
-        self._garbage: Removals[str] = Removals()  # removals to retry (read leases) and markers kept a while
-        self._collected_at = 0.0
-        self._quiet_period = QuietPeriod()  # streaming housekeeping is skipped during it (the store timed out)
+        # streaming: removals to retry (read leases), markers kept a while, the quiet period after a timeout
+        self._collector = Collector("mooncake streaming", self._remove_names)
         self.store = MooncakeDistributedStore()
         saved = [(s, signal.getsignal(s)) for s in _SIGNALS]
         rc = None
@@ -160,7 +158,7 @@ class MooncakeBackend(Writes, Reads, StreamWrites, StreamReads):
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {**self.stats_, "pending": len(self._pending), "call_timeouts": self.calls.timeouts,
-                    "stream_leftovers": len(self._garbage)}
+                    "stream_leftovers": len(self._collector)}
 
     def _check_open(self) -> None:
         if self._closed:

@@ -48,7 +48,6 @@ import logging
 import secrets
 import struct
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,8 +59,8 @@ from lw_core.backends.segment_stream.checks import check_publish, require_stream
 from lw_core.backends.segment_stream.head import HEAD, TOKEN_BYTES, StreamHead
 from lw_core.backends.segment_stream.head import pack_head as pack_stream_head
 from lw_core.backends.segment_stream.head import unpack_head as unpack_stream_head
-from lw_core.backends.segment_stream.policy import MARKER_KEEP_S, QUIET_S, RETRY_S, QuietPeriod
-from lw_core.backends.segment_stream.removals import Removals
+from lw_core.backends.segment_stream.collector import Collector
+from lw_core.backends.segment_stream.policy import MARKER_KEEP_S, QUIET_S
 from lw_core.procs import Owner, boot_id, current_owner
 
 from lw_mooncake.errors import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, to_error
@@ -116,9 +115,7 @@ class StreamWrites:
     _pending: dict[str, MooncakeHandle]
     _streaming: bool
     _wstreams: dict[str, WriteStream]
-    _garbage: Removals[str]
-    _collected_at: float
-    _quiet_period: QuietPeriod
+    _collector: Collector
     _exist: Callable[[list[str]], list[int]]
     _put_all: Callable[[list[tuple[str, list[np.ndarray]]]], list[int]]
 
@@ -201,11 +198,11 @@ class StreamWrites:
             if aborted:
                 marks = [abort_key(k, ws.token) for k, ws in ended]
                 res = self._put_all([(m, [np.frombuffer(MARKER, np.uint8)]) for m in marks])
-                self._later([m for m, r in zip(marks, res) if r == 0], MARKER_KEEP_S)
+                self._collector.later([m for m, r in zip(marks, res) if r == 0], MARKER_KEEP_S)
             heads = [head_key(k) for k, ws in ended if ws.head]
             if heads:
                 self.calls.call("batch_remove", self.store.batch_remove, heads, True)
-            self._remove([s for _, ws in ended for s in ws.segs])
+            self._collector.remove([s for _, ws in ended for s in ws.segs])
         except BackendError as e:
             if isinstance(e, BackendUnavailable):
                 self._go_quiet()
@@ -219,47 +216,23 @@ class StreamWrites:
             self._stream_end(open_, aborted=True)
 
     def _quiet(self) -> bool:
-        return bool(self._quiet_period)
+        return bool(self._collector.quiet)
 
     def _go_quiet(self) -> None:
-        self._quiet_period.start()
+        self._collector.quiet.start()
 
-    # ----- removal that respects read leases -----
+    # ----- removal that respects read leases: the collector, over this -----
 
-    def _later(self, keys: list[str], after_s: float) -> None:
-        with self._lock:
-            dropped = self._garbage.add(keys, time.monotonic() + after_s)
-        for k in dropped:
-            log.warning("mooncake streaming: removal queue full; %s is left to eviction", k)
-
-    def _remove(self, keys: list[str]) -> None:
-        if not keys:
-            return
+    def _remove_names(self, keys: list[str]) -> list[bool]:
+        """``batch_remove`` for the collector: True where gone, False where refused (a read lease)."""
         res = self.calls.call("batch_remove", self.store.batch_remove, keys, False)
-        self._later([k for k, r in zip(keys, res) if r not in (0, OBJECT_NOT_FOUND)], RETRY_S)
+        for k, r in zip(keys, res):
+            if r not in (0, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE):
+                log.debug("mooncake streaming: removal of %s: %s", k, r)
+        return [r in (0, OBJECT_NOT_FOUND) for r in res]
 
     def _collect(self, *, every_s: float = 0.5) -> None:
-        """Remove what is due in the queue (at most every ``every_s``); refused again (still
-        leased) goes back (``Removals.retry``)."""
-        now = time.monotonic()
-        with self._lock:
-            if now - self._collected_at < every_s or not self._garbage or self._quiet_period:
-                return
-            self._collected_at = now
-            due = self._garbage.take_due(now)
-            if not due:
-                return
-        try:
-            res = self.calls.call("batch_remove", self.store.batch_remove, [d.item for d in due], False)
-        except BackendError as e:
-            res = [-1] * len(due)
-            log.debug("mooncake streaming: removal of %d leftover(s) failed: %s", len(due), e)
-        refused = [d for d, r in zip(due, res) if r not in (0, OBJECT_NOT_FOUND)]
-        for d, r in zip(due, res):
-            if r not in (0, OBJECT_NOT_FOUND, OBJECT_HAS_LEASE):
-                log.debug("mooncake streaming: removal of %s: %s", d.item, r)
-        with self._lock:
-            self._garbage.retry(refused, now)
+        self._collector.collect(every_s=every_s)
 
 
 __all__ = ["HEAD_SIZE", "MARKER", "MARKER_KEEP_S", "QUIET_S", "SEG_HEADER", "MooncakeStreamHandle", "StreamWrites", "WriteStream", "pack_head",

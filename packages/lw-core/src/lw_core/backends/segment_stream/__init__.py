@@ -13,7 +13,14 @@ Each piece lives in one module here, so a backend supplies only what its store d
   existence call per poll, and adopting committed objects), the poll pacing and the judgment of a
   writer's liveness from what its head recorded;
 * ``policy`` - the one clean-up policy (how long heads, segments and markers outlive their
-  reservation, retries of refused removals, the quiet period after a store timeout), with why.
+  reservation, retries of refused removals, the quiet period after a store timeout), with why;
+* ``removals`` - the bounded queue of what waits for removal, and the two collaborators that run
+  it: ``reaper.Reaper`` (a thread removing after the grace: memcache) and ``collector.Collector``
+  (retries from the backend's own calls, with the quiet period: Mooncake).
+
+What stays in each backend: how its store writes a head, stages and publishes a segment, puts a
+marker and removes objects, and how a reader opens a head and copies a segment out (memcache by
+leased address, Mooncake by key).
 """
 
 from __future__ import annotations

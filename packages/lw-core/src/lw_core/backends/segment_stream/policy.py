@@ -14,7 +14,8 @@ clean-up is about the pool's room and about not hurting readers, never about cor
   Mooncake refuses to remove what a reader holds a read lease on (OBJECT_HAS_LEASE; its master
   leases what ``batch_is_exist`` finds too), so it removes at once and retries what was refused
   every ``RETRY_S``, up to ``MAX_TRIES`` times, from later calls. Both queue what waits in a
-  ``removals.Removals`` of at most ``MAX_QUEUED`` entries (beyond, the oldest is left to eviction).
+  ``removals.Removals`` of at most ``MAX_QUEUED`` entries (beyond, the oldest is left to eviction),
+  run by a ``reaper.Reaper`` (memcache) or a ``collector.Collector`` (Mooncake).
 * **Quiet after a timeout.** When the store stops answering (a call past its deadline),
   streaming's own calls (publishing, markers, clean-up) are skipped for ``QUIET_S``, so a dead
   store costs one deadline, not one per layer in the save path; readers then wait for their

@@ -1,5 +1,6 @@
 """A stalled pool lookup costs vLLM's scheduler loop at most ``lookup_timeout_s`` (then a miss),
-and after a timeout lookups pause instead of paying the deadline for every request."""
+and after a timeout lookups pause (``pool_lookup.LOOKUP_BACKOFF_S``) instead of paying the deadline
+for every request, then resume."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
+from lw_vllm import pool_lookup  # noqa: E402
 from test_scheduler_pd import _publish, _req, _side  # noqa: E402
 
 
@@ -25,15 +27,17 @@ class _StallingLookups:
         return getattr(self._backend, name)
 
 
-def test_stalled_lookup_is_a_miss_within_the_deadline_then_lookups_pause_and_resume(pool_dir) -> None:
+def test_stalled_lookup_is_a_miss_within_the_deadline_then_lookups_pause_and_resume(pool_dir, monkeypatch) -> None:
+    backoff_s = 1.0
+    monkeypatch.setattr(pool_lookup, "LOOKUP_BACKOFF_S", backoff_s)
     side = _side(pool_dir, lookup_timeout_s=0.3, consumer_is_to_load=True)
     try:
         req = _req("r1", 5 * 16 + 3, None)
         _publish(side, req, 5)
         assert side.get_num_new_matched_tokens(req, 0) == (5 * 16, False)  # healthy: a hit
 
-        stall = _StallingLookups(side.backend)
-        side.backend = stall
+        stall = _StallingLookups(side.lookup.backend)
+        side.lookup.backend = stall
         t = time.perf_counter()
         assert side.get_num_new_matched_tokens(_req("r2", 5 * 16 + 3, None), 0) == (0, False)
         assert time.perf_counter() - t < 0.3 + 0.5
@@ -42,9 +46,9 @@ def test_stalled_lookup_is_a_miss_within_the_deadline_then_lookups_pause_and_res
         assert side.get_num_new_matched_tokens(_req("r3", 5 * 16 + 3, None), 0) == (0, False)
         assert time.perf_counter() - t < 0.1
 
-        stall.release.set()
-        side.backend = stall._backend
-        side._lookup_paused_until = 0.0  # skip the back-off wait in the test; the pool is healthy again
-        assert side.get_num_new_matched_tokens(_req("r4", 5 * 16 + 3, None), 0) == (5 * 16, False)
+        stall.release.set()  # the pool is healthy again, but lookups stay paused for the back-off
+        assert side.get_num_new_matched_tokens(_req("r4", 5 * 16 + 3, None), 0) == (0, False)
+        time.sleep(backoff_s)
+        assert side.get_num_new_matched_tokens(_req("r5", 5 * 16 + 3, None), 0) == (5 * 16, False)
     finally:
         side.shutdown()

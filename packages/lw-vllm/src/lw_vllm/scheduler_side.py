@@ -7,7 +7,7 @@ request lives in KV block ``block_ids[i]``. Rules:
   object; stop at the first miss; at least one prompt token is left to compute (vLLM needs logits).
   Nothing under this engine's TP size: GQA chunks saved at another size whose split divides the kv
   heads count too (every saver rank's object); the load plan names that size and each worker reads
-  its heads by byte ranges (``_lookup_other_tp``, ``lw_core.tp_split``).
+  its heads by byte ranges (``pool_lookup.PoolLookup.at_other_tp``, ``lw_core.tp_split``).
 * Loads are synchronous (done within the step that first schedules the request).
 * A chunk is saved in the step that completes it (or, for chunks vLLM had cached locally, in the
   first step the request runs), only if it is not known to be in the pool. Saves finish inside
@@ -41,16 +41,15 @@ import threading
 import time
 from typing import Any
 
-from lw_core.backend import BackendUnavailable
 from lw_core.config import PoolConfig
-from lw_core.keys import KeySpace, chunk_hashes
-from lw_core.pipeline.pool import DeadlineCall, WorkerPool
+from lw_core.keys import chunk_hashes
 
 from lw_vllm import pool
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector
 from lw_vllm.pd_metaserver import MetaserverClient
 from lw_vllm.pd_coordinator import PdCoordinator, parent_id
+from lw_vllm.pool_lookup import PoolLookup
 from lw_vllm.request_state import RemotePhase, ReqState
 
 log = logging.getLogger(__name__)
@@ -59,9 +58,6 @@ STATS_ENV = "LW_VLLM_STATS_FILE"
 # A step whose forward computes at most this many tokens per scheduled request (decodes, a PD
 # decoder's last prompt token) loads in bulk even in layerwise mode.
 BULK_LOAD_TOKENS_PER_REQ = 2
-# After a lookup timeout, lookups are skipped (misses) for this long: a wedged store then costs
-# one deadline every few seconds instead of one per request.
-LOOKUP_BACKOFF_S = 5.0
 # TP sizes another engine of this model may run at: on a miss, those whose GQA heads this engine
 # can read by ranges are looked up (README "Prefill and decode at different TP"); all are probed
 # when a PD decoder's pool holds none of a committed prefill, to say why.
@@ -97,15 +93,15 @@ class SchedulerSide:
                          or (role == "kv_producer" and cfg.producer_is_to_load))
         self.can_save = role in ("kv_both", "kv_producer") or (role == "kv_consumer" and cfg.consumer_is_to_put)
         self.backend = pool.acquire_backend(cfg)
-        self._lookup_pool = WorkerPool("lw-lookup", size=1)
-        self._lookup_paused_until = 0.0
+        self.lookup = PoolLookup(self.backend, self.keyspace, self.tags, self.other_tp, self.readable_tp,
+                                 cfg.lookup_timeout_s, self.metrics)
         self.reqs: dict[str, ReqState] = {}
         self.stats_path = os.environ.get(STATS_ENV) or None
         self._stats_lock = threading.Lock()
         # A prefiller never waits for anyone; a decoder (or a kv_both engine behind the proxy) does.
         metaserver = MetaserverClient(cfg.metaserver_timeout_s) if role in ("kv_consumer", "kv_both") else None
         self.pd = PdCoordinator(cfg, self.block_size, self.keyspace, self.tags, self.other_tp, metaserver,
-                                self.metrics, self._lookup, functools.partial(pool.tp_mismatch, vllm_config))
+                                self.metrics, self.lookup, functools.partial(pool.tp_mismatch, vllm_config))
         self._builds = 0
         self._lag = 1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0
         # Finished requests whose last step's worker report has not arrived yet: their stats are
@@ -130,51 +126,6 @@ class SchedulerSide:
             st.n_tokens = len(tokens)
         return st.hashes
 
-    def _lookup(self, hashes: list[bytes], keyspace: KeySpace | None = None, tags: list[str] | None = None) -> int:
-        """Leading chunks every needed rank has. Runs under ``lookup_timeout_s``: this is vLLM's
-        scheduler loop, and a stalled store must cost a miss, not a stalled engine. After a
-        timeout, lookups pause for ``LOOKUP_BACKOFF_S`` (misses at once) instead of paying the
-        deadline again for every request."""
-        if not hashes:
-            return 0
-        if time.monotonic() < self._lookup_paused_until:
-            raise BackendUnavailable("pool lookups paused after a lookup timeout")
-
-        def run() -> int:
-            n = len(hashes)
-            ks = keyspace or self.keyspace
-            for tag in tags or self.tags:
-                if n == 0:
-                    break
-                n = min(n, self.backend.lookup(ks.keys(tag, hashes[:n])))
-            return n
-
-        call = DeadlineCall(self._lookup_pool, run)
-        if not call.wait(self.cfg.lookup_timeout_s):
-            self._lookup_paused_until = time.monotonic() + LOOKUP_BACKOFF_S
-            self.metrics.add(lookup_errors=1)
-            raise BackendUnavailable(
-                f"pool lookup took longer than lookup_timeout_s={self.cfg.lookup_timeout_s}s; "
-                f"lookups paused for {LOOKUP_BACKOFF_S}s"
-            )
-        if call.error is not None:
-            self.metrics.add(lookup_errors=1)  # the callers turn it into a miss: count it here
-            raise call.error
-        return call.value
-
-    def _lookup_other_tp(self, hashes: list[bytes], local: int, limit: int) -> tuple[int, int]:
-        """After a miss at this engine's TP size: ``(hit, saver TP size)`` of chunks an engine at
-        another size saved whose heads this engine reads by ranges, else ``(local, 0)``. One key
-        per size first (a cheap miss), then every saver rank's objects (each holds some of the
-        heads some rank of this engine needs)."""
-        for tp in self.readable_tp:
-            ks, tags = self.other_tp[tp]
-            if self._lookup(hashes[local:local + 1], ks, tags[:1]) == 1:
-                n = self._lookup(hashes[local:limit], ks, tags)
-                if n:
-                    return local + n, tp
-        return local, 0
-
     def _skip_published(self, st: ReqState) -> None:
         """A saver that does not load (kv_producer) still skips chunks the pool already holds:
         re-saving them would only be refused by the pool (and report nothing for the request)."""
@@ -182,7 +133,7 @@ class SchedulerSide:
         if n <= st.saved_upto:
             return
         try:
-            hit = self._lookup(self._hashes(st)[:n])
+            hit = self.lookup(self._hashes(st)[:n])
         except Exception as e:
             log.warning("lw-vllm: lookup failed for %s, saving every chunk: %s", st.req.request_id, e)
             return
@@ -219,10 +170,10 @@ class SchedulerSide:
         try:
             # From the first chunk vLLM lacks: chained keys make chunk i valid after any valid prefix.
             seen = st.pool_seen and hashes is st.pd_hashes
-            hit = limit if seen else local + self._lookup(hashes[local:limit])
+            hit = limit if seen else local + self.lookup(hashes[local:limit])
             src_tp = 0
             if hit == local and self.readable_tp:
-                hit, src_tp = self._lookup_other_tp(hashes, local, limit)
+                hit, src_tp = self.lookup.at_other_tp(hashes, local, limit)
         except Exception as e:  # a pool that cannot answer is a miss, never a failed request
             log.warning("lw-vllm: lookup failed for %s, treating as a miss: %s", req.request_id, e)
             return 0, False
@@ -386,5 +337,5 @@ class SchedulerSide:
         if self.stats_path:
             self._flush_finishing()
         self.pd.close()
-        self._lookup_pool.close(timeout_s=1.0)
+        self.lookup.close()
         pool.release_backend(self.cfg, self.backend)

@@ -58,14 +58,14 @@ class _Handler(RequestHandler):
     def over_soft_cap(self) -> bool:
         """More connections are open than clients may use: the rest are kept for metaserver callbacks."""
         srv = self._manager
-        return srv is not None and len(srv._connections) > srv.soft_cap
+        return isinstance(srv, CappedServer) and len(srv._connections) > srv.soft_cap
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self._messages:
             self._last_payload = self._messages[-1][1]
 
-    def eof_received(self) -> bool:
+    def eof_received(self) -> bool:  # type: ignore[override]  # asyncio lets it return True; aiohttp types None
         # The client shut down its sending side. Mid-body: the body is incomplete; fail the read so the
         # handler answers 400, and keep the socket open to send it. Otherwise it is a client that went
         # away: close, as aiohttp does, which cancels the handler and so aborts the upstream request.
@@ -144,8 +144,8 @@ async def start(cfg: Any, sock: socket.socket | None = None, metaserver_sock: so
             runners.append(mr)
             await web.SockSite(mr, metaserver_sock or _bind(cfg.host, cfg.metaserver_port)).start()
     except BaseException:
-        for r in reversed(runners):
-            await r.cleanup()
+        for runner in reversed(runners):
+            await runner.cleanup()
         raise
     return runners
 

@@ -40,7 +40,8 @@ def _child(role: str, path: str, keys: list[str]) -> None:
 
         lock = WriterLock(b.path, timeout_s=1.0, capacity=CAP)
         lock.open_files()
-        lock.locked().__enter__()
+        cm = lock.locked()  # kept referenced: a collected generator would release the lock
+        cm.__enter__()
         txn = b._env.begin(write=True)
         txn.put(b"x", b"y", db=b._meta)
     print("ready", flush=True)

@@ -6,13 +6,12 @@ import fcntl
 import mmap
 import os
 import struct
-import threading
 import time
 
 import lmdb
 import numpy as np
 
-from lw_core.backend import BackendError, BackendUnavailable
+from lw_core.backend import BackendError
 from lw_core.backends.embedded.arena_alloc import ExtentAllocator
 from lw_core.backends.embedded import files
 from lw_core.backends.embedded.env import acquire_env, boot_id, release_env
@@ -24,19 +23,18 @@ class AttachMixin:
     """Creating, checking and mapping the pool directory."""
 
     def _attach(self) -> None:
-        self._lock_fd = self._attach_fd = self._create_fd = None
+        self._attach_fd = None
         files.prepare_dir(self.path)
-        self._lock_fd = files.open_file(os.path.join(self.path, "writer.lock"), os.O_RDWR | os.O_CREAT)
+        self._lock.open_files()
         self._attach_fd = files.open_file(os.path.join(self.path, "attach.lock"), os.O_RDWR | os.O_CREAT)
-        self._create_fd = files.open_file(os.path.join(self.path, "create.lock"), os.O_RDWR | os.O_CREAT)
         self._ident = files.identity(self.path)
         arena_fd = None
         try:
             # Openers take turns on create.lock, so only one of them can build the pool; the slow
             # part of building (allocating the arena) and mapping it run without the writer lock,
             # whose short lock_timeout_s would otherwise fail everyone who opens at the same time.
-            with self._create_locked():
-                with self._locked():
+            with self._lock.create_locked():
+                with self._lock.locked():
                     try:
                         fcntl.flock(self._attach_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                         alone = True
@@ -50,7 +48,7 @@ class AttachMixin:
                     if reason != "new":
                         log.warning("embedded pool %r: rebuilding it: %s", self.path, reason)
                     self._create(*self._files())
-                with self._locked():
+                with self._lock.locked():
                     arena_fd = self._attach_files()
                     self._leases.claim(self._me)
                     # Every attacher holds this shared until it closes or dies; taken under the
@@ -76,9 +74,7 @@ class AttachMixin:
         self._next_check = now + POOL_CHECK_S
         if files.identity(self.path) == self._ident:
             return
-        if not self._tlock.acquire(timeout=self.lock_timeout_s):
-            raise BackendUnavailable(f"embedded pool {self.path!r}: busy in this process for {self.lock_timeout_s}s")
-        try:
+        with self._lock.exclusive():
             if files.identity(self.path) == self._ident:
                 return
             log.warning(
@@ -89,13 +85,7 @@ class AttachMixin:
             self._teardown(keep_mappings=True)
             self._epoch += 1
             self._local["reattached"] += 1
-            self._tlock_owner = threading.get_ident()
-            try:
-                self._attach()
-            finally:
-                self._tlock_owner = None
-        finally:
-            self._tlock.release()
+            self._attach()
 
     # ----------------------------------------------------------------- setup
 

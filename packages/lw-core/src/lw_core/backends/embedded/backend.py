@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import threading
 from typing import Annotated, Any
 
 import msgspec
@@ -23,6 +22,7 @@ from lw_core.backends.embedded.stream import StreamMixin
 from lw_core.backends.embedded.sweep import SweepMixin
 from lw_core.backends.embedded.txn import TxnMixin
 from lw_core.backends.embedded.verify import VerifyMixin
+from lw_core.backends.embedded.writer_lock import WriterLock
 from lw_core.config import Seconds
 from lw_core.validation import convert_strict
 
@@ -65,7 +65,7 @@ class EmbeddedBackend(AttachMixin, TxnMixin, SweepMixin, OpsMixin, StreamMixin, 
         self.lock_timeout_s = st.lock_timeout_s
         self._pid = os.getpid()
         self._me = current_owner()
-        self._tlock = threading.Lock()
+        self._lock = WriterLock(self.path, timeout_s=self.lock_timeout_s, capacity=self.capacity)
         self._closed = False
         self._env: Any = None
         self._mm: mmap.mmap | None = None
@@ -85,7 +85,7 @@ class EmbeddedBackend(AttachMixin, TxnMixin, SweepMixin, OpsMixin, StreamMixin, 
         self._ident: tuple[int, int] | None = None
         self._next_check = 0.0
         self._populate = populate
-        self._tlock_owner: int | None = None
+        self._attach_fd: int | None = None
         self._attach()
 
     @classmethod
@@ -119,11 +119,10 @@ class EmbeddedBackend(AttachMixin, TxnMixin, SweepMixin, OpsMixin, StreamMixin, 
         if self._env is not None:
             release_env(self._env)
             self._env = None
-        for name in ("_lock_fd", "_attach_fd", "_create_fd"):
-            fd = getattr(self, name, None)
-            if fd is not None:
-                os.close(fd)  # also drops our flocks
-                setattr(self, name, None)
+        self._lock.close_files()  # also drops our flocks
+        if self._attach_fd is not None:
+            os.close(self._attach_fd)  # also drops our shared attach lock
+            self._attach_fd = None
 
     def __enter__(self) -> "EmbeddedBackend":
         return self

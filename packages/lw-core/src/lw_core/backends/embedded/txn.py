@@ -1,11 +1,9 @@
-"""Locks and write transactions: ``Tx`` (one LMDB write transaction plus the counter record) and
-the writer lock taken with a deadline."""
+"""Write transactions: ``Tx`` (one LMDB write transaction plus the counter record) and the
+read/write runners (the writer lock itself: writer_lock.py)."""
 
 from __future__ import annotations
 
-import fcntl
 import os
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,15 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 import lmdb
 
-from lw_core.backend import BackendError, BackendUnavailable, PoolFull
+from lw_core.backend import BackendError, PoolFull
 from lw_core.backends.embedded.arena_alloc import ArenaCorrupt
 from lw_core.backends.embedded import files
-from lw_core.backends.embedded.env import flock_by
 from lw_core.backends.embedded.records import (
     BE_U64,
     CIDX,
     COUNTERS_REC,
-    CREATE_BYTES_PER_S,
     OBJ_REC,
     RESV_TAIL,
     Resv,
@@ -98,48 +94,9 @@ class TxnMixin:
                 "open a new EmbeddedBackend in each process"
             )
 
-    @contextmanager
-    def _locked(self) -> Iterator[None]:
-        deadline = time.monotonic() + self.lock_timeout_s
-        nested = self._tlock_owner == threading.get_ident()  # re-attaching: _check_pool holds the thread lock
-        if not nested and not self._tlock.acquire(timeout=self.lock_timeout_s):
-            raise BackendUnavailable(f"embedded pool {self.path!r}: writer lock busy in this process for {self.lock_timeout_s}s")
-        try:
-            flock_by(
-                self._lock_fd,
-                deadline,
-                lambda: f"embedded pool {self.path!r}: another process held the index writer lock for more "
-                f"than lock_timeout_s={self.lock_timeout_s}s (stopped or stuck?)",
-            )
-            try:
-                yield
-            finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        finally:
-            if not nested:
-                self._tlock.release()
-
-    @contextmanager
-    def _create_locked(self) -> Iterator[None]:
-        """Held while opening: another opener may be building the pool, which takes time that
-        grows with the arena, so the wait is lock_timeout_s plus a generous allowance for it."""
-        wait_s = self.lock_timeout_s + self.capacity / CREATE_BYTES_PER_S
-        lock = os.path.join(self.path, "create.lock")
-        flock_by(
-            self._create_fd,
-            time.monotonic() + wait_s,
-            lambda: f"embedded pool {self.path!r}: another process held {lock!r} for more than {wait_s:.1f}s "
-            f"(lock_timeout_s={self.lock_timeout_s} plus time to create {self.capacity} bytes); it is "
-            "stopped or stuck while creating or opening the pool",
-        )
-        try:
-            yield
-        finally:
-            fcntl.flock(self._create_fd, fcntl.LOCK_UN)
-
     def _write(self, fn: Callable[[Tx], T]) -> T:
         self._usable()
-        with self._locked():
+        with self._lock.locked():
             return self._write_unlocked(fn)
 
     def _write_unlocked(self, fn: Callable[[Tx], T]) -> T:

@@ -13,7 +13,7 @@ Mooncake has no reserve/commit, so one pool object is one Mooncake object put wh
   batch, a ranged get of one layer of every object, into registered staging, then copied out, and
   ``view`` of a read handle is ``None``; ``"whole"`` -- ``open`` fetches the whole objects with
   ``batch_get_into`` into local copies, which ``view``/``read`` then serve (fewer, larger calls:
-  Mooncake's cost is per key and call; measured in docs/mooncake.md). ``release`` drops the local
+  Mooncake's cost is per key and call; measured in docs/bench/mooncake.md). ``release`` drops the local
   copies; Mooncake itself pins an object for ``--default_kv_lease_ttl`` after each get.
 
 The writes are ``lw_mooncake.writes``, the reads ``lw_mooncake.reads``; the optional streaming

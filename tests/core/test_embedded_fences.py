@@ -67,7 +67,7 @@ def test_read_fences_after_the_copies_and_before_the_generation_check(pools, mon
 
     def evicted_now() -> None:  # the evictor's tombstone reaches this reader at its fence
         copied_at_fence.append(bool((dst == 7).all()))
-        b._leases.gen[h._pg] = 0
+        b._pool.leases.gen[h._pg] = 0
 
     calls = at_fence(monkeypatch, evicted_now)
     with pytest.raises(ObjectMissing, match="evicted"):
@@ -89,7 +89,7 @@ def test_read_of_a_batch_takes_one_fence(pools, monkeypatch):
 def test_open_publishes_its_lease_before_the_fence_and_checks_the_generation_after(pools, monkeypatch):
     b = pools()
     h0 = put(b, "a", 7)
-    lt = b._leases
+    lt = b._pool.leases
     seen = []
 
     def evicted_now() -> None:
@@ -106,7 +106,7 @@ def test_intact_fences_before_reading_the_generations(pools, monkeypatch):
     b = pools()
     put(b, "a", 7)
     (h,) = b.open(["a"])
-    calls = at_fence(monkeypatch, lambda: b._leases.gen.__setitem__(h._pg, 0))
+    calls = at_fence(monkeypatch, lambda: b._pool.leases.gen.__setitem__(h._pg, 0))
     assert b.intact([h]) == [False] and calls == [1]
 
 
@@ -115,15 +115,15 @@ def test_commit_fences_before_publishing_the_generation(pools, monkeypatch):
     (h,) = b.reserve(["a"], N)
     b.write([h], [0], [np.full(N, 7, np.uint8)])
     gen_at_fence = []
-    calls = at_fence(monkeypatch, lambda: gen_at_fence.append(b._leases.gen[h._pg]))
+    calls = at_fence(monkeypatch, lambda: gen_at_fence.append(b._pool.leases.gen[h._pg]))
     b.commit([h])
-    assert calls == [1] and gen_at_fence == [0] and b._leases.gen[h._pg] == h._oid
+    assert calls == [1] and gen_at_fence == [0] and b._pool.leases.gen[h._pg] == h._oid
 
 
 def test_evict_stores_the_tombstone_before_the_fence_and_reads_leases_after(pools, monkeypatch):
     writer, reader = pools(), pools()
     h = put(writer, "a", 7)
-    wl, rl = writer._leases, reader._leases
+    wl, rl = writer._pool.leases, reader._pool.leases
     wl.ref[h._pg] = 0  # not read since: CLOCK takes it
     rows = wl.live_rows(writer._me)
     gen_at_fence, entries = [], []

@@ -142,7 +142,7 @@ def test_truncated_arena_is_rebuilt_when_alone_and_refused_when_not(tmp_path):
 
 
 def test_deleted_pool_directory_is_noticed_and_reattached(tmp_path, monkeypatch):
-    monkeypatch.setattr(embedded.attach, "POOL_CHECK_S", 0.0)
+    monkeypatch.setattr(embedded.backend, "POOL_CHECK_S", 0.0)
     p = tmp_path / "p"
     a = _pool(p)
     try:

@@ -42,8 +42,8 @@ def _child(role: str, path: str, keys: list[str]) -> None:
         lock.open_files()
         cm = lock.locked()  # kept referenced: a collected generator would release the lock
         cm.__enter__()
-        txn = b._env.begin(write=True)
-        txn.put(b"x", b"y", db=b._meta)
+        txn = b._pool.env.begin(write=True)
+        txn.put(b"x", b"y", db=b._pool.meta)
     print("ready", flush=True)
     time.sleep(60)
 
@@ -205,7 +205,7 @@ def test_dead_reader_in_another_pid_namespace_is_reclaimed_too(pools, tmp_path):
     )
     try:
         assert child.stdout.readline().strip() == "ready", child.stderr.read()
-        lt = writer._leases
+        lt = writer._pool.leases
         rows = [r for r in range(len(lt.rows)) if lt.rows[r, 1] and r != lt.row]
         assert len(rows) == 1 and int(lt.rows[rows[0], 0]) != writer._me.pidns, "test premise: another namespace"
         assert writer.reserve(["c"], N) == [None]
@@ -227,7 +227,7 @@ def test_reused_pid_does_not_keep_a_dead_readers_leases(pools):
     assert all(reader.open(["a", "b"]))
     assert writer.reserve(["c"], N) == [None]
     # The reader "died" and a new process got its pid: same pid, another start time.
-    lt = reader._leases
+    lt = reader._pool.leases
     lt.rows[lt.row, 2] = int(lt.rows[lt.row, 2]) + 12345
     hs = writer.reserve(["c", "d"], N)
     assert all(hs)

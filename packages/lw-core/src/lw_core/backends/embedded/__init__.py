@@ -7,10 +7,12 @@ design, the rules it keeps and the measurements behind it: packages/lw-core/docs
 
 Modules, one job each:
 
-* ``backend``  -- ``EmbeddedBackend``: construction, close, and the parts below as mixins.
+* ``backend``  -- ``EmbeddedBackend``: construction, close, re-attach to a replaced pool; it owns
+  the collaborators below and takes the rest as mixins.
 * ``records``  -- record formats (LMDB values), counters, ``EmbeddedHandle``, constants.
-* ``attach``   -- create, check, attach to and map the pool files; re-attach to a replaced pool.
-* ``txn``      -- the writer lock (an ``flock`` with a deadline) and ``Tx``, one write transaction.
+* ``pool_files`` -- ``PoolFiles``: create, check, attach to and map the pool files (index, arena, leases).
+* ``writer_lock`` -- ``WriterLock``: the writer lock (an ``flock`` with a deadline, and a thread lock).
+* ``txn``      -- ``Tx``, one write transaction, and the read/write transaction runners.
 * ``sweep``    -- reclaiming dead writers' reservations, and eviction (CLOCK over the LRU order).
 * ``ops``      -- the ``Backend`` protocol operations (lookup, reserve, write, read, view, ...).
 * ``stream``   -- the optional streaming extension (publish a prefix before commit, wait for it).

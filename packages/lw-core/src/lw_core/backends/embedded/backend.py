@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import mmap
 import os
+import time
 from typing import Annotated, Any
 
 import msgspec
-import numpy as np
 from msgspec import Meta
 
 from lw_core.backends.builtin import CapacityBytes
 from lw_core.backends.embedded import fences
-from lw_core.backends.embedded.attach import AttachMixin
-from lw_core.backends.embedded.env import release_env
-from lw_core.backends.embedded.leases import LeaseTable
+from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.ops import OpsMixin
 from lw_core.procs import current_owner
-from lw_core.backends.embedded.records import PAGE
+from lw_core.backends.embedded.records import PAGE, POOL_CHECK_S, log
 from lw_core.backends.embedded.stream import StreamMixin
 from lw_core.backends.embedded.sweep import SweepMixin
 from lw_core.backends.embedded.txn import TxnMixin
@@ -37,7 +34,7 @@ class EmbeddedSettings(msgspec.Struct, frozen=True, kw_only=True):
     lock_timeout_s: Seconds
 
 
-class EmbeddedBackend(AttachMixin, TxnMixin, SweepMixin, OpsMixin, StreamMixin, VerifyMixin):
+class EmbeddedBackend(TxnMixin, SweepMixin, OpsMixin, StreamMixin, VerifyMixin):
     """Single-host pool shared by every process that opens the same ``path`` (a directory)."""
 
     name = "embedded"
@@ -67,12 +64,8 @@ class EmbeddedBackend(AttachMixin, TxnMixin, SweepMixin, OpsMixin, StreamMixin, 
         self._me = current_owner()
         self._lock = WriterLock(self.path, timeout_s=self.lock_timeout_s, capacity=self.capacity)
         self._closed = False
-        self._env: Any = None
-        self._mm: mmap.mmap | None = None
-        self._mv: memoryview | None = None
-        self._np: np.ndarray | None = None
+        self._pool = PoolFiles(self.path, self.capacity, populate=populate)
         self._last_sweep = 0.0
-        self._leases: LeaseTable | None = None
         self._local = {
             "open_hits": 0,
             "open_misses": 0,
@@ -82,10 +75,7 @@ class EmbeddedBackend(AttachMixin, TxnMixin, SweepMixin, OpsMixin, StreamMixin, 
             "reattached": 0,
         }
         self._epoch = 0
-        self._ident: tuple[int, int] | None = None
         self._next_check = 0.0
-        self._populate = populate
-        self._attach_fd: int | None = None
         self._attach()
 
     @classmethod
@@ -100,29 +90,35 @@ class EmbeddedBackend(AttachMixin, TxnMixin, SweepMixin, OpsMixin, StreamMixin, 
         if os.getpid() == self._pid:
             self._teardown()
 
+    def _attach(self) -> None:
+        self._pool.attach(self._lock, self._me, lambda: self._write_unlocked(self._sweep))
+
     def _teardown(self, keep_mappings: bool = False) -> None:
-        """Let go of the pool. ``keep_mappings``: other threads may still copy through the old
-        arena mapping, so it is only dropped (it goes when its last user does)."""
-        self._np = None
-        if self._leases is not None:
-            self._leases.close(keep_mappings)
-            self._leases = None
-        if self._mv is not None and not keep_mappings:
-            self._mv.release()
-        self._mv = None
-        if self._mm is not None and not keep_mappings:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # a caller still holds a view(): the mapping goes when that view does
-        self._mm = None
-        if self._env is not None:
-            release_env(self._env)
-            self._env = None
+        """Let go of the pool (``PoolFiles.close``) and the lock files."""
+        self._pool.close(keep_mappings)
         self._lock.close_files()  # also drops our flocks
-        if self._attach_fd is not None:
-            os.close(self._attach_fd)  # also drops our shared attach lock
-            self._attach_fd = None
+
+    def _check_pool(self) -> None:
+        """Notice a pool directory deleted (or replaced) under us and attach to the new one, so
+        processes never keep using two different pools at one path. At most once a second."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + POOL_CHECK_S
+        if not self._pool.replaced():
+            return
+        with self._lock.exclusive():
+            if not self._pool.replaced():
+                return
+            log.warning(
+                "embedded pool %r: the pool directory was deleted or replaced while attached; attaching to the "
+                "pool now at that path (objects of the old one are gone, handles on them fail)",
+                self.path,
+            )
+            self._teardown(keep_mappings=True)
+            self._epoch += 1
+            self._local["reattached"] += 1
+            self._attach()
 
     def __enter__(self) -> "EmbeddedBackend":
         return self

@@ -56,7 +56,7 @@ class OpsMixin:
         n = 0
         with self._read() as txn:
             for bk in bkeys:
-                v = txn.get(bk, db=self._obj)
+                v = txn.get(bk, db=self._pool.obj)
                 if v is None or v[ST] != COMMITTED:
                     break
                 n += 1
@@ -115,7 +115,7 @@ class OpsMixin:
             return False
         found = t.get_resv(o[OID])
         if found is None:  # record without reservation: a bug; drop it rather than pin the key
-            t.txn.delete(bkey, db=self._obj)
+            t.txn.delete(bkey, db=self._pool.obj)
             return True
         return self._judge(t, o[OID], *found)
 
@@ -131,7 +131,7 @@ class OpsMixin:
         self._usable()
         if not (len(handles) == len(offsets) == len(srcs)):
             raise ValueError(f"embedded pool: write got {len(handles)} handles, {len(offsets)} offsets, {len(srcs)} srcs")
-        mv, npa, big, ep = self._mv, self._np, NP_COPY_MIN, self._epoch
+        mv, npa, big, ep = self._pool.mv, self._pool.np, NP_COPY_MIN, self._epoch
         for h, off, src in zip(handles, offsets, srcs):
             if type(h) is not EmbeddedHandle or not h._writable:
                 raise BackendError(f"embedded pool: write to {h!r}, which is not a reserved handle")
@@ -158,7 +158,7 @@ class OpsMixin:
         self._usable()
         if not (len(handles) == len(offsets) == len(dsts)):
             raise ValueError(f"embedded pool: read got {len(handles)} handles, {len(offsets)} offsets, {len(dsts)} dsts")
-        mv, npa, big, gen, ep = self._mv, self._np, NP_COPY_MIN, self._leases.gen, self._epoch
+        mv, npa, big, gen, ep = self._pool.mv, self._pool.np, NP_COPY_MIN, self._pool.leases.gen, self._epoch
         bad: list[str] = []
         copied: list[EmbeddedHandle] = []  # leased handles whose generation is checked again
         for h, off, dst in zip(handles, offsets, dsts):
@@ -206,7 +206,7 @@ class OpsMixin:
         if h._epoch != self._epoch:
             raise ObjectMissing(f"embedded pool {self.path!r}: {h.key!r} is from a pool directory that was deleted since")
         if not h._writable:
-            lt = self._leases
+            lt = self._pool.leases
             now = time.time()
             renewed = h._leased and lt.expiry(h._lease, h._oid) - now > self.lease_ttl_s / 2
             if not renewed:  # expiring (or expired): renew, then check (fenced like open)
@@ -218,14 +218,14 @@ class OpsMixin:
                 why = "was evicted (its lease had expired)" if renewed or h._leased else "is not leased (released)"
                 raise ObjectMissing(f"embedded pool {self.path!r}: no view of {h.key!r}: it {why}")
         a = h._off + offset
-        v = self._mv[a : a + nbytes]
+        v = self._pool.mv[a : a + nbytes]
         return v if h._writable else v.toreadonly()
 
     def intact(self, handles: Sequence[EmbeddedHandle]) -> list[bool]:
         """Whether each handle's object still owns its space (not evicted, not reused, same pool
         directory): the check a caller makes after copying from ``view`` windows."""
         self._usable()
-        gen, ep = self._leases.gen, self._epoch
+        gen, ep = self._pool.leases.gen, self._epoch
         fences.fence()  # the caller's copies are ordered before the generations are read
         out = [isinstance(h, EmbeddedHandle) and h._epoch == ep and gen[h._pg] == h._oid for h in handles]
         bad = out.count(False)
@@ -251,9 +251,9 @@ class OpsMixin:
                     stamp = t.next_id()
                     o[ST], o[STAMP] = COMMITTED, stamp
                     t.put_obj(h._bkey, o)
-                    self._leases.set_gen(o[OFF] // PAGE, o[OID])  # readers check it after each copy
-                    t.txn.put(BE_U64.pack(stamp), h._bkey, db=self._lru)
-                    t.txn.delete(BE_U64.pack(h._oid), db=self._resv)
+                    self._pool.leases.set_gen(o[OFF] // PAGE, o[OID])  # readers check it after each copy
+                    t.txn.put(BE_U64.pack(stamp), h._bkey, db=self._pool.lru)
+                    t.txn.delete(BE_U64.pack(h._oid), db=self._pool.resv)
                     t.c[CIDX["reserved_objects"]] -= 1
                     t.c[CIDX["reserved_bytes"]] -= o[ALLOC]
                     t.c[CIDX["objects"]] += 1
@@ -305,10 +305,10 @@ class OpsMixin:
         self._usable()
         self._check_pool()
         out: list[EmbeddedHandle | None] = []
-        lt, ep, full = self._leases, self._epoch, 0
+        lt, ep, full = self._pool.leases, self._epoch, 0
         with self._read() as txn, lt.lock:
             expiry = time.time() + self.lease_ttl_s
-            get, unpack, db, take, gen = txn.get, OBJ_REC.unpack, self._obj, lt.take, lt.gen
+            get, unpack, db, take, gen = txn.get, OBJ_REC.unpack, self._pool.obj, lt.take, lt.gen
             for k, bk in zip(keys, bkeys):
                 v = get(bk, db=db)
                 if v is None or v[0] != COMMITTED:
@@ -342,7 +342,7 @@ class OpsMixin:
         if not hs:
             return
         self._usable()
-        lt, ep = self._leases, self._epoch
+        lt, ep = self._pool.leases, self._epoch
         stale = 0
         with lt.lock:
             for h in hs:

@@ -91,7 +91,7 @@ class StreamMixin:
         out: list[EmbeddedHandle | None] = []
         with self._read() as txn:
             for k, bk in zip(keys, bkeys):
-                v = txn.get(bk, db=self._obj)
+                v = txn.get(bk, db=self._pool.obj)
                 if v is None:
                     out.append(None)
                     continue
@@ -107,7 +107,7 @@ class StreamMixin:
         when it is short of ``upto`` and its writer is dead or timed out (it will never commit)."""
         if h._epoch != self._epoch:
             return GONE
-        v = txn.get(h._bkey, db=self._obj)
+        v = txn.get(h._bkey, db=self._pool.obj)
         if v is None:
             return GONE
         o = OBJ_REC.unpack(v)
@@ -117,7 +117,7 @@ class StreamMixin:
             return h.nbytes
         ready: int = o[STAMP]
         if judge is not None and ready < upto:
-            rv = txn.get(BE_U64.pack(h._oid), db=self._resv)
+            rv = txn.get(BE_U64.pack(h._oid), db=self._pool.resv)
             if rv is None:
                 return GONE
             r, _ = unpack_resv(rv)
@@ -168,7 +168,7 @@ class StreamMixin:
                 f"embedded pool {self.path!r}: streaming read of {len(short)} object(s) beyond their published "
                 f"bytes, or their reservation is gone (aborted, writer dead, evicted): {short[:3]}"
             )
-        mv, npa = self._mv, self._np
+        mv, npa = self._pool.mv, self._pool.np
         for h, off, m in zip(hs, offsets, views):
             a = h._off + off
             if m.nbytes < NP_COPY_MIN:

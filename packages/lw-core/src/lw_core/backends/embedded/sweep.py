@@ -30,7 +30,7 @@ class SweepMixin:
         """Reclaim reservations of dead owners; take keys away from timed-out live ones."""
         t.swept = True
         self._last_sweep = t.now
-        for k, v in list(t.txn.cursor(db=self._resv)):
+        for k, v in list(t.txn.cursor(db=self._pool.resv)):
             r, bkey = unpack_resv(v)
             self._judge(t, BE_U64.unpack(k)[0], r, bkey)
 
@@ -55,7 +55,7 @@ class SweepMixin:
     def _drop_key_if(self, t: Tx, bkey: bytes, oid: int) -> None:
         o = t.get_obj(bkey)
         if o is not None and o[OID] == oid and o[ST] == RESERVED:
-            t.txn.delete(bkey, db=self._obj)
+            t.txn.delete(bkey, db=self._pool.obj)
 
     def _make_room(self, t: Tx, size: int) -> int | None:
         """Free space for ``size`` bytes: reclaim dead reservations, then evict (CLOCK over the LRU
@@ -66,7 +66,7 @@ class SweepMixin:
             if off is not None:
                 return off
         if t.lru_cur is None:
-            t.lru_cur = t.txn.cursor(db=self._lru)
+            t.lru_cur = t.txn.cursor(db=self._pool.lru)
             if not t.lru_cur.first():
                 return None
         cur = t.lru_cur
@@ -83,8 +83,8 @@ class SweepMixin:
                 cur.delete()  # stale entry (a bug if ever): drop it, go on
                 continue
             if t.rows is None:
-                t.rows = self._leases.live_rows(self._me)  # dead readers' leases do not count
-            lease = self._leases.evict(o[OFF] // PAGE, o[OID], t.now, t.rows)
+                t.rows = self._pool.leases.live_rows(self._me)  # dead readers' leases do not count
+            lease = self._pool.leases.evict(o[OFF] // PAGE, o[OID], t.now, t.rows)
             if lease == FREE:
                 t.tombs.append((o[OFF] // PAGE, o[OID]))
             if lease == LEASED:
@@ -95,13 +95,13 @@ class SweepMixin:
                 # Read since it was queued: second chance at the tail (CLOCK).
                 cur.delete()
                 o[STAMP] = t.next_id()
-                t.txn.put(BE_U64.pack(o[STAMP]), bkey, db=self._lru)
+                t.txn.put(BE_U64.pack(o[STAMP]), bkey, db=self._pool.lru)
                 t.put_obj(bkey, o)
                 if not cur.key():  # it was the last entry: the cursor fell off; resume at its new place
                     cur.set_key(BE_U64.pack(o[STAMP]))
                 continue
             cur.delete()
-            t.txn.delete(bkey, db=self._obj)
+            t.txn.delete(bkey, db=self._pool.obj)
             t.c[CIDX["objects"]] -= 1
             t.c[CIDX["bytes"]] -= o[NBYTES]
             t.c[CIDX["committed_alloc_bytes"]] -= o[ALLOC]

@@ -26,17 +26,17 @@ from lw_core.backends.embedded.records import (
 )
 
 if TYPE_CHECKING:
-    from lw_core.backends.embedded.backend import EmbeddedBackend
+    from lw_core.backends.embedded.pool_files import PoolFiles
 
 
 class Tx:
     """One write transaction plus the counter record, read once and written once."""
 
-    def __init__(self, be: EmbeddedBackend, txn: Any) -> None:
-        self.be = be
+    def __init__(self, pool: PoolFiles, txn: Any) -> None:
+        self.pool = pool
         self.txn = txn
         self.now = time.time()
-        raw = txn.get(b"counters", db=be._meta)
+        raw = txn.get(b"counters", db=pool.meta)
         self.c = list(COUNTERS_REC.unpack(raw))
         self.swept = False
         self.lru_cur: Any = None
@@ -44,39 +44,39 @@ class Tx:
         self.tombs: list[tuple[int, int]] = []  # (page, object id) of objects evicted here
 
     def flush(self) -> None:
-        self.txn.put(b"counters", COUNTERS_REC.pack(*self.c), db=self.be._meta)
+        self.txn.put(b"counters", COUNTERS_REC.pack(*self.c), db=self.pool.meta)
 
     def next_id(self) -> int:
         self.c[0] += 1
         return self.c[0]
 
     def alloc(self, size: int) -> int | None:
-        off = self.be._alloc.alloc(self.txn, size)
+        off = self.pool.alloc.alloc(self.txn, size)
         if off is not None:
             self.c[CIDX["free_bytes"]] -= size
         return off
 
     def free(self, off: int, size: int) -> None:
-        self.be._alloc.free(self.txn, off, size)
+        self.pool.alloc.free(self.txn, off, size)
         self.c[CIDX["free_bytes"]] += size
 
     def get_obj(self, bkey: bytes) -> list | None:
-        v = self.txn.get(bkey, db=self.be._obj)
+        v = self.txn.get(bkey, db=self.pool.obj)
         return None if v is None else list(OBJ_REC.unpack(v))
 
     def put_obj(self, bkey: bytes, o: list) -> None:
-        self.txn.put(bkey, OBJ_REC.pack(*o), db=self.be._obj)
+        self.txn.put(bkey, OBJ_REC.pack(*o), db=self.pool.obj)
 
     def get_resv(self, oid: int) -> tuple[Resv, bytes] | None:
-        v = self.txn.get(BE_U64.pack(oid), db=self.be._resv)
+        v = self.txn.get(BE_U64.pack(oid), db=self.pool.resv)
         return None if v is None else unpack_resv(v)
 
     def put_resv(self, oid: int, r: Resv, bkey: bytes) -> None:
-        self.txn.put(BE_U64.pack(oid), r.owner.pack() + RESV_TAIL.pack(r.t0, r.off, r.alloc, r.orphan) + bkey, db=self.be._resv)
+        self.txn.put(BE_U64.pack(oid), r.owner.pack() + RESV_TAIL.pack(r.t0, r.off, r.alloc, r.orphan) + bkey, db=self.pool.resv)
 
     def drop_resv(self, oid: int, r: Resv) -> None:
         """Forget a reservation and free its extent."""
-        self.txn.delete(BE_U64.pack(oid), db=self.be._resv)
+        self.txn.delete(BE_U64.pack(oid), db=self.pool.resv)
         self.free(r.off, r.alloc)
         self.c[CIDX["reserved_objects"]] -= 1
         self.c[CIDX["reserved_bytes"]] -= r.alloc
@@ -104,23 +104,23 @@ class TxnMixin:
             t = None
             try:
                 try:
-                    with self._env.begin(write=True) as txn:
-                        t = Tx(self, txn)
+                    with self._pool.env.begin(write=True) as txn:
+                        t = Tx(self._pool, txn)
                         out = fn(t)
                         t.flush()
                     return out
                 except BaseException:
                     if t is not None:  # the evictions did not happen: their objects stay readable
                         for page, oid in t.tombs:
-                            self._leases.set_gen(page, oid)
+                            self._pool.leases.set_gen(page, oid)
                     raise
             except lmdb.MapFullError:
                 if attempt:
                     raise PoolFull(
-                        f"embedded pool {self.path!r}: index map of {self._map_size()} bytes is full "
+                        f"embedded pool {self.path!r}: index map of {self._pool.map_size()} bytes is full "
                         "(too many tiny objects, or readers pinning old pages)"
                     ) from None
-                self._env.reader_check()  # pages pinned by dead readers are the usual cause
+                self._pool.env.reader_check()  # pages pinned by dead readers are the usual cause
             except ArenaCorrupt as e:
                 raise BackendError(f"embedded pool {self.path!r}: index is inconsistent: {e}") from e
             except lmdb.Error as e:
@@ -132,10 +132,10 @@ class TxnMixin:
         self._usable()
         try:
             try:
-                txn = self._env.begin(buffers=True)
+                txn = self._pool.env.begin(buffers=True)
             except lmdb.ReadersFullError:
-                self._env.reader_check()
-                txn = self._env.begin(buffers=True)
+                self._pool.env.reader_check()
+                txn = self._pool.env.begin(buffers=True)
             with txn:
                 yield txn
         except lmdb.Error as e:

@@ -26,7 +26,7 @@ class VerifyMixin:
 
     def stats(self) -> dict[str, int]:
         with self._read() as txn:
-            c = COUNTERS_REC.unpack(txn.get(b"counters", db=self._meta))
+            c = COUNTERS_REC.unpack(txn.get(b"counters", db=self._pool.meta))
         out = {name: int(v) for name, v in zip(COUNTERS, c) if name != "next_id"}
         out["capacity_bytes"] = self.capacity
         out.update(self._local)  # this process's own counters
@@ -37,7 +37,7 @@ class VerifyMixin:
         reservation that was never published (a non-streaming writer) shows 0 published bytes."""
         out: dict[int, tuple[str, int, int]] = {}
         with self._read() as txn:
-            for k, v in txn.cursor(db=self._obj):
+            for k, v in txn.cursor(db=self._pool.obj):
                 o = OBJ_REC.unpack(v)
                 if o[ST] == RESERVED:
                     out[o[OID]] = (bytes(k).decode(errors="replace"), o[STAMP], o[NBYTES])
@@ -49,21 +49,21 @@ class VerifyMixin:
         extents: list[tuple[int, int, str]] = []
         n_obj = n_bytes = n_resv = 0
         with self._read() as txn:
-            for k, v in txn.cursor(db=self._obj):
+            for k, v in txn.cursor(db=self._pool.obj):
                 o = OBJ_REC.unpack(v)
                 if o[ST] == COMMITTED:
                     extents.append((o[OFF], o[ALLOC], f"object {bytes(k)!r}"))
                     n_obj += 1
                     n_bytes += o[NBYTES]
-                    if bytes(txn.get(BE_U64.pack(o[STAMP]), db=self._lru) or b"") != bytes(k):
+                    if bytes(txn.get(BE_U64.pack(o[STAMP]), db=self._pool.lru) or b"") != bytes(k):
                         raise BackendError(f"embedded pool: object {bytes(k)!r} is missing from the LRU order")
-            for k, v in txn.cursor(db=self._resv):
+            for k, v in txn.cursor(db=self._pool.resv):
                 r, _ = unpack_resv(v)
                 extents.append((r.off, r.alloc, f"reservation {BE_U64.unpack(k)[0]}"))
                 n_resv += 1
-            extents += [(o, s, "free") for o, s in self._alloc.extents(txn)]
-            c = dict(zip(COUNTERS, COUNTERS_REC.unpack(txn.get(b"counters", db=self._meta))))
-            n_lru = txn.stat(self._lru)["entries"]
+            extents += [(o, s, "free") for o, s in self._pool.alloc.extents(txn)]
+            c = dict(zip(COUNTERS, COUNTERS_REC.unpack(txn.get(b"counters", db=self._pool.meta))))
+            n_lru = txn.stat(self._pool.lru)["entries"]
         pos = 0
         for off, size, what in sorted(extents):
             if off != pos:

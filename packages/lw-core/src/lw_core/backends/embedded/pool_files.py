@@ -1,4 +1,12 @@
-"""Create, attach to and map the pool files (``EmbeddedBackend``'s start-up and re-attach)."""
+"""The pool's files, opened and mapped: ``PoolFiles`` creates, checks and attaches to them.
+
+State (one attachment; ``close`` lets go of all of it, ``attach`` builds it again, as after the
+directory was replaced): ``attach.lock``'s descriptor (held shared while attached), the
+directory's identity (device, inode), the LMDB environment and its tables (``obj``, ``lru``,
+``resv``, ``meta``, the arena's free extents ``alloc``), the arena's mapping (``mm``, and ``mv``
+/ ``np`` over it) and the lease table. The writer lock is the caller's (``WriterLock``): it is
+taken here only around the checks and the attach, never while the arena is pre-faulted.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +14,8 @@ import fcntl
 import mmap
 import os
 import struct
-import time
+from collections.abc import Callable
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -16,25 +25,50 @@ from lw_core.backends.embedded.arena_alloc import ExtentAllocator
 from lw_core.backends.embedded import files
 from lw_core.backends.embedded.env import acquire_env, boot_id, release_env
 from lw_core.backends.embedded.leases import LeaseTable, table_bytes
-from lw_core.backends.embedded.records import CAP_REC, CIDX, COUNTERS, COUNTERS_REC, FORMAT, PAGE, POOL_CHECK_S, log
+from lw_core.backends.embedded.records import CAP_REC, CIDX, COUNTERS, COUNTERS_REC, FORMAT, PAGE, log
+from lw_core.backends.embedded.writer_lock import WriterLock
+from lw_core.procs import Owner
 
 
-class AttachMixin:
-    """Creating, checking and mapping the pool directory."""
+class PoolFiles:
+    """The pool directory ``path``'s files for one backend: index, arena mapping, lease table."""
 
-    def _attach(self) -> None:
+    def __init__(self, path: str, capacity: int, *, populate: bool) -> None:
+        self.path = path
+        self.capacity = capacity
+        self.populate = populate  # pre-fault the arena mapping at attach
+        self.ident: tuple[int, int] | None = None
+        self.env: Any = None
+        self.obj: Any = None
+        self.lru: Any = None
+        self.resv: Any = None
+        self.meta: Any = None
+        self.alloc: ExtentAllocator | None = None
+        self.mm: mmap.mmap | None = None
+        self.mv: memoryview | None = None
+        self.np: np.ndarray | None = None
+        self.leases: LeaseTable | None = None
+        self._attach_fd: int | None = None
+
+    def replaced(self) -> bool:
+        """Whether the directory at ``path`` is no longer the one attached (deleted or replaced)."""
+        return files.identity(self.path) != self.ident
+
+    def attach(self, lock: WriterLock, me: Owner, on_attached: Callable[[], None]) -> None:
+        """Create the pool if needed, attach (a lease row for ``me``) and map the arena.
+        ``on_attached`` runs under the writer lock once attached (the backend sweeps there)."""
         self._attach_fd = None
         files.prepare_dir(self.path)
-        self._lock.open_files()
+        lock.open_files()
         self._attach_fd = files.open_file(os.path.join(self.path, "attach.lock"), os.O_RDWR | os.O_CREAT)
-        self._ident = files.identity(self.path)
+        self.ident = files.identity(self.path)
         arena_fd = None
         try:
             # Openers take turns on create.lock, so only one of them can build the pool; the slow
             # part of building (allocating the arena) and mapping it run without the writer lock,
             # whose short lock_timeout_s would otherwise fail everyone who opens at the same time.
-            with self._lock.create_locked():
-                with self._lock.locked():
+            with lock.create_locked():
+                with lock.locked():
                     try:
                         fcntl.flock(self._attach_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                         alone = True
@@ -48,51 +82,53 @@ class AttachMixin:
                     if reason != "new":
                         log.warning("embedded pool %r: rebuilding it: %s", self.path, reason)
                     self._create(*self._files())
-                with self._lock.locked():
+                with lock.locked():
                     arena_fd = self._attach_files()
-                    self._leases.claim(self._me)
+                    self.leases.claim(me)
                     # Every attacher holds this shared until it closes or dies; taken under the
                     # create lock, so the EX->SH conversion cannot race another attacher's check.
                     fcntl.flock(self._attach_fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                    self._write_unlocked(self._sweep)
+                    on_attached()
             # Pre-faulting the mapping takes ~1 s per few GiB: done holding no lock. The shared
             # attach lock keeps anyone from rebuilding the arena meanwhile.
-            self._map_arena(arena_fd, self._populate)
+            self._map_arena(arena_fd, self.populate)
         except BaseException:
-            self._teardown()
+            self.close()
+            lock.close_files()
             raise
         finally:
             if arena_fd is not None:
                 os.close(arena_fd)
 
-    def _check_pool(self) -> None:
-        """Notice a pool directory deleted (or replaced) under us and attach to the new one, so
-        processes never keep using two different pools at one path. At most once a second."""
-        now = time.monotonic()
-        if now < self._next_check:
-            return
-        self._next_check = now + POOL_CHECK_S
-        if files.identity(self.path) == self._ident:
-            return
-        with self._lock.exclusive():
-            if files.identity(self.path) == self._ident:
-                return
-            log.warning(
-                "embedded pool %r: the pool directory was deleted or replaced while attached; attaching to the "
-                "pool now at that path (objects of the old one are gone, handles on them fail)",
-                self.path,
-            )
-            self._teardown(keep_mappings=True)
-            self._epoch += 1
-            self._local["reattached"] += 1
-            self._attach()
+    def close(self, keep_mappings: bool = False) -> None:
+        """Let go of the pool. ``keep_mappings``: other threads may still copy through the old
+        arena mapping, so it is only dropped (it goes when its last user does)."""
+        self.np = None
+        if self.leases is not None:
+            self.leases.close(keep_mappings)
+            self.leases = None
+        if self.mv is not None and not keep_mappings:
+            self.mv.release()
+        self.mv = None
+        if self.mm is not None and not keep_mappings:
+            try:
+                self.mm.close()
+            except BufferError:
+                pass  # a caller still holds a view(): the mapping goes when that view does
+        self.mm = None
+        if self.env is not None:
+            release_env(self.env)
+            self.env = None
+        if self._attach_fd is not None:
+            os.close(self._attach_fd)  # also drops our shared attach lock
+            self._attach_fd = None
 
     # ----------------------------------------------------------------- setup
 
     def _files(self) -> tuple[str, str, str]:
         return tuple(os.path.join(self.path, f) for f in ("index.lmdb", "arena", "leases"))  # type: ignore[return-value]
 
-    def _map_size(self) -> int:
+    def map_size(self) -> int:
         # Worst case one object per page; ~1 KiB of index per object covers records, LRU and free
         # lists at half-full B-tree pages. Virtual only: tmpfs allocates touched pages.
         return max(64 << 20, self.capacity // PAGE * 1024)
@@ -104,10 +140,10 @@ class AttachMixin:
         # mapping, and its space is allocated below.
         ident = files.touch(idx)
         files.touch(idx + "-lock")
-        self._env = acquire_env(
+        self.env = acquire_env(
             idx,
             ident,
-            map_size=self._map_size(),
+            map_size=self.map_size(),
             max_dbs=8,
             max_readers=1024,
             writemap=False,
@@ -118,11 +154,11 @@ class AttachMixin:
             meminit=False,
             lock=True,
         )
-        self._obj = self._env.open_db(b"obj")
-        self._lru = self._env.open_db(b"lru")
-        self._resv = self._env.open_db(b"resv")
-        self._meta = self._env.open_db(b"meta")
-        self._alloc = ExtentAllocator(self._env.open_db(b"free_off"), self._env.open_db(b"free_size"))
+        self.obj = self.env.open_db(b"obj")
+        self.lru = self.env.open_db(b"lru")
+        self.resv = self.env.open_db(b"resv")
+        self.meta = self.env.open_db(b"meta")
+        self.alloc = ExtentAllocator(self.env.open_db(b"free_off"), self.env.open_db(b"free_size"))
         fd = files.open_file(idx + "-lock", os.O_RDWR)
         try:
             files.reserve_space(fd, os.fstat(fd).st_size, idx + "-lock")
@@ -131,7 +167,7 @@ class AttachMixin:
 
     def _mismatch(self) -> str | None:
         """Why the existing pool does not fit this process's settings, or None when it does."""
-        with self._env.begin(db=self._meta) as txn:
+        with self.env.begin(db=self.meta) as txn:
             fmt, cap, boot = txn.get(b"format"), txn.get(b"capacity"), txn.get(b"boot_id")
         if fmt != FORMAT:
             return f"format {fmt!r} (expected {FORMAT!r})"
@@ -171,7 +207,7 @@ class AttachMixin:
         try:
             if os.fstat(fd).st_size != self.capacity:
                 raise BackendError(f"embedded pool: {arena!r} has {os.fstat(fd).st_size} bytes, expected {self.capacity}")
-            self._leases = LeaseTable(leases, self.capacity // PAGE)
+            self.leases = LeaseTable(leases, self.capacity // PAGE)
         except (OSError, ValueError) as e:
             os.close(fd)
             raise BackendError(f"embedded pool: cannot map the lease table: {e}") from e
@@ -182,14 +218,14 @@ class AttachMixin:
 
     def _map_arena(self, fd: int, populate: bool) -> None:
         flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-        self._mm = mmap.mmap(fd, self.capacity, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-        self._mv = memoryview(self._mm)
-        self._np = np.frombuffer(self._mm, dtype=np.uint8)
+        self.mm = mmap.mmap(fd, self.capacity, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        self.mv = memoryview(self.mm)
+        self.np = np.frombuffer(self.mm, dtype=np.uint8)
 
     def _create(self, idx: str, arena: str, leases: str) -> None:
-        if self._env is not None:
-            release_env(self._env)
-            self._env = None
+        if self.env is not None:
+            release_env(self.env)
+            self.env = None
         for p in (idx, idx + "-lock", arena, leases):
             try:
                 os.unlink(p)
@@ -216,13 +252,11 @@ class AttachMixin:
             files.reserve_space(fd, index_bytes, idx)
         finally:
             os.close(fd)
-        with self._env.begin(write=True) as txn:
+        with self.env.begin(write=True) as txn:
             c = [0] * len(COUNTERS)
             c[CIDX["free_bytes"]] = self.capacity
-            txn.put(b"counters", COUNTERS_REC.pack(*c), db=self._meta)
-            txn.put(b"capacity", CAP_REC.pack(self.capacity, PAGE), db=self._meta)
-            txn.put(b"boot_id", boot_id(), db=self._meta)
-            self._alloc.init(txn, self.capacity)
-            txn.put(b"format", FORMAT, db=self._meta)  # last: a half-made pool has no format
-
-    # ----------------------------------------------------------------- locking and transactions
+            txn.put(b"counters", COUNTERS_REC.pack(*c), db=self.meta)
+            txn.put(b"capacity", CAP_REC.pack(self.capacity, PAGE), db=self.meta)
+            txn.put(b"boot_id", boot_id(), db=self.meta)
+            self.alloc.init(txn, self.capacity)
+            txn.put(b"format", FORMAT, db=self.meta)  # last: a half-made pool has no format

@@ -64,6 +64,7 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
 
     name = "memcache"
     _streaming = False
+    _closed: bool  # set once the client is up; read by later instances (one client per process)
 
     def __init__(
         self,
@@ -161,7 +162,13 @@ class MemcacheBackend(CopyMixin, StreamMixin, StreamReadMixin):
         self._closed = False
         _open_in_process.add(self)
         ref = weakref.ref(self)
-        atexit.register(lambda: (b := ref()) is not None and b.close())
+
+        def close_at_exit() -> None:
+            b = ref()
+            if b is not None:
+                b.close()
+
+        atexit.register(close_at_exit)
 
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> MemcacheBackend:

@@ -20,7 +20,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.
 
 from lw_core.config import parse_config  # noqa: E402
 from lw_core.keys import chunk_hashes  # noqa: E402
-from lw_vllm import pd_coordinator, scheduler_side  # noqa: E402
+from lw_vllm import pd_coordinator, request_stats  # noqa: E402
 from lw_vllm.request_state import RemotePhase, ReqState  # noqa: E402
 from lw_vllm.scheduler_side import SchedulerSide  # noqa: E402
 
@@ -221,7 +221,7 @@ def test_prefiller_saves_what_the_pool_lacks_and_reports_it_with_the_answer(pool
     from lw_vllm.meta import LayerwiseWorkerMeta
 
     stats = tmp_path / "stats.jsonl"
-    monkeypatch.setenv(scheduler_side.STATS_ENV, str(stats))
+    monkeypatch.setenv(request_stats.STATS_ENV, str(stats))
     cfg = parse_config({"embedded_path": pool_dir, "embedded_capacity_bytes": 4 << 20})
     vc, kc = _configs()
     side = SchedulerSide(vc, kc, cfg, "kv_producer")

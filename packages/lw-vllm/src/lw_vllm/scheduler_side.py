@@ -28,16 +28,17 @@ into a response, so a ``max_tokens: 1`` prefill is answered only after its objec
 
 Stats (``LW_VLLM_STATS_FILE``, one JSON line per finished request) are written once the worker
 report of the request's last step has arrived, so a prefill's ``saved_chunks`` counts what was
-committed before its answer.
+committed before its answer (``request_stats.StatsLog``).
+
+Collaborators this side builds and owns: ``PoolLookup`` (pool_lookup: lookups under a deadline),
+``PdCoordinator`` (pd_coordinator: PD), ``StatsLog`` (request_stats). It keeps the live requests'
+``ReqState`` and the step-plan count.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
-import threading
 import time
 from typing import Any
 
@@ -51,10 +52,10 @@ from lw_vllm.pd_metaserver import MetaserverClient
 from lw_vllm.pd_coordinator import PdCoordinator, parent_id
 from lw_vllm.pool_lookup import PoolLookup
 from lw_vllm.request_state import RemotePhase, ReqState
+from lw_vllm.request_stats import StatsLog
 
 log = logging.getLogger(__name__)
 
-STATS_ENV = "LW_VLLM_STATS_FILE"
 # A step whose forward computes at most this many tokens per scheduled request (decodes, a PD
 # decoder's last prompt token) loads in bulk even in layerwise mode.
 BULK_LOAD_TOKENS_PER_REQ = 2
@@ -96,17 +97,14 @@ class SchedulerSide:
         self.lookup = PoolLookup(self.backend, self.keyspace, self.tags, self.other_tp, self.readable_tp,
                                  cfg.lookup_timeout_s, self.metrics)
         self.reqs: dict[str, ReqState] = {}
-        self.stats_path = os.environ.get(STATS_ENV) or None
-        self._stats_lock = threading.Lock()
         # A prefiller never waits for anyone; a decoder (or a kv_both engine behind the proxy) does.
         metaserver = MetaserverClient(cfg.metaserver_timeout_s) if role in ("kv_consumer", "kv_both") else None
         self.pd = PdCoordinator(cfg, self.block_size, self.keyspace, self.tags, self.other_tp, metaserver,
                                 self.metrics, self.lookup, functools.partial(pool.tp_mismatch, vllm_config))
         self._builds = 0
         self._lag = 1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0
-        # Finished requests whose last step's worker report has not arrived yet: their stats are
-        # written when it does, so saved/loaded counts include the final step.
-        self._finishing: dict[str, ReqState] = {}
+        # Finished requests' stats lines, written once their last step's worker report arrived.
+        self.stats = StatsLog.from_env(self.block_size, self._lag)
         # Whether the last get_num_new_matched_tokens call looked the pool up (for lookup metrics:
         # "not ready yet" answers and plain requests on a non-loading role are not lookups).
         self.last_call_looked_up = False
@@ -204,7 +202,7 @@ class SchedulerSide:
         self._builds += 1
         empty = getattr(so, "total_num_scheduled_tokens", 1) == 0
         self.pd.begin_step(self._builds, empty)
-        self._flush_finishing(older_than=self._builds - 1 - self._lag)
+        self.stats.flush(older_than=self._builds - 1 - self._lag)
         meta = LayerwiseMeta()
         bs = self.block_size
         scheduled: list[tuple[ReqState, int]] = []
@@ -271,11 +269,11 @@ class SchedulerSide:
         if isinstance(wm, LayerwiseWorkerMeta):
             self._apply_report(wm)
         # vLLM finishes requests before it hands the connector the step's report (same call).
-        self._flush_finishing()
+        self.stats.flush()
 
     def _apply_report(self, wm: LayerwiseWorkerMeta) -> None:
         def get(rid: str) -> ReqState | None:
-            return self.reqs.get(rid) or self._finishing.get(rid)
+            return self.reqs.get(rid) or self.stats.finishing(rid)
 
         for rid, n in wm.loaded.items():
             if (st := get(rid)) is not None:
@@ -295,47 +293,13 @@ class SchedulerSide:
         if st is not None:
             st.t["finished"] = time.time()
         self.pd.request_finished(req.request_id, st)
-        if st is not None and self.stats_path:
-            # The report of the step that finished it is still to come only if that step moved
-            # its KV (with async scheduling, one more step may have been built meanwhile).
-            if st.last_xfer_build >= 0 and st.last_xfer_build >= self._builds - self._lag:
-                self._finishing[req.request_id] = st
-            else:
-                self._write_stats(st)
+        if st is not None:
+            self.stats.finished(st, self._builds)
         # Saves complete inside their step: nothing still reads these blocks.
         return False, None
 
-    def _flush_finishing(self, older_than: int | None = None) -> None:
-        for rid, st in list(self._finishing.items()):
-            if older_than is None or st.last_xfer_build < older_than:
-                del self._finishing[rid]
-                self._write_stats(st)
-
-    def _write_stats(self, st: ReqState) -> None:
-        rec: dict[str, Any] = {
-            "req_id": st.req.request_id,
-            "prompt_tokens": st.prompt_len,
-            "promised_tokens": st.promised,
-            "loaded_tokens": min(st.loaded_blocks * self.block_size, st.promised),
-            "failed_blocks": st.failed_blocks,
-            "saved_chunks": st.saved_chunks,
-            "t": {k: round(v, 4) for k, v in st.t.items()},
-        }
-        if st.load_src_tp:
-            rec["load_src_tp"] = st.load_src_tp  # loaded KV saved at this other TP size
-        if st.remote is not None:
-            rec["remote_prefill"] = st.remote.detail
-            wait_s = st.remote.wait_s
-            rec["metaserver_wait_s"] = None if wait_s is None else round(wait_s, 4)
-        try:
-            with self._stats_lock, open(self.stats_path, "a") as f:  # type: ignore[arg-type]
-                f.write(json.dumps(rec) + "\n")
-        except OSError as e:
-            log.warning("lw-vllm: cannot write stats to %s: %s", self.stats_path, e)
-
     def shutdown(self) -> None:
-        if self.stats_path:
-            self._flush_finishing()
+        self.stats.close()
         self.pd.close()
         self.lookup.close()
         pool.release_backend(self.cfg, self.backend)

@@ -16,7 +16,7 @@ from lw_core.backends.embedded.ops import OpsMixin
 from lw_core.procs import current_owner
 from lw_core.backends.embedded.records import PAGE, POOL_CHECK_S, log
 from lw_core.backends.embedded.stream import StreamMixin
-from lw_core.backends.embedded.sweep import SweepMixin
+from lw_core.backends.embedded.sweep import Sweeper
 from lw_core.backends.embedded.txn import TxnMixin
 from lw_core.backends.embedded.verify import VerifyMixin
 from lw_core.backends.embedded.writer_lock import WriterLock
@@ -34,7 +34,7 @@ class EmbeddedSettings(msgspec.Struct, frozen=True, kw_only=True):
     lock_timeout_s: Seconds
 
 
-class EmbeddedBackend(TxnMixin, SweepMixin, OpsMixin, StreamMixin, VerifyMixin):
+class EmbeddedBackend(TxnMixin, OpsMixin, StreamMixin, VerifyMixin):
     """Single-host pool shared by every process that opens the same ``path`` (a directory)."""
 
     name = "embedded"
@@ -65,7 +65,7 @@ class EmbeddedBackend(TxnMixin, SweepMixin, OpsMixin, StreamMixin, VerifyMixin):
         self._lock = WriterLock(self.path, timeout_s=self.lock_timeout_s, capacity=self.capacity)
         self._closed = False
         self._pool = PoolFiles(self.path, self.capacity, populate=populate)
-        self._last_sweep = 0.0
+        self._sweeper = Sweeper(self._pool, self._me, reservation_timeout_s=self.reservation_timeout_s)
         self._local = {
             "open_hits": 0,
             "open_misses": 0,
@@ -91,7 +91,7 @@ class EmbeddedBackend(TxnMixin, SweepMixin, OpsMixin, StreamMixin, VerifyMixin):
             self._teardown()
 
     def _attach(self) -> None:
-        self._pool.attach(self._lock, self._me, lambda: self._write_unlocked(self._sweep))
+        self._pool.attach(self._lock, self._me, lambda: self._write_unlocked(self._sweeper.sweep))
 
     def _teardown(self, keep_mappings: bool = False) -> None:
         """Let go of the pool (``PoolFiles.close``) and the lock files."""

@@ -28,7 +28,6 @@ from lw_core.backends.embedded.records import (
     Resv,
     ST,
     STAMP,
-    SWEEP_INTERVAL_S,
     bytes_view,
     log,
 )
@@ -73,13 +72,13 @@ class OpsMixin:
 
         def fn(t: Tx) -> list[EmbeddedHandle | None]:
             out: list[EmbeddedHandle | None] = [None] * len(bkeys)
-            if t.now - self._last_sweep > SWEEP_INTERVAL_S:
-                self._sweep(t)
+            if self._sweeper.due(t):
+                self._sweeper.sweep(t)
             eligible: list[int] = []
             seen: set[bytes] = set()
             for i, bk in enumerate(bkeys):
                 o = None if bk in seen else t.get_obj(bk)
-                if bk in seen or (o is not None and not self._key_free(t, bk, o)):
+                if bk in seen or (o is not None and not self._sweeper.key_free(t, bk, o)):
                     t.c[CIDX["reserve_rejected_exists"]] += 1
                     continue
                 seen.add(bk)
@@ -95,7 +94,7 @@ class OpsMixin:
                 else:
                     off = t.alloc(alloc)
                     if off is None:
-                        off = self._make_room(t, alloc)
+                        off = self._sweeper.make_room(t, alloc)
                     if off is None:
                         t.c[CIDX["reserve_rejected_full"]] += len(eligible) - j
                         break
@@ -108,16 +107,6 @@ class OpsMixin:
             return out
 
         return self._write(fn)
-
-    def _key_free(self, t: Tx, bkey: bytes, o: list) -> bool:
-        """An existing record blocks a new reservation unless it is a dead writer's."""
-        if o[ST] == COMMITTED:
-            return False
-        found = t.get_resv(o[OID])
-        if found is None:  # record without reservation: a bug; drop it rather than pin the key
-            t.txn.delete(bkey, db=self._pool.obj)
-            return True
-        return self._judge(t, o[OID], *found)
 
     def _own(self, h: Any, what: str) -> EmbeddedHandle:
         if not isinstance(h, EmbeddedHandle):
@@ -288,7 +277,7 @@ class OpsMixin:
                     continue  # committed already, or reclaimed
                 r, _ = found
                 if not r.orphan:
-                    self._drop_key_if(t, h._bkey, h._oid)
+                    self._sweeper.drop_key_if(t, h._bkey, h._oid)
                 t.drop_resv(h._oid, r)
                 t.c[CIDX["aborts"]] += 1
 

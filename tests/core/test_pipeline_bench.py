@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import msgspec
 import pytest
 from lw_bench.cli import main
+from lw_bench.pipeline_result import PipelineBenchConfig, PipelineBenchResult, decode
 
 KEYS = {
     "config", "t_compute_s", "t_transfer_s", "t_bulk_s", "t_layerwise_s", "hidden_fraction",
@@ -30,6 +32,19 @@ def test_quick_run_reports_every_key_and_loads_exact_bytes(backend, capsys, tmp_
     assert c["total_bytes"] == 4 * 8 * (16 << 10) and c["matmul_n"] >= 8
     assert all(len(v) == 1 for v in r["samples"].values())
     assert r["verified"] is True and r["load_failures"] == 0 and r["errors"] == []
+
+
+def test_the_json_is_the_result_struct_and_a_missing_key_is_refused_by_name(capsys):
+    assert main(["pipeline", "--quick", "--json", "--backend", "memory"]) == 0
+    raw = capsys.readouterr().out.strip().splitlines()[-1]
+    r = json.loads(raw)
+    # every field but the device bench's and --plot's, and nothing else
+    assert set(r) == set(PipelineBenchResult.__struct_fields__) - {"save_s", "plot"} == KEYS
+    assert set(r["config"]) == set(PipelineBenchConfig.__struct_fields__) - {"kv_device", "device_name", "torch"}
+    assert decode(raw).config.depths == [1, 2]
+    del r["verified"]
+    with pytest.raises(msgspec.ValidationError, match="verified"):
+        decode(json.dumps(r))
 
 
 def test_plot_needs_matplotlib_or_writes_a_png(tmp_path, capsys):

@@ -20,25 +20,14 @@ The measurement runs in a child process whose BLAS is limited to one thread
 (``OPENBLAS_NUM_THREADS=1`` etc. must be set before numpy loads): the matmul then holds one core
 and the transfer thread (numpy memcpy, GIL released) gets the other.
 
-Returned dict (stable keys):
+The report is a ``lw_bench.pipeline_result.PipelineBenchResult`` (its fields are the JSON's keys;
+``run`` returns it as a dict). ``t_raw_copy_s``, ``t_raw_overlap_s`` and ``raw_hidden_fraction`` are
+the machine's own ceiling -- a plain numpy memcpy of the same bytes (KV to KV, no pool, no pipeline)
+alone, and in one thread next to the same compute. On a machine shared with other work this is
+well below 1.0, and the pipeline cannot do better than it.
 
-* ``config``: ``layers``, ``blocks``, ``block_bytes``, ``layer_bytes``, ``total_bytes``, ``reps``,
-  ``depths``, ``backend``, ``backend_keys`` (``--backend-key``), ``compute_ms_target``, ``matmul_n``, ``blas_threads_env``
-* ``t_compute_s``, ``t_transfer_s``, ``t_bulk_s``: medians, seconds
-* ``t_layerwise_s``: ``{"1": s, "2": s, ...}`` keyed by prefetch depth
-* ``hidden_fraction``: ``{"1": f, ...}`` keyed by prefetch depth
-* ``per_layer_compute_ms``, ``per_layer_transfer_ms``, ``transfer_gbps``
-* ``t_raw_copy_s``, ``t_raw_overlap_s``, ``raw_hidden_fraction``: the machine's own ceiling -- a
-  plain numpy memcpy of the same bytes (KV to KV, no pool, no pipeline) alone, and in one thread
-  next to the same compute. On a 2-core machine shared with other work this is well below 1.0,
-  and the pipeline cannot do better than it.
-* ``layer_wait_ms``: ``{"1": ms, ...}`` median total time the forward pass blocked in ``wait_layer``
-* ``samples``: every repetition's times (``compute``, ``transfer``, ``bulk``, ``layerwise_<d>``)
-* ``load_failures``: failed blocks over all runs (should be 0); ``errors``: their messages
-* ``verified``: every load put exactly the saved bytes into the KV cache
-
-``--kv-device DEV`` puts the KV cache on a torch device (``pipeline_device``; same keys, and
-``config`` adds ``kv_device``, ``device_name``, ``torch``; ``save_s`` times the initial save).
+``--kv-device DEV`` puts the KV cache on a torch device (``pipeline_device``; the same struct, with
+the device fields of its config and ``save_s``, the initial save's time).
 """
 
 from __future__ import annotations
@@ -51,7 +40,9 @@ import subprocess
 import sys
 from typing import Any
 
-from lw_bench import bench_store
+import msgspec
+
+from lw_bench import bench_store, pipeline_result
 from lw_bench.bench_store import open_for_pipeline as open_backend  # noqa: F401 (pipeline_device's import)
 
 _CFG_ENV = "LW_PIPELINE_BENCH_CFG"
@@ -130,10 +121,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"lw-bench pipeline: the measurement did not finish within --timeout-s={args.timeout_s}") from None
     if proc.returncode != 0:
         raise SystemExit(f"lw-bench pipeline: the measurement process failed (exit {proc.returncode}); see its messages above")
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    try:
+        res = pipeline_result.decode(proc.stdout.strip().splitlines()[-1])
+    except msgspec.ValidationError as e:
+        raise SystemExit(f"lw-bench pipeline: the measurement reported a result that is not a PipelineBenchResult: {e}") from None
+    if args.plot:
+        res.plot = args.plot
+    result: dict[str, Any] = msgspec.to_builtins(res)
     if args.plot:
         _plot(result, args.plot)
-        result["plot"] = args.plot
     if not getattr(args, "json", False):
         _print_table(result)
     return result
@@ -144,9 +140,9 @@ def _child() -> None:
     if cfg.get("kv_device", "cpu") != "cpu":
         from lw_bench.pipeline_device import measure_device  # imports torch: device mode only
 
-        print(json.dumps(measure_device(cfg)))
+        print(pipeline_result.encode(measure_device(cfg)).decode())
         return
-    print(json.dumps(measure(cfg)))
+    print(pipeline_result.encode(measure(cfg)).decode())
 
 
 def _require_matplotlib() -> None:
@@ -241,7 +237,7 @@ def _calibrate_matmul(target_s: float) -> tuple[int, Any]:
     return n, kernel_for(n)
 
 
-def measure(cfg: dict[str, Any]) -> dict[str, Any]:
+def measure(cfg: dict[str, Any]) -> pipeline_result.PipelineBenchResult:
     import shutil
     import threading
     import time
@@ -368,30 +364,30 @@ def measure(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def summarize(config: dict[str, Any], samples: dict[str, list[float]], waits: dict[str, list[float]],
-              failures: list[int], errors: list[str], verified: Any, **extra: Any) -> dict[str, Any]:
+              failures: list[int], errors: list[str], verified: bool, **extra: Any) -> pipeline_result.PipelineBenchResult:
     """The report of one pipeline bench run (host or device): medians, hidden fractions, rates;
     ``extra`` adds mode-specific figures (e.g. the device bench's save time)."""
     layers, total, depths = config["layers"], config["total_bytes"], config["depths"]
     med = {k: _median(v) for k, v in samples.items()}
     t_c, t_t, t_b = med["compute"], med["transfer"], med["bulk"]
     t_lw = {str(d): med[f"layerwise_{d}"] for d in depths}
-    return {
-        "config": config,
-        "t_compute_s": t_c,
-        "t_transfer_s": t_t,
-        "t_bulk_s": t_b,
-        "t_layerwise_s": t_lw,
-        "hidden_fraction": {d: (t_b - t) / min(t_c, t_t) for d, t in t_lw.items()},
-        "t_raw_copy_s": med["raw_copy"],
-        "t_raw_overlap_s": med["raw_overlap"],
-        "raw_hidden_fraction": (t_c + med["raw_copy"] - med["raw_overlap"]) / min(t_c, med["raw_copy"]),
-        "per_layer_compute_ms": t_c / layers * 1e3,
-        "per_layer_transfer_ms": t_t / layers * 1e3,
-        "transfer_gbps": total / t_t / 1e9,
+    return pipeline_result.PipelineBenchResult(
+        config=pipeline_result.PipelineBenchConfig(**config),
+        t_compute_s=t_c,
+        t_transfer_s=t_t,
+        t_bulk_s=t_b,
+        t_layerwise_s=t_lw,
+        hidden_fraction={d: (t_b - t) / min(t_c, t_t) for d, t in t_lw.items()},
+        t_raw_copy_s=med["raw_copy"],
+        t_raw_overlap_s=med["raw_overlap"],
+        raw_hidden_fraction=(t_c + med["raw_copy"] - med["raw_overlap"]) / min(t_c, med["raw_copy"]),
+        per_layer_compute_ms=t_c / layers * 1e3,
+        per_layer_transfer_ms=t_t / layers * 1e3,
+        transfer_gbps=total / t_t / 1e9,
         **extra,
-        "layer_wait_ms": {str(d): _median(waits[str(d)]) * 1e3 for d in depths},
-        "samples": samples,
-        "load_failures": sum(failures),
-        "errors": errors[:20],
-        "verified": verified,
-    }
+        layer_wait_ms={str(d): _median(waits[str(d)]) * 1e3 for d in depths},
+        samples=samples,
+        load_failures=sum(failures),
+        errors=errors[:20],
+        verified=verified,
+    )

@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from lw_bench.pipeline import _median, open_backend, summarize
+from lw_bench.pipeline_result import PipelineBenchResult
 
 if TYPE_CHECKING:
     from lw_vllm.device_streams import InlineOps
@@ -95,7 +96,7 @@ def _calibrate(acc: _Accel, target_s: float) -> tuple[int, Any]:
     return n, kernel_for(n)
 
 
-def measure_device(cfg: dict[str, Any]) -> dict[str, Any]:
+def measure_device(cfg: dict[str, Any]) -> PipelineBenchResult:
     try:
         import torch
         from lw_vllm.copier import TorchCopier
@@ -229,5 +230,5 @@ def measure_device(cfg: dict[str, Any]) -> dict[str, Any]:
               "total_bytes": total, "reps": reps, "depths": depths, "backend": cfg["backend"],
               "compute_ms_target": target * 1e3, "matmul_n": n, "blas_threads_env": {},
               "kv_device": str(dev) if not acc.inline else "cpu-torch", "device_name": name,
-              "torch": torch.__version__}
+              "torch": str(torch.__version__)}
     return summarize(config, samples, waits, failures, errors, verified, save_s=t_save)

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Annotated, Any
 
 import msgspec
 from msgspec import Meta
 
+from lw_core.backend import BackendError
 from lw_core.backends.builtin import CapacityBytes
 from lw_core.backends.embedded import fences
 from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.ops import OpsMixin
 from lw_core.procs import current_owner
-from lw_core.backends.embedded.records import PAGE, POOL_CHECK_S, log
+from lw_core.backends.embedded.records import PAGE, POOL_CHECK_S, T, log
 from lw_core.backends.embedded.stream import StreamMixin
 from lw_core.backends.embedded.sweep import Sweeper
-from lw_core.backends.embedded.txn import TxnMixin
-from lw_core.backends.embedded.verify import VerifyMixin
+from lw_core.backends.embedded.txn import Tx
+from lw_core.backends.embedded.verify import Verifier
 from lw_core.backends.embedded.writer_lock import WriterLock
 from lw_core.config import Seconds
 from lw_core.validation import convert_strict
@@ -34,7 +37,7 @@ class EmbeddedSettings(msgspec.Struct, frozen=True, kw_only=True):
     lock_timeout_s: Seconds
 
 
-class EmbeddedBackend(TxnMixin, OpsMixin, StreamMixin, VerifyMixin):
+class EmbeddedBackend(OpsMixin, StreamMixin):
     """Single-host pool shared by every process that opens the same ``path`` (a directory)."""
 
     name = "embedded"
@@ -65,6 +68,7 @@ class EmbeddedBackend(TxnMixin, OpsMixin, StreamMixin, VerifyMixin):
         self._lock = WriterLock(self.path, timeout_s=self.lock_timeout_s, capacity=self.capacity)
         self._closed = False
         self._pool = PoolFiles(self.path, self.capacity, populate=populate)
+        self._verifier = Verifier(self._pool)
         self._sweeper = Sweeper(self._pool, self._me, reservation_timeout_s=self.reservation_timeout_s)
         self._local = {
             "open_hits": 0,
@@ -91,7 +95,7 @@ class EmbeddedBackend(TxnMixin, OpsMixin, StreamMixin, VerifyMixin):
             self._teardown()
 
     def _attach(self) -> None:
-        self._pool.attach(self._lock, self._me, lambda: self._write_unlocked(self._sweeper.sweep))
+        self._pool.attach(self._lock, self._me, lambda: self._pool.write(self._sweeper.sweep))
 
     def _teardown(self, keep_mappings: bool = False) -> None:
         """Let go of the pool (``PoolFiles.close``) and the lock files."""
@@ -119,6 +123,48 @@ class EmbeddedBackend(TxnMixin, OpsMixin, StreamMixin, VerifyMixin):
             self._epoch += 1
             self._local["reattached"] += 1
             self._attach()
+
+    # ----------------------------------------------------------------- counters and checks
+
+    def stats(self) -> dict[str, int]:
+        self._usable()
+        out = self._verifier.counters()
+        out.update(self._local)  # this process's own counters
+        return out
+
+    def open_reservations(self) -> dict[int, tuple[str, int, int]]:
+        """Every reservation not yet committed: object id -> (key, published bytes, size). A
+        reservation that was never published (a non-streaming writer) shows 0 published bytes."""
+        self._usable()
+        return self._verifier.open_reservations()
+
+    def verify(self) -> dict[str, int]:
+        """Walk the whole index and check that objects, reservations and free extents tile the arena
+        exactly and that the counters agree; raises ``BackendError`` on any contradiction."""
+        self._usable()
+        return self._verifier.verify()
+
+    # ----------------------------------------------------------------- transactions
+
+    def _usable(self) -> None:
+        if self._closed:
+            raise BackendError(f"embedded pool {self.path!r}: backend is closed")
+        if os.getpid() != self._pid:
+            raise BackendError(
+                f"embedded pool {self.path!r}: opened in pid {self._pid}, used in forked pid {os.getpid()}; "
+                "open a new EmbeddedBackend in each process"
+            )
+
+    def _write(self, fn: Callable[[Tx], T]) -> T:
+        self._usable()
+        with self._lock.locked():
+            return self._pool.write(fn)
+
+    @contextmanager
+    def _read(self) -> Iterator[Any]:
+        self._usable()
+        with self._pool.read() as txn:
+            yield txn
 
     def __enter__(self) -> "EmbeddedBackend":
         return self

@@ -14,18 +14,20 @@ import fcntl
 import mmap
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lmdb
 import numpy as np
 
-from lw_core.backend import BackendError
-from lw_core.backends.embedded.arena_alloc import ExtentAllocator
+from lw_core.backend import BackendError, PoolFull
+from lw_core.backends.embedded.arena_alloc import ArenaCorrupt, ExtentAllocator
 from lw_core.backends.embedded import files
 from lw_core.backends.embedded.env import acquire_env, boot_id, release_env
 from lw_core.backends.embedded.leases import LeaseTable, table_bytes
-from lw_core.backends.embedded.records import CAP_REC, CIDX, COUNTERS, COUNTERS_REC, FORMAT, PAGE, log
+from lw_core.backends.embedded.records import CAP_REC, CIDX, COUNTERS, COUNTERS_REC, FORMAT, PAGE, T, log
+from lw_core.backends.embedded.txn import Tx
 from lw_core.backends.embedded.writer_lock import WriterLock
 from lw_core.procs import Owner
 
@@ -260,3 +262,49 @@ class PoolFiles:
             txn.put(b"boot_id", boot_id(), db=self.meta)
             self.alloc.init(txn, self.capacity)
             txn.put(b"format", FORMAT, db=self.meta)  # last: a half-made pool has no format
+
+    # ----------------------------------------------------------------- transactions
+
+    def write(self, fn: Callable[[Tx], T]) -> T:
+        """Run ``fn`` in one write transaction (the caller holds the writer lock); LMDB errors
+        become ``BackendError`` (``PoolFull`` when the index map stays full)."""
+        for attempt in range(2):
+            t = None
+            try:
+                try:
+                    with self.env.begin(write=True) as txn:
+                        t = Tx(self, txn)
+                        out = fn(t)
+                        t.flush()
+                    return out
+                except BaseException:
+                    if t is not None:  # the evictions did not happen: their objects stay readable
+                        for page, oid in t.tombs:
+                            self.leases.set_gen(page, oid)
+                    raise
+            except lmdb.MapFullError:
+                if attempt:
+                    raise PoolFull(
+                        f"embedded pool {self.path!r}: index map of {self.map_size()} bytes is full "
+                        "(too many tiny objects, or readers pinning old pages)"
+                    ) from None
+                self.env.reader_check()  # pages pinned by dead readers are the usual cause
+            except ArenaCorrupt as e:
+                raise BackendError(f"embedded pool {self.path!r}: index is inconsistent: {e}") from e
+            except lmdb.Error as e:
+                raise BackendError(f"embedded pool {self.path!r}: index error: {e}{files.full_hint(self.path)}") from e
+        raise AssertionError("unreachable")
+
+    @contextmanager
+    def read(self) -> Iterator[Any]:
+        """One read transaction (no lock; ``buffers=True``: values are views valid inside it)."""
+        try:
+            try:
+                txn = self.env.begin(buffers=True)
+            except lmdb.ReadersFullError:
+                self.env.reader_check()
+                txn = self.env.begin(buffers=True)
+            with txn:
+                yield txn
+        except lmdb.Error as e:
+            raise BackendError(f"embedded pool {self.path!r}: index error: {e}") from e

@@ -1,19 +1,11 @@
-"""Write transactions: ``Tx`` (one LMDB write transaction plus the counter record) and the
-read/write runners (the writer lock itself: writer_lock.py)."""
+"""``Tx``: one LMDB write transaction of the pool plus its counter record, read once and written
+once (run by ``PoolFiles.write``, under the writer lock: writer_lock.py)."""
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
-import lmdb
-
-from lw_core.backend import BackendError, PoolFull
-from lw_core.backends.embedded.arena_alloc import ArenaCorrupt
-from lw_core.backends.embedded import files
 from lw_core.backends.embedded.records import (
     BE_U64,
     CIDX,
@@ -21,7 +13,6 @@ from lw_core.backends.embedded.records import (
     OBJ_REC,
     RESV_TAIL,
     Resv,
-    T,
     unpack_resv,
 )
 
@@ -80,65 +71,3 @@ class Tx:
         self.free(r.off, r.alloc)
         self.c[CIDX["reserved_objects"]] -= 1
         self.c[CIDX["reserved_bytes"]] -= r.alloc
-
-
-class TxnMixin:
-    """Locks and transactions of ``EmbeddedBackend``."""
-
-    def _usable(self) -> None:
-        if self._closed:
-            raise BackendError(f"embedded pool {self.path!r}: backend is closed")
-        if os.getpid() != self._pid:
-            raise BackendError(
-                f"embedded pool {self.path!r}: opened in pid {self._pid}, used in forked pid {os.getpid()}; "
-                "open a new EmbeddedBackend in each process"
-            )
-
-    def _write(self, fn: Callable[[Tx], T]) -> T:
-        self._usable()
-        with self._lock.locked():
-            return self._write_unlocked(fn)
-
-    def _write_unlocked(self, fn: Callable[[Tx], T]) -> T:
-        for attempt in range(2):
-            t = None
-            try:
-                try:
-                    with self._pool.env.begin(write=True) as txn:
-                        t = Tx(self._pool, txn)
-                        out = fn(t)
-                        t.flush()
-                    return out
-                except BaseException:
-                    if t is not None:  # the evictions did not happen: their objects stay readable
-                        for page, oid in t.tombs:
-                            self._pool.leases.set_gen(page, oid)
-                    raise
-            except lmdb.MapFullError:
-                if attempt:
-                    raise PoolFull(
-                        f"embedded pool {self.path!r}: index map of {self._pool.map_size()} bytes is full "
-                        "(too many tiny objects, or readers pinning old pages)"
-                    ) from None
-                self._pool.env.reader_check()  # pages pinned by dead readers are the usual cause
-            except ArenaCorrupt as e:
-                raise BackendError(f"embedded pool {self.path!r}: index is inconsistent: {e}") from e
-            except lmdb.Error as e:
-                raise BackendError(f"embedded pool {self.path!r}: index error: {e}{files.full_hint(self.path)}") from e
-        raise AssertionError("unreachable")
-
-    @contextmanager
-    def _read(self) -> Iterator[Any]:
-        self._usable()
-        try:
-            try:
-                txn = self._pool.env.begin(buffers=True)
-            except lmdb.ReadersFullError:
-                self._pool.env.reader_check()
-                txn = self._pool.env.begin(buffers=True)
-            with txn:
-                yield txn
-        except lmdb.Error as e:
-            raise BackendError(f"embedded pool {self.path!r}: index error: {e}") from e
-
-    # ----------------------------------------------------------------- reclaiming

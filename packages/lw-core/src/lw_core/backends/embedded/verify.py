@@ -1,9 +1,11 @@
-"""Counters and the full-index consistency check of ``EmbeddedBackend``."""
+"""``Verifier``: the pool's shared counters, its open reservations and the full-index consistency
+check, all read from one read transaction of the pool files each (no lock, no state of its own)."""
 
 from __future__ import annotations
 
 
 from lw_core.backend import BackendError
+from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.records import (
     ALLOC,
     BE_U64,
@@ -21,23 +23,26 @@ from lw_core.backends.embedded.records import (
 )
 
 
-class VerifyMixin:
-    """``stats``, ``open_reservations`` and ``verify``."""
+class Verifier:
+    """Reads of the whole pool ``pool`` (its index and its capacity)."""
 
-    def stats(self) -> dict[str, int]:
-        with self._read() as txn:
-            c = COUNTERS_REC.unpack(txn.get(b"counters", db=self._pool.meta))
+    def __init__(self, pool: PoolFiles) -> None:
+        self.pool = pool
+
+    def counters(self) -> dict[str, int]:
+        """The counters every process shares (``COUNTERS`` less ``next_id``) and ``capacity_bytes``."""
+        with self.pool.read() as txn:
+            c = COUNTERS_REC.unpack(txn.get(b"counters", db=self.pool.meta))
         out = {name: int(v) for name, v in zip(COUNTERS, c) if name != "next_id"}
-        out["capacity_bytes"] = self.capacity
-        out.update(self._local)  # this process's own counters
+        out["capacity_bytes"] = self.pool.capacity
         return out
 
     def open_reservations(self) -> dict[int, tuple[str, int, int]]:
         """Every reservation not yet committed: object id -> (key, published bytes, size). A
         reservation that was never published (a non-streaming writer) shows 0 published bytes."""
         out: dict[int, tuple[str, int, int]] = {}
-        with self._read() as txn:
-            for k, v in txn.cursor(db=self._pool.obj):
+        with self.pool.read() as txn:
+            for k, v in txn.cursor(db=self.pool.obj):
                 o = OBJ_REC.unpack(v)
                 if o[ST] == RESERVED:
                     out[o[OID]] = (bytes(k).decode(errors="replace"), o[STAMP], o[NBYTES])
@@ -48,29 +53,29 @@ class VerifyMixin:
         exactly and that the counters agree; raises ``BackendError`` on any contradiction."""
         extents: list[tuple[int, int, str]] = []
         n_obj = n_bytes = n_resv = 0
-        with self._read() as txn:
-            for k, v in txn.cursor(db=self._pool.obj):
+        with self.pool.read() as txn:
+            for k, v in txn.cursor(db=self.pool.obj):
                 o = OBJ_REC.unpack(v)
                 if o[ST] == COMMITTED:
                     extents.append((o[OFF], o[ALLOC], f"object {bytes(k)!r}"))
                     n_obj += 1
                     n_bytes += o[NBYTES]
-                    if bytes(txn.get(BE_U64.pack(o[STAMP]), db=self._pool.lru) or b"") != bytes(k):
+                    if bytes(txn.get(BE_U64.pack(o[STAMP]), db=self.pool.lru) or b"") != bytes(k):
                         raise BackendError(f"embedded pool: object {bytes(k)!r} is missing from the LRU order")
-            for k, v in txn.cursor(db=self._pool.resv):
+            for k, v in txn.cursor(db=self.pool.resv):
                 r, _ = unpack_resv(v)
                 extents.append((r.off, r.alloc, f"reservation {BE_U64.unpack(k)[0]}"))
                 n_resv += 1
-            extents += [(o, s, "free") for o, s in self._pool.alloc.extents(txn)]
-            c = dict(zip(COUNTERS, COUNTERS_REC.unpack(txn.get(b"counters", db=self._pool.meta))))
-            n_lru = txn.stat(self._pool.lru)["entries"]
+            extents += [(o, s, "free") for o, s in self.pool.alloc.extents(txn)]
+            c = dict(zip(COUNTERS, COUNTERS_REC.unpack(txn.get(b"counters", db=self.pool.meta))))
+            n_lru = txn.stat(self.pool.lru)["entries"]
         pos = 0
         for off, size, what in sorted(extents):
             if off != pos:
                 raise BackendError(f"embedded pool: arena {'gap' if off > pos else 'overlap'} at {pos} before {what} at {off}")
             pos = off + size
-        if pos != self.capacity:
-            raise BackendError(f"embedded pool: extents end at {pos}, capacity is {self.capacity}")
+        if pos != self.pool.capacity:
+            raise BackendError(f"embedded pool: extents end at {pos}, capacity is {self.pool.capacity}")
         got = {"objects": n_obj, "bytes": n_bytes, "reserved_objects": n_resv}
         for name, v in got.items():
             if c[name] != v:

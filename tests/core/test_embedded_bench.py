@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import pytest
 
+from lw_bench.backend_result import BackendBenchResult, BackendRow, MetadataRow
 from lw_bench.cli import main
 
 ROW_KEYS = {"case", "op", "process", "object_bytes", "objects", "bytes", "gbps", "memcpy_gbps", "ratio", "ms_per_call"}
@@ -26,6 +28,10 @@ def test_backend_bench_quick_json(capsys, tmp_path):
     assert {m["op"] for m in out["metadata"]} == {"reserve+commit", "open+release"}
     assert all(m["ms_per_call"] > 0 and m["keys_per_call"] == 32 for m in out["metadata"])
     assert out["stats"]["objects"] > 0 and out["stats"]["capacity_bytes"] > 0
+    # the JSON is the result struct: its fields (no hosts without --host-tcp-netns), its types
+    assert set(out) == set(BackendBenchResult.__struct_fields__) - {"hosts"}
+    assert ROW_KEYS == set(BackendRow.__struct_fields__) and set(out["metadata"][0]) == set(MetadataRow.__struct_fields__)
+    assert msgspec.convert(out, BackendBenchResult).results[0].case == "64KiB"
 
 
 def test_backend_bench_memcache_without_its_store_fails_clearly(monkeypatch):

@@ -13,20 +13,8 @@ memcpy runs alternating so both see the same moments of a noisy machine):
 * ``process: "other"``: a second process (spawned) attaches to the same pool and reads what this
   one wrote; its memcpy baseline is measured in that process.
 
-Returned dict (stable keys)::
-
-    {"backend": "embedded" | "memcache" | "mooncake", "backend_keys": {...--backend-key...}, "quick": bool,
-     "setup_s": float,
-     "results": [{"case": "64KiB" | "4MiB" | "layer_16KiB", "op": "put" | "get",
-                  "process": "same" | "other", "object_bytes": int, "objects": int,
-                  "bytes": int,            # bytes moved by one repetition
-                  "gbps": float,           # backend, GB/s (1e9 bytes/s)
-                  "memcpy_gbps": float,    # numpy memcpy of the same bytes, same process
-                  "ratio": float,          # gbps / memcpy_gbps
-                  "ms_per_call": float}],  # one batch call (one layer for layer_16KiB)
-     "metadata": [{"case": "layer_16KiB", "op": "reserve+commit" | "open+release",
-                   "keys_per_call": int, "ms_per_call": float}],
-     "stats": {...backend.stats()...}}
+The report is a ``lw_bench.backend_result.BackendBenchResult`` (its fields are the JSON's keys;
+``run`` returns it as a dict).
 """
 
 from __future__ import annotations
@@ -39,13 +27,15 @@ import time
 import uuid
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Literal
 
+import msgspec
 import numpy as np
 from tqdm import tqdm
 
 from lw_core.backend import Backend, Handle, open_backend
 from lw_bench import bench_store, netns
+from lw_bench.backend_result import BackendBenchResult, BackendRow, Case, MetadataRow
 from lw_core.backends.registry import backend_names
 from lw_core.config import parse_config
 
@@ -101,21 +91,22 @@ def _memcpy_fn(size: int, count: int) -> Callable[[], None]:
     return go
 
 
-def _row(case: str, op: str, process: str, obj: int, count: int, moved: int, s: float, mc: float, calls: int) -> dict:
+def _row(case: Case, op: Literal["put", "get"], process: Literal["same", "other", "other-host"], obj: int, count: int,
+         moved: int, s: float, mc: float, calls: int) -> BackendRow:
     gbps = moved / s / 1e9
     mgbps = moved / mc / 1e9
-    return {
-        "case": case,
-        "op": op,
-        "process": process,
-        "object_bytes": obj,
-        "objects": count,
-        "bytes": moved,
-        "gbps": round(gbps, 3),
-        "memcpy_gbps": round(mgbps, 3),
-        "ratio": round(gbps / mgbps, 3),
-        "ms_per_call": round(s / calls * 1e3, 4),
-    }
+    return BackendRow(
+        case=case,
+        op=op,
+        process=process,
+        object_bytes=obj,
+        objects=count,
+        bytes=moved,
+        gbps=round(gbps, 3),
+        memcpy_gbps=round(mgbps, 3),
+        ratio=round(gbps / mgbps, 3),
+        ms_per_call=round(s / calls * 1e3, 4),
+    )
 
 
 def _fill(nbytes: int) -> np.ndarray:
@@ -175,7 +166,7 @@ def _layer_get(b: Backend, keys: list[str], layers: int, reps: int) -> tuple[flo
 # ----------------------------------------------------------------------------- the cases
 
 
-def _whole_case(b: Backend, case: str, n: int, count: int, batch: int, reps: int, bar: Any) -> tuple[list[dict], list[str]]:
+def _whole_case(b: Backend, case: Case, n: int, count: int, batch: int, reps: int, bar: Any) -> tuple[list[BackendRow], list[str]]:
     src = _fill(count * n)
     views = [src[i * n : (i + 1) * n] for i in range(count)]
     sets: list[list[str]] = []
@@ -201,7 +192,7 @@ def _whole_case(b: Backend, case: str, n: int, count: int, batch: int, reps: int
     return rows, keys
 
 
-def _layer_case(b: Backend, count: int, layers: int, reps: int, bar: Any) -> tuple[list[dict], list[dict], list[str]]:
+def _layer_case(b: Backend, count: int, layers: int, reps: int, bar: Any) -> tuple[list[BackendRow], list[MetadataRow], list[str]]:
     n = layers * LAYER_BYTES
     views = _layer_views(_fill(count * n), count, layers)
     meta = {"reserve+commit": float("inf")}
@@ -238,8 +229,8 @@ def _layer_case(b: Backend, count: int, layers: int, reps: int, bar: Any) -> tup
         _row("layer_16KiB", "get", "same", n, count, moved, s_get, mc_get, layers),
     ]
     metadata = [
-        {"case": "layer_16KiB", "op": "reserve+commit", "keys_per_call": count, "ms_per_call": round(meta["reserve+commit"] * 1e3, 4)},
-        {"case": "layer_16KiB", "op": "open+release", "keys_per_call": count, "ms_per_call": round(s_open * 1e3, 4)},
+        MetadataRow(case="layer_16KiB", op="reserve+commit", keys_per_call=count, ms_per_call=round(meta["reserve+commit"] * 1e3, 4)),
+        MetadataRow(case="layer_16KiB", op="open+release", keys_per_call=count, ms_per_call=round(s_open * 1e3, 4)),
     ]
     return rows, metadata, keys
 
@@ -250,7 +241,7 @@ def _child_read(extra: dict, jobs: list[dict], reps: int, batch: int, out: Any, 
     try:
         if ns is not None:
             netns.setns(ns)
-        where = "other" if ns is None else "other-host"
+        where: Literal["other", "other-host"] = "other" if ns is None else "other-host"
         b = open_backend(parse_config(extra))
         rows = []
         try:
@@ -270,7 +261,7 @@ def _child_read(extra: dict, jobs: list[dict], reps: int, batch: int, out: Any, 
         out.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def _cross_process(extra: dict, jobs: list[dict], reps: int, batch: int, ns: str | None = None) -> list[dict]:
+def _cross_process(extra: dict, jobs: list[dict], reps: int, batch: int, ns: str | None = None) -> list[BackendRow]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_child_read, args=(extra, jobs, reps, batch, q, ns), daemon=True)
@@ -329,10 +320,11 @@ def run(args: argparse.Namespace) -> dict:
         setup = time.perf_counter() - t0
         cross = not args.no_cross_process
         bar = tqdm(total=6 + cross, desc="lw-bench backend", file=sys.stderr, leave=False)
-        results: list[dict] = []
+        results: list[BackendRow] = []
         jobs: list[dict] = []
         held = []
-        for case, n, count in (("64KiB", 64 * KiB, n64), ("4MiB", 4 * MiB, n4m)):
+        whole: tuple[tuple[Case, int, int], ...] = (("64KiB", 64 * KiB, n64), ("4MiB", 4 * MiB, n4m))
+        for case, n, count in whole:
             rows, keys = _whole_case(b, case, n, count, batch, reps, bar)
             held += b.open(keys)
             results += rows
@@ -348,7 +340,9 @@ def run(args: argparse.Namespace) -> dict:
         bar.close()
         stats = b.stats()
         name = b.name
-    out = {"backend": name, "backend_keys": args.keys, "quick": quick, **({"hosts": list(hosts)} if hosts else {}), "setup_s": round(setup, 3), "results": results, "metadata": metadata, "stats": stats}
+    res = BackendBenchResult(backend=name, backend_keys=args.keys, quick=quick, hosts=list(hosts) if hosts else None,
+                             setup_s=round(setup, 3), results=results, metadata=metadata, stats=stats)
+    out: dict[str, Any] = msgspec.to_builtins(res)
     if not getattr(args, "json", False):
         _print_table(out)
     return out

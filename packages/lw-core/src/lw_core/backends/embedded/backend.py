@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Annotated, Any
 
@@ -17,8 +17,8 @@ from lw_core.backends.embedded import fences
 from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.ops import OpsMixin
 from lw_core.procs import current_owner
-from lw_core.backends.embedded.records import PAGE, POOL_CHECK_S, T, log
-from lw_core.backends.embedded.stream import StreamMixin
+from lw_core.backends.embedded.records import PAGE, POOL_CHECK_S, EmbeddedHandle, T, encode_keys, log
+from lw_core.backends.embedded.stream import StreamIndex
 from lw_core.backends.embedded.sweep import Sweeper
 from lw_core.backends.embedded.txn import Tx
 from lw_core.backends.embedded.verify import Verifier
@@ -37,7 +37,7 @@ class EmbeddedSettings(msgspec.Struct, frozen=True, kw_only=True):
     lock_timeout_s: Seconds
 
 
-class EmbeddedBackend(OpsMixin, StreamMixin):
+class EmbeddedBackend(OpsMixin):
     """Single-host pool shared by every process that opens the same ``path`` (a directory)."""
 
     name = "embedded"
@@ -78,8 +78,11 @@ class EmbeddedBackend(OpsMixin, StreamMixin):
             "stale_views": 0,
             "reattached": 0,
         }
-        self._epoch = 0
         self._next_check = 0.0
+        self._streams = StreamIndex(
+            self._pool, self._lock, self._me,
+            reservation_timeout_s=self.reservation_timeout_s, usable=self._usable, local=self._local,
+        )
         self._attach()
 
     @classmethod
@@ -120,9 +123,23 @@ class EmbeddedBackend(OpsMixin, StreamMixin):
                 self.path,
             )
             self._teardown(keep_mappings=True)
-            self._epoch += 1
+            self._pool.epoch += 1
             self._local["reattached"] += 1
             self._attach()
+
+    # ----------------------------------------------------------------- streaming (StreamIndex)
+
+    def publish(self, handles: Sequence[EmbeddedHandle], upto: int) -> None:
+        self._streams.publish(handles, upto)
+
+    def open_streaming(self, keys: Sequence[str]) -> list[EmbeddedHandle | None]:
+        bkeys = encode_keys(keys)
+        self._usable()
+        self._check_pool()
+        return self._streams.open(keys, bkeys)
+
+    def wait_published(self, handles: Sequence[EmbeddedHandle], upto: int, timeout_s: float) -> list[bool]:
+        return self._streams.wait_published(handles, upto, timeout_s)
 
     # ----------------------------------------------------------------- counters and checks
 

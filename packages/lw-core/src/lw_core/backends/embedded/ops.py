@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -17,7 +16,6 @@ from lw_core.backends.embedded.records import (
     CIDX,
     COMMITTED,
     EmbeddedHandle,
-    MAX_KEY_BYTES,
     NBYTES,
     NP_COPY_MIN,
     OBJ_REC,
@@ -29,6 +27,8 @@ from lw_core.backends.embedded.records import (
     ST,
     STAMP,
     bytes_view,
+    encode_keys,
+    own_handle,
     log,
 )
 from lw_core.backends.embedded.txn import Tx
@@ -37,19 +37,8 @@ from lw_core.backends.embedded.txn import Tx
 class OpsMixin:
     """The protocol operations."""
 
-    def _bkeys(self, keys: Sequence[str]) -> list[bytes]:
-        out = []
-        for k in keys:
-            if not isinstance(k, str) or not k:
-                raise ValueError(f"embedded pool: keys must be non-empty str, got {k!r}")
-            b = k.encode()
-            if len(b) > MAX_KEY_BYTES:
-                raise ValueError(f"embedded pool: key of {len(b)} bytes is longer than {MAX_KEY_BYTES}: {k[:60]!r}...")
-            out.append(b)
-        return out
-
     def lookup(self, keys: Sequence[str]) -> int:
-        bkeys = self._bkeys(keys)
+        bkeys = encode_keys(keys)
         self._usable()
         self._check_pool()
         n = 0
@@ -64,11 +53,11 @@ class OpsMixin:
     def reserve(self, keys: Sequence[str], nbytes: int) -> list[EmbeddedHandle | None]:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"embedded pool: reserve nbytes={nbytes!r} must be an int > 0")
-        bkeys = self._bkeys(keys)
+        bkeys = encode_keys(keys)
         alloc = -(-nbytes // PAGE) * PAGE
         self._usable()
         self._check_pool()
-        epoch = self._epoch
+        epoch = self._pool.epoch
 
         def fn(t: Tx) -> list[EmbeddedHandle | None]:
             out: list[EmbeddedHandle | None] = [None] * len(bkeys)
@@ -108,11 +97,6 @@ class OpsMixin:
 
         return self._write(fn)
 
-    def _own(self, h: Any, what: str) -> EmbeddedHandle:
-        if not isinstance(h, EmbeddedHandle):
-            raise TypeError(f"embedded pool: {what} needs handles from this backend, got {type(h).__name__}")
-        return h
-
     # write/read are the per-layer hot path (one call per layer for a whole batch): the loops are
     # kept tight -- per-item Python overhead is comparable to a 16 KiB memcpy.
 
@@ -120,7 +104,7 @@ class OpsMixin:
         self._usable()
         if not (len(handles) == len(offsets) == len(srcs)):
             raise ValueError(f"embedded pool: write got {len(handles)} handles, {len(offsets)} offsets, {len(srcs)} srcs")
-        mv, npa, big, ep = self._pool.mv, self._pool.np, NP_COPY_MIN, self._epoch
+        mv, npa, big, ep = self._pool.mv, self._pool.np, NP_COPY_MIN, self._pool.epoch
         for h, off, src in zip(handles, offsets, srcs):
             if type(h) is not EmbeddedHandle or not h._writable:
                 raise BackendError(f"embedded pool: write to {h!r}, which is not a reserved handle")
@@ -143,11 +127,11 @@ class OpsMixin:
         reader stalled past its lease may find its extent reused, and those bytes must not be used.
         The fence keeps the re-reads after the copies on weakly ordered CPUs (fences.py)."""
         if handles and getattr(handles[0], "_stream", False):
-            return self._read_stream(handles, offsets, dsts)  # type: ignore[attr-defined, no-any-return]
+            return self._streams.read(handles, offsets, dsts)  # type: ignore[attr-defined, no-any-return]
         self._usable()
         if not (len(handles) == len(offsets) == len(dsts)):
             raise ValueError(f"embedded pool: read got {len(handles)} handles, {len(offsets)} offsets, {len(dsts)} dsts")
-        mv, npa, big, gen, ep = self._pool.mv, self._pool.np, NP_COPY_MIN, self._pool.leases.gen, self._epoch
+        mv, npa, big, gen, ep = self._pool.mv, self._pool.np, NP_COPY_MIN, self._pool.leases.gen, self._pool.epoch
         bad: list[str] = []
         copied: list[EmbeddedHandle] = []  # leased handles whose generation is checked again
         for h, off, dst in zip(handles, offsets, dsts):
@@ -187,12 +171,12 @@ class OpsMixin:
         caller must finish with the window within lease_ttl_s; ``release`` re-checks and counts
         windows whose object was evicted meanwhile (``stale_views``)."""
         self._usable()
-        h = self._own(handle, "view")
+        h = own_handle(handle, "view")
         if h._stream:
             return None  # no lease pins a streaming handle's space: read() checks each copy
         if offset < 0 or nbytes < 0 or offset + nbytes > h.nbytes:
             raise ValueError(f"embedded pool: view of {nbytes} bytes at offset {offset} is outside object {h.key!r} of {h.nbytes} bytes")
-        if h._epoch != self._epoch:
+        if h._epoch != self._pool.epoch:
             raise ObjectMissing(f"embedded pool {self.path!r}: {h.key!r} is from a pool directory that was deleted since")
         if not h._writable:
             lt = self._pool.leases
@@ -214,7 +198,7 @@ class OpsMixin:
         """Whether each handle's object still owns its space (not evicted, not reused, same pool
         directory): the check a caller makes after copying from ``view`` windows."""
         self._usable()
-        gen, ep = self._pool.leases.gen, self._epoch
+        gen, ep = self._pool.leases.gen, self._pool.epoch
         fences.fence()  # the caller's copies are ordered before the generations are read
         out = [isinstance(h, EmbeddedHandle) and h._epoch == ep and gen[h._pg] == h._oid for h in handles]
         bad = out.count(False)
@@ -223,8 +207,8 @@ class OpsMixin:
         return out
 
     def commit(self, handles: Sequence[EmbeddedHandle]) -> None:
-        hs = [self._own(h, "commit") for h in handles]
-        ep = self._epoch
+        hs = [own_handle(h, "commit") for h in handles]
+        ep = self._pool.epoch
         fences.fence()  # the writer's copies into the arena come before the records and generations
 
         def fn(t: Tx) -> list[str]:
@@ -268,7 +252,7 @@ class OpsMixin:
             )
 
     def abort(self, handles: Sequence[EmbeddedHandle]) -> None:
-        hs = [h for h in (self._own(h, "abort") for h in handles if h is not None) if h._writable and h._epoch == self._epoch]
+        hs = [h for h in (own_handle(h, "abort") for h in handles if h is not None) if h._writable and h._epoch == self._pool.epoch]
 
         def fn(t: Tx) -> None:
             for h in hs:
@@ -290,11 +274,11 @@ class OpsMixin:
         """Lease committed objects. Takes no pool-wide lock: the index is only read, and the
         lease is published in this backend's own row; an object evicted meanwhile (its generation
         changed) is a miss."""
-        bkeys = self._bkeys(keys)
+        bkeys = encode_keys(keys)
         self._usable()
         self._check_pool()
         out: list[EmbeddedHandle | None] = []
-        lt, ep, full = self._pool.leases, self._epoch, 0
+        lt, ep, full = self._pool.leases, self._pool.epoch, 0
         with self._read() as txn, lt.lock:
             expiry = time.time() + self.lease_ttl_s
             get, unpack, db, take, gen = txn.get, OBJ_REC.unpack, self._pool.obj, lt.take, lt.gen
@@ -331,7 +315,7 @@ class OpsMixin:
         if not hs:
             return
         self._usable()
-        lt, ep = self._pool.leases, self._epoch
+        lt, ep = self._pool.leases, self._pool.epoch
         stale = 0
         with lt.lock:
             for h in hs:

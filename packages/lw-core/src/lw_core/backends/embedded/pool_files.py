@@ -51,6 +51,7 @@ class PoolFiles:
         self.np: np.ndarray | None = None
         self.leases: LeaseTable | None = None
         self._attach_fd: int | None = None
+        self.epoch = 0  # which attachment of the pool (the backend counts re-attaches): handles carry it
 
     def replaced(self) -> bool:
         """Whether the directory at ``path`` is no longer the one attached (deleted or replaced)."""

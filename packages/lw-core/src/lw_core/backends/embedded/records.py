@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import mmap
 import struct
-from typing import NamedTuple, TypeVar
+from collections.abc import Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from lw_core.backend import Buffer
 from lw_core.procs import OWNER_SIZE, Owner
@@ -110,3 +111,23 @@ def unpack_resv(v: bytes) -> tuple[Resv, bytes]:
     owner = Owner.unpack(v)
     t0, off, alloc, orphan = RESV_TAIL.unpack_from(v, OWNER_SIZE)
     return Resv(owner, t0, off, alloc, orphan), bytes(v[OWNER_SIZE + RESV_TAIL.size :])
+
+
+def encode_keys(keys: Sequence[str]) -> list[bytes]:
+    """The keys as LMDB keys; a key that is not a non-empty str, or too long, is a ValueError."""
+    out = []
+    for k in keys:
+        if not isinstance(k, str) or not k:
+            raise ValueError(f"embedded pool: keys must be non-empty str, got {k!r}")
+        b = k.encode()
+        if len(b) > MAX_KEY_BYTES:
+            raise ValueError(f"embedded pool: key of {len(b)} bytes is longer than {MAX_KEY_BYTES}: {k[:60]!r}...")
+        out.append(b)
+    return out
+
+
+def own_handle(h: Any, what: str) -> EmbeddedHandle:
+    """``h`` when it is this backend's handle; a TypeError naming the operation otherwise."""
+    if not isinstance(h, EmbeddedHandle):
+        raise TypeError(f"embedded pool: {what} needs handles from this backend, got {type(h).__name__}")
+    return h

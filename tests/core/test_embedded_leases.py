@@ -122,7 +122,7 @@ def test_reader_stalled_past_its_lease_gets_an_error_not_the_new_objects_bytes(p
 
 def test_eviction_during_the_copy_is_caught_by_the_check_after_it(pools, monkeypatch):
     from lw_core.backend import ObjectMissing
-    from lw_core.backends.embedded import ops as embedded  # the module whose numpy read() uses
+    from lw_core.backends.embedded import object_reader as embedded  # the module whose numpy read() uses
 
     reader, writer = pools(lease_ttl_s=0.2), pools()
     put(writer, ["a", "b"])

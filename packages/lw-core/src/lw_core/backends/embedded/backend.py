@@ -11,11 +11,12 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from lw_core.backend import BackendError
+from lw_core.backend import BackendError, Buffer
 from lw_core.backends.builtin import CapacityBytes
 from lw_core.backends.embedded import fences
 from lw_core.backends.embedded.pool_files import PoolFiles
-from lw_core.backends.embedded.ops import OpsMixin
+from lw_core.backends.embedded.object_reader import ObjectReader
+from lw_core.backends.embedded.object_writer import ObjectWriter
 from lw_core.procs import current_owner
 from lw_core.backends.embedded.records import PAGE, POOL_CHECK_S, EmbeddedHandle, T, encode_keys, log
 from lw_core.backends.embedded.stream import StreamIndex
@@ -37,7 +38,7 @@ class EmbeddedSettings(msgspec.Struct, frozen=True, kw_only=True):
     lock_timeout_s: Seconds
 
 
-class EmbeddedBackend(OpsMixin):
+class EmbeddedBackend:
     """Single-host pool shared by every process that opens the same ``path`` (a directory)."""
 
     name = "embedded"
@@ -79,6 +80,13 @@ class EmbeddedBackend(OpsMixin):
             "reattached": 0,
         }
         self._next_check = 0.0
+        self._reader = ObjectReader(
+            self._pool, lease_ttl_s=self.lease_ttl_s, usable=self._usable, check_pool=self._check_pool, local=self._local,
+        )
+        self._writer = ObjectWriter(
+            self._pool, self._lock, self._sweeper, self._me,
+            reservation_timeout_s=self.reservation_timeout_s, usable=self._usable, check_pool=self._check_pool,
+        )
         self._streams = StreamIndex(
             self._pool, self._lock, self._me,
             reservation_timeout_s=self.reservation_timeout_s, usable=self._usable, local=self._local,
@@ -126,6 +134,41 @@ class EmbeddedBackend(OpsMixin):
             self._pool.epoch += 1
             self._local["reattached"] += 1
             self._attach()
+
+    # ----------------------------------------------------------------- the protocol (ObjectReader, ObjectWriter)
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        return self._reader.lookup(keys)
+
+    def reserve(self, keys: Sequence[str], nbytes: int) -> list[EmbeddedHandle | None]:
+        return self._writer.reserve(keys, nbytes)
+
+    def write(self, handles: Sequence[EmbeddedHandle], offsets: Sequence[int], srcs: Sequence[Buffer]) -> None:
+        self._writer.write(handles, offsets, srcs)
+
+    def read(self, handles: Sequence[EmbeddedHandle], offsets: Sequence[int], dsts: Sequence[Buffer]) -> None:
+        if handles and getattr(handles[0], "_stream", False):
+            self._streams.read(handles, offsets, dsts)
+        else:
+            self._reader.read(handles, offsets, dsts)
+
+    def view(self, handle: EmbeddedHandle, offset: int, nbytes: int) -> memoryview | None:
+        return self._reader.view(handle, offset, nbytes)
+
+    def intact(self, handles: Sequence[EmbeddedHandle]) -> list[bool]:
+        return self._reader.intact(handles)
+
+    def commit(self, handles: Sequence[EmbeddedHandle]) -> None:
+        self._writer.commit(handles)
+
+    def abort(self, handles: Sequence[EmbeddedHandle]) -> None:
+        self._writer.abort(handles)
+
+    def open(self, keys: Sequence[str]) -> list[EmbeddedHandle | None]:
+        return self._reader.open(keys)
+
+    def release(self, handles: Sequence[EmbeddedHandle]) -> None:
+        self._reader.release(handles)
 
     # ----------------------------------------------------------------- streaming (StreamIndex)
 

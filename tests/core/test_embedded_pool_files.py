@@ -38,7 +38,9 @@ def test_attach_creates_the_pool_maps_the_arena_and_claims_a_lease_row(tmp_path)
         assert not pool.replaced()
     finally:
         _close(pool, lock)
-    assert pool.env is None and pool.mv is None and pool.leases is None
+    assert pool.env is None and pool.mv is None
+    with pytest.raises(BackendError, match="not attached"):
+        pool.leases  # noqa: B018 - the property raises once closed
 
 
 def test_another_capacity_while_the_pool_is_in_use_is_refused_naming_both(tmp_path):

@@ -78,7 +78,7 @@ class LeaseTable:
 
         def take(n: int, dt: type, shape: tuple[int, ...]) -> np.ndarray:
             nonlocal o
-            v = a[o : o + n].view(dt).reshape(shape)
+            v: np.ndarray = a[o : o + n].view(dt).reshape(shape)
             o += n
             return v
 
@@ -197,7 +197,7 @@ class LeaseTable:
         for r in np.flatnonzero(self.rows[:, 1]):
             pidns, pid, start, _ = (int(x) for x in self.rows[r])
             key = (pidns, pid, start)
-            if r != self.row and not self._held(r):
+            if r != self.row and not self._held(int(r)):
                 self.ent_oid[r] = 0
                 self.rows[r] = 0
             elif self._alive.get(key, 0.0) > now:

@@ -97,6 +97,7 @@ class ObjectWriter:
                 return out
             # One extent for the whole batch when there is one: one free-list update, not n.
             base = t.alloc(alloc * len(eligible)) if len(eligible) > 1 else None
+            off: int | None
             for j, i in enumerate(eligible):
                 if base is not None:
                     off = base + j * alloc

@@ -45,13 +45,29 @@ class PoolFiles:
         self.lru: Any = None
         self.resv: Any = None
         self.meta: Any = None
-        self.alloc: ExtentAllocator | None = None
+        self._alloc: ExtentAllocator | None = None
         self.mm: mmap.mmap | None = None
         self.mv: memoryview | None = None
         self.np: np.ndarray | None = None
-        self.leases: LeaseTable | None = None
+        self._leases: LeaseTable | None = None
         self._attach_fd: int | None = None
         self.epoch = 0  # which attachment of the pool (the backend counts re-attaches): handles carry it
+
+    @property
+    def leases(self) -> LeaseTable:
+        """The lease table (while attached)."""
+        lt = self._leases
+        if lt is None:
+            raise BackendError(f"embedded pool {self.path!r}: not attached (closed, or re-attaching)")
+        return lt
+
+    @property
+    def alloc(self) -> ExtentAllocator:
+        """The arena's free extents (while the index is open)."""
+        a = self._alloc
+        if a is None:
+            raise BackendError(f"embedded pool {self.path!r}: its index is not open")
+        return a
 
     def replaced(self) -> bool:
         """Whether the directory at ``path`` is no longer the one attached (deleted or replaced)."""
@@ -107,9 +123,9 @@ class PoolFiles:
         """Let go of the pool. ``keep_mappings``: other threads may still copy through the old
         arena mapping, so it is only dropped (it goes when its last user does)."""
         self.np = None
-        if self.leases is not None:
-            self.leases.close(keep_mappings)
-            self.leases = None
+        if self._leases is not None:
+            self._leases.close(keep_mappings)
+            self._leases = None
         if self.mv is not None and not keep_mappings:
             self.mv.release()
         self.mv = None
@@ -161,7 +177,7 @@ class PoolFiles:
         self.lru = self.env.open_db(b"lru")
         self.resv = self.env.open_db(b"resv")
         self.meta = self.env.open_db(b"meta")
-        self.alloc = ExtentAllocator(self.env.open_db(b"free_off"), self.env.open_db(b"free_size"))
+        self._alloc = ExtentAllocator(self.env.open_db(b"free_off"), self.env.open_db(b"free_size"))
         fd = files.open_file(idx + "-lock", os.O_RDWR)
         try:
             files.reserve_space(fd, os.fstat(fd).st_size, idx + "-lock")
@@ -175,8 +191,8 @@ class PoolFiles:
         if fmt != FORMAT:
             return f"format {fmt!r} (expected {FORMAT!r})"
         if CAP_REC.unpack(cap) != (self.capacity, PAGE):
-            have = CAP_REC.unpack(cap)
-            return f"capacity_bytes={have[0]} page={have[1]} (this process asks capacity_bytes={self.capacity} page={PAGE})"
+            rec = CAP_REC.unpack(cap)
+            return f"capacity_bytes={rec[0]} page={rec[1]} (this process asks capacity_bytes={self.capacity} page={PAGE})"
         if boot != boot_id():
             return "it was created before the last reboot"
         _, arena, leases = self._files()
@@ -210,7 +226,7 @@ class PoolFiles:
         try:
             if os.fstat(fd).st_size != self.capacity:
                 raise BackendError(f"embedded pool: {arena!r} has {os.fstat(fd).st_size} bytes, expected {self.capacity}")
-            self.leases = LeaseTable(leases, self.capacity // PAGE)
+            self._leases = LeaseTable(leases, self.capacity // PAGE)
         except (OSError, ValueError) as e:
             os.close(fd)
             raise BackendError(f"embedded pool: cannot map the lease table: {e}") from e
@@ -250,6 +266,7 @@ class PoolFiles:
         # Room for the index's first pages (~1 KiB per 64 KiB object), so a full filesystem does
         # not stop the pool at once; past it, LMDB's ENOSPC is a BackendError.
         self._open_env(idx)  # LMDB writes its meta pages first: it refuses a file of zeros
+        assert self.env is not None
         fd = files.open_file(idx, os.O_RDWR)
         try:
             files.reserve_space(fd, index_bytes, idx)

@@ -19,6 +19,7 @@ import pytest
 from lw_core.backend import BackendError, ObjectMissing
 from lw_core.backends.embedded import EmbeddedBackend, fences
 from lw_core.backends.embedded.leases import FREE, LEASED
+from lw_core.procs import current_owner
 
 MiB = 1 << 20
 N = 64 << 10
@@ -125,7 +126,7 @@ def test_evict_stores_the_tombstone_before_the_fence_and_reads_leases_after(pool
     h = put(writer, "a", 7)
     wl, rl = writer._pool.leases, reader._pool.leases
     wl.ref[h._pg] = 0  # not read since: CLOCK takes it
-    rows = wl.live_rows(writer._me)
+    rows = wl.live_rows(current_owner())  # the writer is this process
     gen_at_fence, entries = [], []
 
     def leased_now() -> None:  # a reader's lease reaches the evictor at its fence

@@ -19,6 +19,8 @@ import time
 import numpy as np
 import pytest
 
+from lw_core.procs import current_owner
+
 MiB = 1 << 20
 CAP = 2 * MiB
 N = 1 * MiB
@@ -207,7 +209,7 @@ def test_dead_reader_in_another_pid_namespace_is_reclaimed_too(pools, tmp_path):
         assert child.stdout.readline().strip() == "ready", child.stderr.read()
         lt = writer._pool.leases
         rows = [r for r in range(len(lt.rows)) if lt.rows[r, 1] and r != lt.row]
-        assert len(rows) == 1 and int(lt.rows[rows[0], 0]) != writer._me.pidns, "test premise: another namespace"
+        assert len(rows) == 1 and int(lt.rows[rows[0], 0]) != current_owner().pidns, "test premise: another namespace"
         assert writer.reserve(["c"], N) == [None]
         child.kill()  # unshare, and with it (--kill-child) the reader
         child.wait(timeout=10)

@@ -10,8 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
 
-from lw_core.backends.embedded.arena_alloc import ArenaCorrupt, ExtentAllocator
 from lw_core.backends.embedded import PAGE, EmbeddedBackend
+from lw_core.backends.embedded.arena_alloc import ArenaCorrupt, ExtentAllocator
 
 CAP_PAGES = 64
 

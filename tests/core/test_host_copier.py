@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from lw_core.pipeline.copier import Copier
 from lw_core.pipeline.host_copier import HostCopier, aligned_empty
 

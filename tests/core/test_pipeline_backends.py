@@ -8,11 +8,13 @@ import time
 
 import numpy as np
 import pytest
+from test_pipeline_support import make_layout
+
 from lw_core.backends import embedded, memory
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ReqLoad, ReqSave
 from lw_dev.backend_contract import LAYOUT, SAVES, BackendContract, ViewsContract, load_all, save_all, seeded_kv
-from test_pipeline_support import make_layout
+
 
 @pytest.fixture(params=["memory", "embedded"])
 def backend(request, tmp_path):

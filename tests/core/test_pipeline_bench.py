@@ -7,6 +7,7 @@ import json
 
 import msgspec
 import pytest
+
 from lw_bench.cli import main
 from lw_bench.pipeline_result import PipelineBenchConfig, PipelineBenchResult, decode
 

@@ -10,8 +10,8 @@ import sys
 import pytest
 from test_pipeline_support import DictBackend, fill_pool, make_layout
 
-from lw_core.pipeline.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
+from lw_core.pipeline.host_copier import HostCopier
 from lw_core.plan import ReqLoad, ReqSave
 
 

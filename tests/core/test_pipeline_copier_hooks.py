@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import itertools
 
-from lw_core.pipeline.host_copier import HostCopier, aligned_empty
-from lw_core.pipeline import LayerPipeline
-from lw_core.plan import ReqLoad
 from test_pipeline_support import DictBackend, RecordingCopier, expected_block, fill_pool, make_layout
+
+from lw_core.pipeline import LayerPipeline
+from lw_core.pipeline.host_copier import HostCopier, aligned_empty
+from lw_core.plan import ReqLoad
 
 
 class HookedCopier(RecordingCopier):

@@ -6,11 +6,12 @@ import itertools
 import threading
 
 import numpy as np
-from lw_core.pipeline.host_copier import HostCopier
+from test_pipeline_support import DictBackend, RecordingCopier, expected_block, fill_pool, make_layout
+
 from lw_core.pipeline import LayerPipeline
+from lw_core.pipeline.host_copier import HostCopier
 from lw_core.pipeline.pool import StagingPool
 from lw_core.plan import ReqLoad, ReqSave
-from test_pipeline_support import DictBackend, RecordingCopier, expected_block, fill_pool, make_layout
 
 
 class DeviceLikeCopier(RecordingCopier):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from lw_core.pipeline.host_copier import HostCopier
-from lw_core.pipeline import LayerPipeline
-from lw_core.plan import ReqLoad, ReqSave
 from test_pipeline_support import DictBackend, make_layout, wait_until
+
+from lw_core.pipeline import LayerPipeline
+from lw_core.pipeline.host_copier import HostCopier
+from lw_core.plan import ReqLoad, ReqSave
 
 
 def make(layout, **kw):

@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from lw_core.backend import BackendError
-from lw_core.pipeline.host_copier import HostCopier
-from lw_core.pipeline import LayerPipeline
-from lw_core.plan import ReqLoad
 from test_pipeline_support import DictBackend, RecordingCopier, expected_block, fill_pool, make_layout, wait_until
+
+from lw_core.backend import BackendError
+from lw_core.pipeline import LayerPipeline
+from lw_core.pipeline.host_copier import HostCopier
+from lw_core.plan import ReqLoad
 
 SENTINEL = 0xEE
 

@@ -7,11 +7,12 @@ import time
 
 import numpy as np
 import pytest
-from lw_core.backend import BackendError, PoolFull
-from lw_core.pipeline.host_copier import HostCopier
-from lw_core.pipeline import LayerPipeline
-from lw_core.plan import ReqLoad, ReqSave
 from test_pipeline_support import DictBackend, RecordingCopier, make_layout, wait_until
+
+from lw_core.backend import BackendError, PoolFull
+from lw_core.pipeline import LayerPipeline
+from lw_core.pipeline.host_copier import HostCopier
+from lw_core.plan import ReqLoad, ReqSave
 
 
 def random_kv(layout, num_blocks=16, seed=0):

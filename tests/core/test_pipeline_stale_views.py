@@ -7,11 +7,12 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from lw_core.backends.embedded import EmbeddedBackend
-from lw_core.pipeline.host_copier import HostCopier
-from lw_core.pipeline import LayerPipeline
-from lw_core.plan import ReqLoad
 from test_pipeline_support import fill_pool, make_layout, pattern
+
+from lw_core.backends.embedded import EmbeddedBackend
+from lw_core.pipeline import LayerPipeline
+from lw_core.pipeline.host_copier import HostCopier
+from lw_core.plan import ReqLoad
 
 MiB = 1 << 20
 LAYOUT = make_layout(4, 256 << 10)  # 1 MiB objects: two fill the 2 MiB arena

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from lw_core.backend import BackendError, ObjectMissing
 from lw_core.pipeline.host_copier import HostCopier
 from lw_core.plan import ObjectLayout

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from lw_core.backends.memory import MemoryBackend
-from lw_core.pipeline.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
+from lw_core.pipeline.host_copier import HostCopier
 from lw_core.plan import ObjectLayout, ReqLoad
 from lw_core.tp_split import split_heads
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+
 from lw_core.backends.segment_stream import abort_key, seg_key, wait_published
 from lw_core.backends.segment_stream.checks import check_lengths, check_range, check_timeout, check_upto
 from lw_core.backends.segment_stream.head import HEAD, pack_head, unpack_head

@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+
 from lw_core.backend import wait_layers
 from lw_core.backends import embedded, memory
 from lw_dev.streaming_contract import LB, NB, StreamingContract

@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+
 from lw_core.backend import ObjectMissing, wait_layers
 from lw_core.backends.embedded import EmbeddedBackend
 
@@ -20,18 +21,18 @@ pytestmark = pytest.mark.timeout(60)
 
 NL, LB, CAP = 4, 8192, 16 << 20
 
-WRITER = """
+WRITER = f"""
 import sys, time
 import numpy as np
 from lw_core.backend import publish_layers
 from lw_core.backends.embedded import EmbeddedBackend
-b = EmbeddedBackend(sys.argv[1], capacity_bytes={cap})
-(h,) = b.reserve(["chunk"], {nl} * {lb})
-b.write([h], [0], [np.random.default_rng(11).integers(0, 256, {lb}, dtype=np.uint8)])
-publish_layers(b, [h], 0, {lb})
+b = EmbeddedBackend(sys.argv[1], capacity_bytes={CAP})
+(h,) = b.reserve(["chunk"], {NL} * {LB})
+b.write([h], [0], [np.random.default_rng(11).integers(0, 256, {LB}, dtype=np.uint8)])
+publish_layers(b, [h], 0, {LB})
 print("published", flush=True)
 time.sleep(120)
-""".format(cap=CAP, nl=NL, lb=LB)
+"""
 
 
 @pytest.fixture

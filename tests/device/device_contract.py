@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import torch
+
 from lw_core.backends.memory import MemoryBackend
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave

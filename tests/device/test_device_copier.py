@@ -24,6 +24,7 @@ from device_contract import (  # noqa: E402
     check_round_trip,
     layouts,
 )
+
 from lw_vllm.copier import TorchCopier  # noqa: E402
 
 DEV = torch.device("cuda", 0)

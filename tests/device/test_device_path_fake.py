@@ -19,6 +19,7 @@ from device_contract import (
     layouts,
 )
 from fake_ops import FakeOps, entries, position
+
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_vllm.copier import TorchCopier

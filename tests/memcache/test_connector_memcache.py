@@ -11,7 +11,6 @@ Engines, tiny models and the greedy oracle are lw_dev's, as in tests/vllm.
 
 from __future__ import annotations
 
-
 import pytest
 from mc_support import needs_memcache
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mc_support import expected, needs_memcache
+
 from lw_core.backend import Backend, BackendError, open_backend
 from lw_core.config import parse_config
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 from mc_support import expected, needs_memcache
+
 from lw_memcache.orphans import Sightings
 
 L, N = 4, 4096

@@ -23,6 +23,7 @@ import time
 import numpy as np
 import pytest
 from mc_support import HAVE_MEMCACHE, needs_memcache
+
 from lw_core.backend import ObjectMissing, wait_layers
 
 pytestmark = [needs_memcache, pytest.mark.slow, pytest.mark.timeout(180)]
@@ -30,7 +31,7 @@ pytestmark = [needs_memcache, pytest.mark.slow, pytest.mark.timeout(180)]
 NL, LB = 4, 8192
 NB = NL * LB
 
-WRITER = """
+WRITER = f"""
 import sys
 import numpy as np
 from lw_core.backend import publish_layers
@@ -42,12 +43,12 @@ print("ready", flush=True)
 for line in sys.stdin:
     op, *a = line.split()
     if op == "reserve":
-        (h,) = b.reserve([a[0]], {nb})
+        (h,) = b.reserve([a[0]], {NB})
         print("ok", h is not None and h.gva, flush=True)
     elif op == "write":
         layer = int(a[0])
-        b.write([h], [layer * {lb}], [np.random.default_rng(seed * 100 + layer).integers(0, 256, {lb}, dtype=np.uint8)])
-        publish_layers(b, [h], layer, {lb})
+        b.write([h], [layer * {LB}], [np.random.default_rng(seed * 100 + layer).integers(0, 256, {LB}, dtype=np.uint8)])
+        publish_layers(b, [h], layer, {LB})
         print("ok", flush=True)
     elif op in ("abort", "commit"):
         getattr(b, op)([h])
@@ -56,7 +57,7 @@ for line in sys.stdin:
         b.close()
         print("ok", flush=True)
         break
-""".format(nb=NB, lb=LB)
+"""
 
 
 def layer_bytes(seed: int, layer: int) -> np.ndarray:

@@ -15,6 +15,7 @@ import time
 import numpy as np
 import pytest
 from mc_support import HAVE_MEMCACHE, needs_memcache
+
 from lw_core.backend import wait_layers
 
 pytestmark = [needs_memcache, pytest.mark.slow, pytest.mark.timeout(240)]

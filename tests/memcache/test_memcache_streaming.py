@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 from mc_support import HAVE_MEMCACHE, needs_memcache
+
 from lw_core.backend import BackendError, ObjectMissing, publish_layers, wait_layers
 from lw_core.backends.segment_stream import head_key, seg_key
 

@@ -9,12 +9,11 @@ import sys
 import numpy as np
 import pytest
 from mc_support import HAVE_MEMCACHE, needs_memcache
+
 from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 from lw_core.config import parse_config
-
 from lw_memcache import backend as mb
-from lw_memcache import copies
-from lw_memcache import errors
+from lw_memcache import copies, errors
 from lw_memcache.conf import ConfError, local_config_fields, parse_size, read_conf, write_local_conf, write_meta_conf
 
 
@@ -250,7 +249,6 @@ def test_copy_passes_each_buffers_own_address_on_every_path():
 
 def test_memcache_keys_belong_to_its_plugin_and_stay_top_level():
     from lw_core.config import ConfigError
-
     from lw_memcache.plugin import MemcacheKeys
 
     cfg = parse_config({"backend": "memcache", "memcache_protocol": "host_tcp", "memcache_config_path": "/etc/l.conf"})

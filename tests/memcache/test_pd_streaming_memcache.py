@@ -17,8 +17,8 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.
 
 from lw_bench.pd.stack import Stack, start_stack  # noqa: E402
 from lw_dev.pd_flow import text  # noqa: E402
-from lw_dev.pd_streaming_flow import streams_in_decoder_first  # noqa: E402
 from lw_dev.pd_oracle import SAMPLING  # noqa: E402
+from lw_dev.pd_streaming_flow import streams_in_decoder_first  # noqa: E402
 
 pytestmark = [needs_memcache, pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from lw_dev.netns import Hosts, require_netns
 from mc_cluster import PREFIX, SUBNET, need_mooncake, start_cluster
+
+from lw_dev.netns import Hosts, require_netns
 
 
 @pytest.fixture(scope="session")

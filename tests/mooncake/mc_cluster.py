@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+
 from lw_dev.netns import Hosts
 
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None

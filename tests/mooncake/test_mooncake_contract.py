@@ -12,10 +12,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from lw_core.plan import ReqLoad, ReqSave
+from lw_dev.backend_contract import (
+    LAYOUT,
+    SAVES,
+    BackendContract,
+    check_loads_use_zero_copy_views,
+    load_all,
+    save_all,
+    seeded_kv,
+)
 from lw_mooncake.errors import NO_AVAILABLE_HANDLE
-from lw_dev.backend_contract import (LAYOUT, SAVES, BackendContract, check_loads_use_zero_copy_views, load_all,
-                                     save_all, seeded_kv)
 
 # Slow tier: these tests need a Mooncake master and holder in network-namespace hosts.
 pytestmark = pytest.mark.slow

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 from mc_cluster import start_cluster
-from lw_core.backend import BackendError, BackendUnavailable
 from mc_putter import content
+
+from lw_core.backend import BackendError, BackendUnavailable
 
 # Slow tier: these tests need a Mooncake master and holder in network-namespace hosts.
 pytestmark = pytest.mark.slow

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from mc_cluster import start_cluster
+
 from lw_bench.pd.stack import SERVER_START_TIMEOUT_S, Stack, metric_sum, post_json, start_proxy, start_vllm, wait_ready
 from lw_dev.netns import Hosts
 from lw_dev.pd_flow import assert_remote_prefill_used, baseline, settle, text, through

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from mc_cluster import start_cluster
+
 from lw_core.backend import BackendError
 from lw_core.config import ConfigError, parse_config
 
@@ -82,8 +83,8 @@ def test_master_binds_only_its_host_address_and_clients_unreachable_master_fail_
         assert sorted(mine) == sorted(f"{hosts.addr('b')}:{p}" for p in master_ports), listen
     finally:
         c.stop()
-    from lw_mooncake.backend import MooncakeBackend
     from lw_core.backend import BackendUnavailable
+    from lw_mooncake.backend import MooncakeBackend
 
     t0 = time.monotonic()
     with hosts.entered("a"), pytest.raises(BackendUnavailable, match="setup"):

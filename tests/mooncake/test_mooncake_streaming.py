@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from mc_cluster import start_cluster
-from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing, publish_layers, wait_layers
 
+from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing, publish_layers, wait_layers
 from lw_dev.streaming_contract import LB, NB, NL, StreamingContract, layer_bytes, read_layer, write_layer
 
 # Slow tier: these tests need a Mooncake master and holder in network-namespace hosts.

@@ -13,8 +13,8 @@ on failure (the Hosts harness kills what is left in the namespaces).
 from __future__ import annotations
 
 import contextlib
-import shlex
 import os
+import shlex
 import subprocess
 import sys
 import tempfile

@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from cluster import Cluster
-from lw_bench.pd.stack import (SERVER_START_TIMEOUT_S, Stack, post_json, start_proxy, start_vllm,
-                                      wait_ready)
+
+from lw_bench.pd.stack import SERVER_START_TIMEOUT_S, Stack, post_json, start_proxy, start_vllm, wait_ready
 
 PREFILL_PORT, DECODE_PORT, PROXY_PORT = 8100, 8200, 8300
 

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from lw_memcache.cli import main as lw_memcache
 from lw_memcache.conf import ConfError, check_hugepages, read_conf
 

@@ -8,10 +8,11 @@ from collections.abc import Iterator
 
 import pytest
 from cluster import Cluster
-from lw_dev.pd_flow import assert_remote_prefill_used, baseline, settle, text, through
 from pd_hosts import start_cross_host_stack
-from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
+
 from lw_bench.pd.stack import Stack, metric_sum
+from lw_dev.pd_flow import assert_remote_prefill_used, baseline, settle, text, through
+from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 

@@ -22,9 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lw_core.backends.embedded import EmbeddedBackend
-
 from lw_bench.pd.stack import VllmServer, post_json
+from lw_core.backends.embedded import EmbeddedBackend
 
 
 def connector_extra(server: VllmServer) -> dict[str, Any]:

@@ -9,11 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from lw_core.wire import DecodeTransferParams
-from lw_vllm.pd_metaserver import MetaserverClient, remote_prefill_params
-
-from lw_dev.fake_metaserver import FakeMetaserver
 from lw_bench.pd.stack import free_port
+from lw_core.wire import DecodeTransferParams
+from lw_dev.fake_metaserver import FakeMetaserver
+from lw_vllm.pd_metaserver import MetaserverClient, remote_prefill_params
 
 
 @pytest.fixture(scope="module")

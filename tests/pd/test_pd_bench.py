@@ -11,13 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from lw_core.backends.memory import MemoryBackend
-from lw_core.backends.registry import register_backend, unregister_backend
-from lw_core.config import ConfigError, parse_config
-
 from lw_bench.pd import compare, compare_report, compare_stack
 from lw_bench.pd import mode as bench_pd
 from lw_bench.pd.throttle import NAME, ThrottledBackend
+from lw_core.backends.memory import MemoryBackend
+from lw_core.backends.registry import register_backend, unregister_backend
+from lw_core.config import ConfigError, parse_config
 
 MB = 1 << 20
 

@@ -12,14 +12,13 @@ import threading
 import time
 
 import pytest
-
-from lw_proxy import relay
-
-from lw_dev.fake_metaserver import FakeMetaserver
 from pd_faults_flow import freeze, signal_group
+
+from lw_bench.pd.stack import Stack, free_port, http, metric_sum, post_json, post_sse
+from lw_dev.fake_metaserver import FakeMetaserver
 from lw_dev.pd_flow import assert_remote_prefill_used, baseline, settle, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, by_index, chat_choice, completion_choice, completion_stream
-from lw_bench.pd.stack import Stack, free_port, http, metric_sum, post_json, post_sse
+from lw_proxy import relay
 
 pytestmark = pytest.mark.slow
 

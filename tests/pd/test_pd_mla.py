@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from lw_bench.pd.stack import Stack
 from lw_dev.pd_flow import assert_remote_prefill_used, baseline, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, by_index, chat_choice, completion_choice
-from lw_bench.pd.stack import Stack
 
 pytestmark = pytest.mark.slow
 

@@ -9,11 +9,10 @@ import logging
 import shutil
 
 import pytest
+from test_scheduler_pd import BLOCK, _ask, _publish, _req, _side
 
 from lw_vllm import pd_coordinator
 from lw_vllm.metrics import COUNTERS
-
-from test_scheduler_pd import BLOCK, _ask, _publish, _req, _side
 
 WARN = "holds none of"
 

@@ -11,11 +11,11 @@ from collections.abc import Iterator
 
 import pytest
 
+from lw_bench.pd.stack import Stack, free_port, post_json
 from lw_dev.fake_metaserver import FakeMetaserver
-from lw_dev.pd_streaming_flow import streaming_stack, streams_in_decoder_first
 from lw_dev.pd_flow import baseline, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
-from lw_bench.pd.stack import Stack, free_port, post_json
+from lw_dev.pd_streaming_flow import streaming_stack, streams_in_decoder_first
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -19,14 +19,14 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-
 from pd_faults_flow import Call, connector_extra, freeze_mid_prefill, kill, signal_group, watcher
-from lw_dev.pd_streaming_flow import streaming_stack
+
+from lw_bench.pd.stack import Stack, post_json
 from lw_core.backends.embedded import EmbeddedBackend
 from lw_core.backends.embedded.records import POOL_CHECK_S
 from lw_dev.pd_flow import baseline, settle, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
-from lw_bench.pd.stack import Stack, post_json
+from lw_dev.pd_streaming_flow import streaming_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

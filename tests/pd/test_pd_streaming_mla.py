@@ -8,10 +8,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from lw_dev.pd_streaming_flow import streaming_stack, streams_in_decoder_first
+from lw_bench.pd.stack import Stack
 from lw_dev.pd_flow import text
 from lw_dev.pd_oracle import SAMPLING
-from lw_bench.pd.stack import Stack
+from lw_dev.pd_streaming_flow import streaming_stack, streams_in_decoder_first
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -9,13 +9,13 @@ import time
 
 import numpy as np
 import pytest
+
 from lw_core.backend import ObjectMissing
 from lw_core.backends.memory import MemoryBackend
 from lw_core.config import ConfigError, parse_config
-from lw_core.pipeline.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
+from lw_core.pipeline.host_copier import HostCopier
 from lw_core.plan import ObjectLayout, ReqSave
-
 from lw_vllm.stream_recv import Receive, StreamReceiver, receive
 
 pytestmark = pytest.mark.timeout(60)

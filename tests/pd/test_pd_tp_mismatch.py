@@ -17,14 +17,13 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
+from test_scheduler_pd import BLOCK, LAYERS, PAGE, _ask, _req, _step
 
 from lw_core.config import parse_config
 from lw_core.keys import chunk_hashes
 from lw_vllm import pool
 from lw_vllm.metrics import Collector
 from lw_vllm.scheduler_side import SchedulerSide
-
-from test_scheduler_pd import BLOCK, LAYERS, PAGE, _ask, _req, _step
 
 KV_HEADS = 2
 

@@ -11,8 +11,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
-from lw_vllm import pool_lookup  # noqa: E402
 from test_scheduler_pd import _publish, _req, _side  # noqa: E402
+
+from lw_vllm import pool_lookup  # noqa: E402
 
 
 class _StallingLookups:

@@ -378,6 +378,7 @@ def test_streaming_receive_ends_at_the_answer_when_a_chunk_never_comes(meta, poo
     ok: the full chunks the prefiller committed land and only the partial chunk is recomputed;
     error: the receive is cancelled, everything is recomputed."""
     import numpy as np
+
     from lw_core.plan import ObjectLayout
     from lw_vllm.stream_recv import StreamReceiver
     from lw_vllm.worker_side import WorkerSide

@@ -10,14 +10,13 @@ import os
 import time
 
 import pytest
+from raw_http import exchange, head
 
 from lw_core.wire import DecodeTransferParams
+from lw_dev.proxy_mocks import harness, run
 from lw_proxy.config import ProxyConfig, parse_args
 from lw_proxy.validate import parse_completion
 from lw_vllm.pd_metaserver import MetaserverClient
-
-from lw_dev.proxy_mocks import harness, run
-from raw_http import exchange, head
 
 OK = (200, {"status": "ok"})
 

@@ -9,9 +9,9 @@ import shutil
 
 import msgspec
 import pytest
+from raw_http import chunked, exchange, head
 
 from lw_dev.proxy_mocks import generate, harness, run
-from raw_http import chunked, exchange, head
 
 
 def _body(prompt_len: int) -> bytes:

@@ -7,10 +7,9 @@ import time
 
 import msgspec
 
+from lw_dev.proxy_mocks import generate, harness, run, wait_until
 from lw_proxy.config import ProxyConfig, parse_args
 from lw_proxy.errors import ProxyError
-
-from lw_dev.proxy_mocks import generate, harness, run, wait_until
 
 
 async def _stream(h, body):

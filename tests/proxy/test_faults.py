@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 import aiohttp
@@ -48,7 +47,7 @@ def test_decoder_down_gives_clear_502_after_bounded_retries():
             assert time.monotonic() - t0 < 5
             m = await h.metrics()
             assert 'lw_proxy_retries_total{role="decoder"} 2.0' in m
-            assert 'lw_proxy_backend_healthy{backend="%s",role="decoder"} 0.0' % h.proxy.cfg.decoders[0] in m
+            assert f'lw_proxy_backend_healthy{{backend="{h.proxy.cfg.decoders[0]}",role="decoder"}} 0.0' in m
 
     run(body())
 
@@ -126,7 +125,7 @@ def test_client_disconnect_aborts_non_streaming_upstream():
                 try:
                     await s.post(h.url + "/v1/completions", json={"prompt": "p"},
                                  timeout=aiohttp.ClientTimeout(total=0.3))
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             await wait_until(lambda: dec.aborted == 1, what="decoder to see the abort")
             await wait_until(lambda: len(h.proxy.registry) == 0, what="parent freed")

@@ -5,10 +5,9 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from lw_dev.ports import dead_url
+from lw_dev.proxy_mocks import harness, run
 from lw_proxy.backends import BackendPool
 from lw_proxy.metrics import ProxyMetrics
-
-from lw_dev.proxy_mocks import harness, run
 
 
 def _samples(text: str) -> dict[tuple[str, tuple], float]:

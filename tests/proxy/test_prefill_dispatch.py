@@ -10,9 +10,8 @@ import time
 
 import pytest
 
-from lw_proxy.config import parse_args
-
 from lw_dev.proxy_mocks import harness, run, wait_until
+from lw_proxy.config import parse_args
 
 OK = (200, {"status": "ok"})
 

@@ -9,10 +9,9 @@ import time
 import msgspec
 import pytest
 
+from lw_dev.proxy_mocks import generate, generate_ids, harness, run, tokenize
 from lw_proxy import relay
 from lw_proxy.validate import parse_completion
-
-from lw_dev.proxy_mocks import generate, generate_ids, harness, run, tokenize
 
 GREEDY = {"prompt": "p", "max_tokens": 4, "stream": True, "temperature": 0}
 

@@ -8,9 +8,8 @@ import asyncio
 
 import pytest
 
-from lw_proxy.validate import parse_completion
-
 from lw_dev.proxy_mocks import generate, harness, run, wait_until
+from lw_proxy.validate import parse_completion
 
 OK = (200, {"status": "ok"})
 

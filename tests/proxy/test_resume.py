@@ -8,10 +8,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from lw_dev.proxy_mocks import chat_context, generate, generate_ids, harness, run, tokenize
 from lw_proxy import recompute as rc
 from lw_proxy import token_ids
-
-from lw_dev.proxy_mocks import chat_context, generate, generate_ids, harness, run, tokenize
 
 
 async def _events(session, url: str, body: dict) -> list[dict]:

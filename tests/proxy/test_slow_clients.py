@@ -9,11 +9,10 @@ import logging
 import time
 
 import aiohttp
-
-from lw_proxy.logfilter import RepeatFilter
+from raw_http import head, read_response
 
 from lw_dev.proxy_mocks import generate, harness, run
-from raw_http import head, read_response
+from lw_proxy.logfilter import RepeatFilter
 
 
 async def _connect(url: str):
@@ -35,7 +34,7 @@ def test_client_dribbling_its_headers_is_cut_off():
                     if await asyncio.wait_for(reader.read(1024), 0.05) == b"":
                         closed_after = time.monotonic() - t0
                         break
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
                 except ConnectionError:
                     closed_after = time.monotonic() - t0
@@ -121,7 +120,7 @@ async def _dribble(url: str, path: str, auth: bytes = b"", every: float = 0.25, 
                 await writer.drain()
                 status, _ = await asyncio.wait_for(read_response(reader), every)
                 return time.monotonic() - t0, status
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 continue
             except ConnectionError:
                 return time.monotonic() - t0, None

@@ -6,12 +6,11 @@ from __future__ import annotations
 import os
 import tracemalloc
 
-import lw_proxy
 import msgspec
 
-from lw_proxy.recompute import StreamLedger
-
+import lw_proxy
 from lw_dev.proxy_mocks import generate, harness, run
+from lw_proxy.recompute import StreamLedger
 
 _PROXY_FILES = os.path.join(os.path.dirname(lw_proxy.__file__), "*")
 

@@ -8,10 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from lw_dev.proxy_mocks import harness, run
 from lw_proxy.errors import ProxyError
 from lw_proxy.validate import parse_chat, parse_completion
-
-from lw_dev.proxy_mocks import harness, run
 
 BAD_COMPLETIONS = [
     # (raw body, status, text the message must contain, param)

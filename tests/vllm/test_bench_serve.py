@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+
 from lw_bench.serve import mode as bench_serve
 
 

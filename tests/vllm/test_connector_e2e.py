@@ -9,7 +9,6 @@ prefix cache, so the pool is the only source of hits there).
 
 from __future__ import annotations
 
-
 import pytest
 
 from lw_dev.harness import EngineFailed, assert_same_greedy, random_tokens, run_engine

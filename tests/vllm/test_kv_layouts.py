@@ -22,6 +22,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheTensor,
+    compute_layout_strides,
+    create_kv_cache_views,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
+
 from lw_core.backends.memory import MemoryBackend  # noqa: E402
 from lw_core.block_order import HEAD_MAJOR, ONE_HEAD, TOKEN_MAJOR  # noqa: E402
 from lw_core.config import parse_config  # noqa: E402
@@ -33,13 +41,6 @@ from lw_vllm import kv_layout, pool  # noqa: E402
 from lw_vllm.copier import TorchCopier, block_order  # noqa: E402
 from lw_vllm.meta import Xfer  # noqa: E402
 from lw_vllm.worker_side import WorkerSide  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheTensor,
-    compute_layout_strides,
-    create_kv_cache_views,
-)
-from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: E402
 
 NB, LAYERS, BS, HEAD_SIZE = 6, 3, 16, 4
 KV_HEADS = 4

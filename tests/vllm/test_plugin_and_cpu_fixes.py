@@ -8,7 +8,6 @@ import random
 import pytest
 
 from lw_dev.harness import run_engine
-
 from lw_vllm import plugin, rope_fix
 
 

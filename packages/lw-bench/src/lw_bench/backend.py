@@ -33,9 +33,9 @@ import msgspec
 import numpy as np
 from tqdm import tqdm
 
-from lw_core.backend import Backend, Handle, open_backend
 from lw_bench import bench_store, netns
 from lw_bench.backend_result import BackendBenchResult, BackendRow, Case, MetadataRow
+from lw_core.backend import Backend, Handle, open_backend
 from lw_core.backends.registry import backend_names
 from lw_core.config import parse_config
 

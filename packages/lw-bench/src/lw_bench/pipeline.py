@@ -245,8 +245,8 @@ def measure(cfg: dict[str, Any]) -> pipeline_result.PipelineBenchResult:
     import numpy as np
     from tqdm import tqdm
 
-    from lw_core.pipeline.host_copier import HostCopier
     from lw_core.pipeline import LayerPipeline
+    from lw_core.pipeline.host_copier import HostCopier
     from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 
     layers, blocks, bb, reps, depths = cfg["layers"], cfg["blocks"], cfg["block_bytes"], cfg["reps"], cfg["depths"]

@@ -99,6 +99,7 @@ def _calibrate(acc: _Accel, target_s: float) -> tuple[int, Any]:
 def measure_device(cfg: dict[str, Any]) -> PipelineBenchResult:
     try:
         import torch
+
         from lw_vllm.copier import TorchCopier
     except ImportError as e:
         raise SystemExit(

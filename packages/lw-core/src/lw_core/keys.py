@@ -123,7 +123,7 @@ class KeySpace(msgspec.Struct, frozen=True):
         layer_block_bytes: Sequence[int],
         kv_dtype: str,
         extra: Sequence[object] = (),
-    ) -> "KeySpace":
+    ) -> KeySpace:
         return cls(
             model_fp=fingerprint(model, dtype),
             layout_fp=fingerprint(block_size, tuple(layer_block_bytes), len(layer_block_bytes), kv_dtype, *extra),

@@ -26,7 +26,7 @@ class Owner(NamedTuple):
         return _OWNER.pack(*self)
 
     @classmethod
-    def unpack(cls, b: bytes | memoryview) -> "Owner":
+    def unpack(cls, b: bytes | memoryview) -> Owner:
         return cls(*_OWNER.unpack_from(b))
 
 

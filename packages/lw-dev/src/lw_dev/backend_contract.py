@@ -14,9 +14,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+
 from lw_core.backend import Backend, ObjectMissing
-from lw_core.pipeline.host_copier import HostCopier
 from lw_core.pipeline import LayerPipeline
+from lw_core.pipeline.host_copier import HostCopier
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 
 __all__ = [

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from lw_dev.fake_metaserver import FakeMetaserver
 from lw_bench.pd.stack import Stack, post_json, start_stack
+from lw_dev.fake_metaserver import FakeMetaserver
 from lw_dev.pd_flow import baseline
 from lw_dev.pd_oracle import assert_same, completion_choice
 

@@ -35,7 +35,6 @@ from lw_proxy import server
 from lw_proxy.app import PROXY_KEY
 from lw_proxy.config import ProxyConfig
 
-
 WORD = 1 << 20  # token ids from here up are the words " w<id - WORD>"; below, one character each
 
 
@@ -132,7 +131,7 @@ async def _call_metaserver(session: aiohttp.ClientSession, st: MockState, params
             async with session.post(dp.metaserver, data=body, headers=headers,
                                     timeout=aiohttp.ClientTimeout(total=30)) as r:
                 st.metaserver_results.append((r.status, await r.json(content_type=None)))
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientError) as e:
             st.metaserver_results.append((None, repr(e)))
 
     await asyncio.gather(*(one(i) for i in range(n)))

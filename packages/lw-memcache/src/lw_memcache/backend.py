@@ -32,10 +32,9 @@ from typing import Any
 
 from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 from lw_core.backends.segment_stream.reaper import Reaper
-
 from lw_memcache import errors
-from lw_memcache.copies import CopyMixin, MemcacheHandle
 from lw_memcache.conf import ConfError, local_config_fields, meta_address, read_conf, resolve_auto_hcom
+from lw_memcache.copies import CopyMixin, MemcacheHandle
 from lw_memcache.orphans import Sightings
 from lw_memcache.stream_read import StreamReadMixin
 from lw_memcache.streaming import REMOVE_GRACE_S, TRAILER, MemcacheStreamHandle, StreamMixin

@@ -115,7 +115,6 @@ def cmd_hold(args: argparse.Namespace) -> int:
     import threading
 
     from lw_core.backend import BackendError
-
     from lw_memcache.backend import MemcacheBackend
     from lw_memcache.conf import parse_size, read_conf
 

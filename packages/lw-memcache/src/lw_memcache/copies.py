@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
 from lw_core.backends.segment_stream.checks import check_lengths, check_range
 
 # Copy directions (memcache_hybrid's BmCopyType values; AUTO is rejected by batch_copy).

@@ -12,9 +12,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
+
 from lw_core.backend import Backend
 from lw_core.backends.registry import BackendPlugin
-
 from lw_memcache.conf import PROTOCOLS
 
 if TYPE_CHECKING:  # the store itself is imported only when opened

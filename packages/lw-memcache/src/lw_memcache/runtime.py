@@ -14,7 +14,6 @@ from pathlib import Path
 from types import ModuleType
 
 from lw_core.backend import BackendError
-
 from lw_memcache import standin
 from lw_memcache.conf import HOST_PROTOCOLS
 

@@ -7,15 +7,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+
 from lw_core.backend import BackendError, ObjectMissing
 from lw_core.backends.segment_stream import head_key, seg_key, wait_published
 from lw_core.backends.segment_stream.checks import check_lengths, check_range
 from lw_core.backends.segment_stream.head import HEAD, unpack_head
-
 from lw_memcache.streaming import (
-    HEAD_MAGIC,
     _TRAILER,
     _TRAILER_MAGIC,
+    HEAD_MAGIC,
     TRAILER,
     MemcacheStreamHandle,
     _nbytes,

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from lw_core.backend import BackendError
 from lw_core.backends.segment_stream import abort_key, head_key, seg_key
 from lw_core.backends.segment_stream.checks import check_publish, require_streaming, unpublishable

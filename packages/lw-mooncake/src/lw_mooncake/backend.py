@@ -34,7 +34,6 @@ from typing import Any
 
 from lw_core.backend import BackendError, BackendUnavailable
 from lw_core.backends.segment_stream.collector import Collector
-
 from lw_mooncake.buffers import Staging
 from lw_mooncake.calls import Deadlines
 from lw_mooncake.errors import to_error

@@ -71,7 +71,6 @@ def cmd_master(a: argparse.Namespace) -> int:
 
 def cmd_hold(a: argparse.Namespace) -> int:
     from lw_core.backend import BackendError
-
     from lw_mooncake.backend import MooncakeBackend
 
     stop = threading.Event()

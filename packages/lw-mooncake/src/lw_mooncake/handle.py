@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from lw_core.backend import BackendError
 from lw_core.procs import Owner
 

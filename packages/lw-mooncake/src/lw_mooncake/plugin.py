@@ -12,9 +12,10 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
+
 from lw_core.backend import Backend
 from lw_core.backends.registry import BackendPlugin
-from msgspec import Meta
 
 if TYPE_CHECKING:  # the store itself is imported only when opened
     from lw_mooncake.handle import MooncakeHandle

@@ -13,10 +13,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
+
 from lw_core.backend import BackendError, ObjectMissing
 from lw_core.backends.segment_stream import abort_key, head_key, seg_key, wait_published
 from lw_core.backends.segment_stream.checks import check_lengths, check_range
-
 from lw_mooncake.buffers import byte_view
 from lw_mooncake.handle import MooncakeStreamHandle
 from lw_mooncake.streaming import HEAD_SIZE, SEG_HEADER, unpack_head

@@ -53,16 +53,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+
 from lw_core.backend import BackendError, BackendUnavailable
 from lw_core.backends.segment_stream import abort_key, head_key, seg_key
 from lw_core.backends.segment_stream.checks import check_publish, require_streaming, unpublishable
+from lw_core.backends.segment_stream.collector import Collector
 from lw_core.backends.segment_stream.head import HEAD, TOKEN_BYTES, StreamHead
 from lw_core.backends.segment_stream.head import pack_head as pack_stream_head
 from lw_core.backends.segment_stream.head import unpack_head as unpack_stream_head
-from lw_core.backends.segment_stream.collector import Collector
 from lw_core.backends.segment_stream.policy import MARKER_KEEP_S, QUIET_S
 from lw_core.procs import Owner, boot_id, current_owner
-
 from lw_mooncake.errors import OBJECT_HAS_LEASE, OBJECT_NOT_FOUND, to_error
 from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
 

@@ -9,8 +9,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 
+from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 from lw_mooncake.buffers import Staging, byte_view
 from lw_mooncake.calls import Deadlines
 from lw_mooncake.errors import to_error

@@ -109,7 +109,7 @@ async def probe_loop(pools: list[BackendPool], session: aiohttp.ClientSession, i
             async with session.get(b.url + "/health", timeout=timeout, headers=headers) as r:
                 if r.status == 200:
                     b.mark_ok()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             pass
 
     while True:

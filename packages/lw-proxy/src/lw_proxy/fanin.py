@@ -226,7 +226,7 @@ class ParentRegistry:
             self._start(p)
         try:
             out = await asyncio.wait_for(asyncio.shield(fut), self._timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             p.stalled = True
             self._m.metaserver_wait.labels("timeout").observe(time.perf_counter() - t0)
             have = len(p.ids)

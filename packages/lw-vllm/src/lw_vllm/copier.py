@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from lw_core.pipeline.buffers import aligned_empty
-
 from lw_vllm.device_path import DevicePath
 from lw_vllm.device_streams import DeviceOps, TorchDeviceOps
 

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from lw_core.config import PoolConfig
 from lw_core.keys import KeySpace, chunk_hashes, partial_chunk_hash
-
 from lw_vllm.meta import LayerwiseMeta, Xfer
 from lw_vllm.metrics import Collector
 from lw_vllm.pd_metaserver import MetaserverClient, Outcome, remote_prefill_params

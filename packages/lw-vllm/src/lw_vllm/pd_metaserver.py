@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
+
 from lw_core.wire import DecodeTransferParams, MetaserverRequest, MetaserverResponse, decode_transfer_params
 
 if TYPE_CHECKING:  # imported when the first call is made

@@ -20,7 +20,6 @@ import time
 from lw_core.backend import Backend, BackendUnavailable
 from lw_core.keys import KeySpace
 from lw_core.pipeline.pool import DeadlineCall, WorkerPool
-
 from lw_vllm.metrics import Collector
 
 # After a lookup timeout, lookups are skipped (misses) for this long: a wedged store then costs

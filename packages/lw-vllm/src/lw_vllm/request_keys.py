@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from lw_core.keys import HashExtra
-
 from lw_vllm.model_identity import files_identity
 
 # Files of a LoRA adapter that change the KV (its tokenizer does not: keys hash token ids).

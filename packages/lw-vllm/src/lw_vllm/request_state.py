@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lw_core.keys import HashExtra
-
 from lw_vllm.pd_metaserver import Outcome
 from lw_vllm.request_keys import hash_extra, input_digests, num_prompt_tokens
 

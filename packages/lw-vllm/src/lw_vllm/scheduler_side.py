@@ -44,12 +44,11 @@ from typing import Any
 
 from lw_core.config import PoolConfig
 from lw_core.keys import chunk_hashes
-
 from lw_vllm import pool
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector
-from lw_vllm.pd_metaserver import MetaserverClient
 from lw_vllm.pd_coordinator import PdCoordinator, parent_id
+from lw_vllm.pd_metaserver import MetaserverClient
 from lw_vllm.pool_lookup import PoolLookup
 from lw_vllm.request_state import RemotePhase, ReqState
 from lw_vllm.request_stats import StatsLog

@@ -18,7 +18,6 @@ from lw_core.keys import KeySpace, rank_tag
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_core.tp_split import HeadSplit, TpSplitError, split_heads
-
 from lw_vllm import kv_layout, pool
 from lw_vllm.copier import TorchCopier, block_order
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer

@@ -22,9 +22,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lw_bench.pd.stack import (SERVER_START_TIMEOUT_S, Proc, VllmServer, cpu_ids, post_json, start_proxy,
-                               start_vllm, wait_ready)
-from lw_bench.pd.throttle import NAME as THROTTLED, sitecustomize_dir
+from lw_bench.pd.stack import (
+    SERVER_START_TIMEOUT_S,
+    Proc,
+    VllmServer,
+    cpu_ids,
+    post_json,
+    start_proxy,
+    start_vllm,
+    wait_ready,
+)
+from lw_bench.pd.throttle import NAME as THROTTLED
+from lw_bench.pd.throttle import sitecustomize_dir
 
 STORES = ("embedded", "throttled", "memcache")
 ROLES = ("prefill", "decode", "decode_stream")

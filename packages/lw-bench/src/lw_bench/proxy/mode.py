@@ -28,10 +28,9 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from lw_bench.proxy.stack import free_port, proxy_main, serve_mocks, wait_closed, wait_ready
 from lw_core.wire import DecodeTransferParams, MetaserverRequest, decode_transfer_params
 from lw_proxy.config import ProxyConfig
-
-from lw_bench.proxy.stack import free_port, proxy_main, serve_mocks, wait_closed, wait_ready
 
 _ANSWER = msgspec.json.encode({
     "id": "cmpl-bench", "object": "text_completion", "model": "mock",
@@ -112,7 +111,7 @@ async def _load(url: str, concurrency: int, duration: float) -> dict[str, Any]:
                 t0 = time.perf_counter()
                 try:
                     ok = await one()
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     ok = False
                 if ok:
                     lat.append(time.perf_counter() - t0)

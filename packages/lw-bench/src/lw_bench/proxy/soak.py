@@ -25,10 +25,9 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from lw_bench.proxy.stack import free_port, proxy_main, serve_mocks, wait_closed, wait_ready
 from lw_core.wire import DecodeTransferParams, MetaserverRequest, decode_transfer_params
 from lw_proxy.config import ProxyConfig
-
-from lw_bench.proxy.stack import free_port, proxy_main, serve_mocks, wait_closed, wait_ready
 
 
 def _mock_main(conn: Any, fail_rate: float, seed: int) -> None:
@@ -102,7 +101,7 @@ async def _drive(url: str, n: int, concurrency: int, proxy_pid: int) -> dict[str
                     async with s.post(url, json={"prompt": prompt, "max_tokens": 4}) as r:
                         raw = await r.read()
                         status = r.status
-                except (aiohttp.ClientError, asyncio.TimeoutError):
+                except (TimeoutError, aiohttp.ClientError):
                     out["lost"] += 1
                     continue
                 try:

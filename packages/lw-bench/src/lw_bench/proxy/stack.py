@@ -68,7 +68,7 @@ async def wait_ready(url: str, deadline_s: float = 30.0) -> None:
                 async with s.get(url, timeout=aiohttp.ClientTimeout(total=1)) as r:
                     if r.status in (200, 404, 405):
                         return
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            except (TimeoutError, aiohttp.ClientError, OSError):
                 pass
             if time.monotonic() > end:
                 raise RuntimeError(f"{url} did not come up within {deadline_s:g} s")

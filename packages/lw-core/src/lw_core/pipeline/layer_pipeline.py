@@ -26,8 +26,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lw_core.backend import Backend
-from lw_core.pipeline.copier import Copier
 from lw_core.pipeline.context import LIMIT_NOTES, PipelineLimits, StepContext
+from lw_core.pipeline.copier import Copier
 from lw_core.pipeline.load import LoadStep
 from lw_core.pipeline.pool import StagingPool, WorkerPool, describe, log
 from lw_core.pipeline.results import LoadResult, SaveResult

@@ -23,7 +23,6 @@ from lw_core.pipeline.results import SaveResult
 from lw_core.plan import ReqSave, flatten
 
 
-
 class SaveStep:
     def __init__(self, ctx: StepContext, saves: Sequence[ReqSave]):
         self.ctx = ctx

@@ -14,10 +14,9 @@ from msgspec import Meta
 from lw_core.backend import BackendError, Buffer
 from lw_core.backends.builtin import CapacityBytes
 from lw_core.backends.embedded import fences
-from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.object_reader import ObjectReader
 from lw_core.backends.embedded.object_writer import ObjectWriter
-from lw_core.procs import current_owner
+from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.records import PAGE, POOL_CHECK_S, EmbeddedHandle, T, encode_keys, log
 from lw_core.backends.embedded.stream import StreamIndex
 from lw_core.backends.embedded.sweep import Sweeper
@@ -25,6 +24,7 @@ from lw_core.backends.embedded.txn import Tx
 from lw_core.backends.embedded.verify import Verifier
 from lw_core.backends.embedded.writer_lock import WriterLock
 from lw_core.config import Seconds
+from lw_core.procs import current_owner
 from lw_core.validation import convert_strict
 
 
@@ -226,7 +226,7 @@ class EmbeddedBackend:
         with self._pool.read() as txn:
             yield txn
 
-    def __enter__(self) -> "EmbeddedBackend":
+    def __enter__(self) -> EmbeddedBackend:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -12,25 +12,23 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-
 import numpy as np
 
 from lw_core.backend import Buffer, ObjectMissing
 from lw_core.backends.embedded import fences
+from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.records import (
     COMMITTED,
-    EmbeddedHandle,
     NP_COPY_MIN,
     OBJ_REC,
     PAGE,
     ST,
+    EmbeddedHandle,
     bytes_view,
     encode_keys,
-    own_handle,
     log,
+    own_handle,
 )
-from lw_core.backends.embedded.pool_files import PoolFiles
-
 
 
 class ObjectReader:

@@ -9,37 +9,35 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-
 import numpy as np
 
 from lw_core.backend import BackendError, Buffer, ObjectMissing
 from lw_core.backends.embedded import fences
+from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.records import (
     ALLOC,
     BE_U64,
     CIDX,
     COMMITTED,
-    EmbeddedHandle,
     NBYTES,
     NP_COPY_MIN,
     OFF,
     OID,
     PAGE,
     RESERVED,
-    Resv,
     ST,
     STAMP,
+    EmbeddedHandle,
+    Resv,
     T,
     bytes_view,
     encode_keys,
     own_handle,
 )
-from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.sweep import Sweeper
 from lw_core.backends.embedded.txn import Tx
 from lw_core.backends.embedded.writer_lock import WriterLock
 from lw_core.procs import Owner
-
 
 
 class ObjectWriter:

@@ -22,8 +22,8 @@ import lmdb
 import numpy as np
 
 from lw_core.backend import BackendError, PoolFull
-from lw_core.backends.embedded.arena_alloc import ArenaCorrupt, ExtentAllocator
 from lw_core.backends.embedded import files
+from lw_core.backends.embedded.arena_alloc import ArenaCorrupt, ExtentAllocator
 from lw_core.backends.embedded.env import acquire_env, boot_id, release_env
 from lw_core.backends.embedded.leases import LeaseTable, table_bytes
 from lw_core.backends.embedded.records import CAP_REC, CIDX, COUNTERS, COUNTERS_REC, FORMAT, PAGE, T, log

@@ -30,8 +30,7 @@ import numpy as np
 
 from lw_core.backend import BackendError, Buffer, ObjectMissing
 from lw_core.backends.embedded import fences
-from lw_core.backends.segment_stream.checks import check_timeout, check_upto
-from lw_core.procs import Owner, owner_alive
+from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.records import (
     BE_U64,
     COMMITTED,
@@ -46,9 +45,10 @@ from lw_core.backends.embedded.records import (
     own_handle,
     unpack_resv,
 )
-from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.txn import Tx
 from lw_core.backends.embedded.writer_lock import WriterLock
+from lw_core.backends.segment_stream.checks import check_timeout, check_upto
+from lw_core.procs import Owner, owner_alive
 
 _POLL_MIN_S, _POLL_MAX_S = 0.0005, 0.002
 GONE = -1

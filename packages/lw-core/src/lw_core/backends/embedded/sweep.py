@@ -8,9 +8,8 @@ commits or aborts."""
 
 from __future__ import annotations
 
-
 from lw_core.backends.embedded.leases import FREE, LEASED
-from lw_core.procs import Owner, owner_alive
+from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.records import (
     ALLOC,
     BE_U64,
@@ -21,14 +20,14 @@ from lw_core.backends.embedded.records import (
     OID,
     PAGE,
     RESERVED,
-    Resv,
     ST,
     STAMP,
     SWEEP_INTERVAL_S,
+    Resv,
     unpack_resv,
 )
-from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.txn import Tx
+from lw_core.procs import Owner, owner_alive
 
 
 class Sweeper:

@@ -3,7 +3,6 @@ check, all read from one read transaction of the pool files each (no lock, no st
 
 from __future__ import annotations
 
-
 from lw_core.backend import BackendError
 from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.records import (

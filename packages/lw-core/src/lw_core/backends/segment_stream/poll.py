@@ -18,6 +18,7 @@ from lw_core.backends.segment_stream.checks import check_timeout, check_upto
 from lw_core.backends.segment_stream.names import abort_key, seg_key
 from lw_core.procs import Owner, boot_id, current_owner, owner_alive
 
+
 class PolledHandle(Protocol):
     """What the poll reads and sets of a backend's streaming handle."""
 

@@ -190,6 +190,16 @@ class Cluster:
             time.sleep(0.2)
         time.sleep(settle_s)  # host_tcp: a put right after a rank joined can fail with -2
 
+    def restart_store(self) -> None:
+        """A fresh MetaService and holder, for a stack that must not inherit an earlier test's
+        faults: after a MetaService restart memcache's holder can keep re-joining under a rank the
+        config store still holds ("reconnect rank:N already active, reject" in meta.log), and new
+        clients then wait forever to import its entity ("WhiteList FAIL")."""
+        self.kill_holder()
+        self.kill_meta()
+        self.start_meta()
+        self.start_holder()
+
     def kill_holder(self) -> None:
         if self.holder is not None and self.holder.poll() is None:
             self.holder.kill()

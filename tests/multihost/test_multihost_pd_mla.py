@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def mla_stack(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     log_dir = tmp_path_factory.mktemp("multihost-mla")
+    cluster.restart_store()  # the GQA module kills the holder and the MetaService mid-run
     with cluster.hosts.entered("a"):
         s = start_cross_host_stack(cluster, "mla", log_dir, metaserver_timeout_s=30.0)
     try:

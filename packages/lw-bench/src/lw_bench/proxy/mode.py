@@ -28,7 +28,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from lw_bench.proxy.stack import free_port, proxy_main, serve_mocks, wait_closed, wait_ready
+from lw_bench.proxy.stack import free_port, proxy_main, serve_mocks, stop_stack, wait_closed, wait_ready
 from lw_core.wire import DecodeTransferParams, MetaserverRequest, decode_transfer_params
 from lw_proxy.config import ProxyConfig
 
@@ -165,11 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         proxy_url = f"http://127.0.0.1:{port}/v1/completions"
         result = asyncio.run(_measure(direct_url, proxy_url, f"http://127.0.0.1:{port}/healthcheck", levels, duration))
     finally:
-        parent_end.close()
-        for p in (proxy, mocks):
-            if p is not None:
-                p.terminate()
-                p.join(5)
+        stop_stack(parent_end, (proxy, mocks))
     result["duration_s"] = duration
     if not getattr(args, "json", False):
         _print_table(result)

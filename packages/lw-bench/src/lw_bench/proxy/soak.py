@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from lw_bench.proxy.stack import free_port, proxy_main, serve_mocks, wait_closed, wait_ready
+from lw_bench.proxy.stack import free_port, proxy_main, serve_mocks, stop_stack, wait_closed, wait_ready
 from lw_core.wire import DecodeTransferParams, MetaserverRequest, decode_transfer_params
 from lw_proxy.config import ProxyConfig
 
@@ -154,11 +154,7 @@ def run(n: int, concurrency: int, fail_rate: float, *, quiet: bool = False) -> d
         assert proxy.pid is not None  # set by start()
         res = asyncio.run(_drive(f"http://127.0.0.1:{port}/v1/completions", n, concurrency, proxy.pid))
     finally:
-        parent_end.close()
-        for p in (proxy, mocks):
-            if p is not None:
-                p.terminate()
-                p.join(5)
+        stop_stack(parent_end, (proxy, mocks))
     res = {"requests": n, "concurrency": concurrency, "fail_rate": fail_rate, **res}
     if not quiet:
         print(f"lw-bench proxy --soak: {n} requests at concurrency {concurrency}, fail rate {fail_rate:g}: "

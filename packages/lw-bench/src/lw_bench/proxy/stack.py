@@ -45,6 +45,15 @@ def wait_closed(conn: Any) -> None:
         conn.recv()
 
 
+def stop_stack(parent_end: Any, procs: Sequence[Any]) -> None:
+    """Close the mocks' control pipe and stop the proxy and mock processes (``None``: not started)."""
+    parent_end.close()
+    for p in procs:
+        if p is not None:
+            p.terminate()
+            p.join(5)
+
+
 def proxy_main(cfg: ProxyConfig, event_loop: str = "auto") -> None:
     """A child process's target: serve ``cfg`` until terminated."""
     import logging

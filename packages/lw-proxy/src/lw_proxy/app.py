@@ -41,8 +41,8 @@ from .backends import probe_loop
 from .config import ProxyConfig
 from .errors import ProxyError
 from .passthrough import PASSTHROUGH, forward
-from .proxy import CHAT, COMPLETIONS, Proxy
-from .upstream import UPSTREAM_ERRORS
+from .proxy import Proxy
+from .upstream import CHAT, COMPLETIONS, UPSTREAM_ERRORS
 from .validate import ClientRequest, parse_chat, parse_completion
 
 PROXY_KEY = web.AppKey("proxy", Proxy)
@@ -229,7 +229,7 @@ class _Handlers:
 
         async def one(url: str) -> BackendFailure | None:
             try:
-                async with p._client().post(url + "/reset_prefix_cache", headers=p.headers, timeout=timeout) as r:
+                async with p.client().post(url + "/reset_prefix_cache", headers=p.headers, timeout=timeout) as r:
                     text = await r.text(errors="replace")
                     if r.status == 200:
                         return None
@@ -306,7 +306,7 @@ def create_app(cfg: ProxyConfig) -> web.Application:
 
     async def lifecycle(app: web.Application):
         await proxy.start()
-        probe = asyncio.create_task(probe_loop([proxy.prefillers, proxy.decoders], proxy._client(),
+        probe = asyncio.create_task(probe_loop([proxy.prefillers, proxy.decoders], proxy.client(),
                                                cfg.health_interval, proxy.headers))
         yield
         probe.cancel()

@@ -25,7 +25,7 @@ async def forward(proxy: Proxy, request: web.Request, body: bytes | None) -> web
     last = "no backend configured"
     for b in backends:
         try:
-            async with proxy._client().request(request.method, b.url + request.path, data=body,
+            async with proxy.client().request(request.method, b.url + request.path, data=body,
                                                headers=proxy.headers, timeout=timeout) as r:
                 data = await r.read()
                 if r.status in RETRY_STATUSES:

@@ -1,36 +1,36 @@
-"""The decoder-first PD flow (docs/design/architecture.md §6): decoder call with retries, prefill dispatch,
-non-streaming recompute resumption. Streams go through the ``SseRelay`` this proxy owns (``sse_relay``),
-which calls back only ``decode`` and ``finish`` (``upstream.Upstream``). HTTP routing and lifecycle
-live in ``app``."""
+"""The decoder-first PD flow (docs/design/architecture.md §6): decoder call with retries and
+non-streaming recompute resumption. The proxy coordinates what it owns: the parent registry
+(``fanin``), the ``PrefillDispatcher`` that sends each parent's one prefill (``prefill_dispatch``),
+and the ``SseRelay`` streams go through (``sse_relay``), which calls back only ``decode`` and
+``finish`` (``upstream.Upstream``). HTTP routing and lifecycle live in ``app``."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from typing import Any, Literal, overload
+from typing import Literal, overload
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
-from lw_core.wire import DecodeTransferParams, PrefillTransferParams
+from lw_core.wire import DecodeTransferParams
 
 from . import recompute as rc
 from . import token_ids
-from .backends import Backend, BackendPool
-from .config import PREFILL_DISPATCH, ProxyConfig
+from .backends import BackendPool
+from .config import ProxyConfig
 from .errors import ProxyError
-from .fanin import OK_BODY, Outcome, Parent, ParentRegistry
+from .fanin import Parent, ParentRegistry
 from .metrics import ProxyMetrics
-from .relay import request_id as relay_request_id
+from .prefill_dispatch import PrefillDispatcher
 from .sse_relay import SseRelay, deadline_error
 from .upstream import RETRY_STATUSES, UPSTREAM_ERRORS, DecoderCall
 from .validate import ClientRequest
 
 log = logging.getLogger("lw_proxy")
 
-COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 _encode = msgspec.json.encode
 
 
@@ -40,19 +40,15 @@ class Proxy:
         self.m = ProxyMetrics()
         self.prefillers = BackendPool("prefiller", cfg.prefillers, self.m)
         self.decoders = BackendPool("decoder", cfg.decoders, self.m)
-        self.registry = ParentRegistry(self._prefill, self.m, cfg.metaserver_timeout,
-                                       require_token=cfg.api_key is not None, api_key=cfg.api_key)
         self.session: aiohttp.ClientSession | None = None
         self.headers = {"Content-Type": "application/json"}
         if cfg.backend_api_key is not None:
             self.headers["Authorization"] = f"Bearer {cfg.backend_api_key}"
+        self.prefill = PrefillDispatcher(cfg, self.m, self.prefillers, self.client, self.headers)
+        self.registry = ParentRegistry(self.prefill.run, self.m, cfg.metaserver_timeout,
+                                       require_token=cfg.api_key is not None, api_key=cfg.api_key)
         self._metaserver = cfg.metaserver_url
-        if cfg.prefill_dispatch not in PREFILL_DISPATCH:
-            raise ValueError(f"prefill_dispatch: {cfg.prefill_dispatch!r} is not one of {PREFILL_DISPATCH}")
-        self._early = cfg.prefill_dispatch == "early"
-        self._prefill_timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout, sock_connect=cfg.connect_timeout)
         self._retry_dec = self.m.retries.labels("decoder")
-        self._retry_pf = self.m.retries.labels("prefiller")
         self.sse = SseRelay(cfg, self.m, upstream=self)
 
     async def start(self) -> None:
@@ -61,7 +57,8 @@ class Proxy:
                                         sock_read=self.cfg.backend_timeout)
         self.session = aiohttp.ClientSession(connector=conn, timeout=timeout, auto_decompress=False)
 
-    def _client(self) -> aiohttp.ClientSession:
+    def client(self) -> aiohttp.ClientSession:
+        """The backends' client session (``start`` opens it)."""
         if self.session is None:
             raise RuntimeError("lw-proxy: Proxy.start() was not awaited before the first backend call")
         return self.session
@@ -92,70 +89,6 @@ class Proxy:
             body["return_token_ids"] = True
         return _encode(body)
 
-    @staticmethod
-    def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False) -> dict[str, Any]:
-        """``token_ids``: ask for the prompt's and the first token's ids (a relayed first token's)."""
-        body = dict(req.body)
-        for k in ("stream_options", "min_tokens", "best_of"):
-            body.pop(k, None)
-        body.update(max_tokens=1, stream=False, n=1)
-        if req.chat:
-            body["max_completion_tokens"] = 1
-        if token_ids:
-            body["return_token_ids"] = True
-        kv = msgspec.structs.asdict(PrefillTransferParams(lw_parent_id=parent_id))
-        if req.prompt_ids is not None:  # a resumed chat choice: the prompt the decoder is given too
-            kv["prompt_token_ids"] = req.prompt_ids
-        body["kv_transfer_params"] = kv
-        return body
-
-    # ---------------------------------------------------------------- prefill (dispatched early or by the fan-in)
-    async def _prefill(self, parent: Parent) -> Outcome:
-        req: ClientRequest = parent.request
-        path = CHAT if req.chat else COMPLETIONS
-        payload = _encode(self.prefill_body(req, parent.id, token_ids=parent.relay is not None))
-        headers = {**self.headers, "X-Request-Id": f"lw-prefill-{parent.id}"}
-        # Each prefiller is tried at most once per parent: one that answered 503 is overloaded, and
-        # asking it again only adds load; the decoders recompute instead.
-        last, tried = "no prefiller configured", set[Backend]()
-        attempts = min(self.cfg.max_retries + 1, len(self.prefillers.backends))
-        for attempt in range(attempts):
-            if attempt:
-                self._retry_pf.inc()
-                await asyncio.sleep(self.cfg.retry_delay)
-            pf = self.prefillers.pick(tried)
-            if pf is None:
-                break
-            tried.add(pf)
-            pf.acquire(req.prompt_tokens)
-            t0 = time.perf_counter()
-            try:
-                async with self._client().post(pf.url + path, data=payload, headers=headers,
-                                             timeout=self._prefill_timeout) as r:
-                    data = await r.read()
-                    status = r.status
-            except UPSTREAM_ERRORS as e:
-                pf.mark_failed(repr(e))
-                last = f"{pf.url}: {e!r}"
-                continue
-            finally:
-                pf.release(req.prompt_tokens, t0)
-            if status in RETRY_STATUSES:
-                pf.mark_failed(f"HTTP {status}")
-                last = f"{pf.url}: HTTP {status}"
-                continue
-            pf.mark_ok()
-            if status == 200 and parent.relay is not None and not parent.relay.done():
-                parent.relay.set_result((parent.id, data))
-            if status != 200:  # the prefiller refused this request: another prefiller would too
-                self.m.errors.labels("prefill_failed").inc()
-                raise ProxyError(502, f"prefiller {pf.url} answered HTTP {status}: {data[:500].decode(errors='replace')}",
-                                 kind="prefill_failed")
-            return 200, OK_BODY
-        self.m.errors.labels("prefill_failed").inc()
-        raise ProxyError(502, f"no prefiller completed the prefill after {attempts} attempt(s) (each prefiller "
-                         f"at most once); last error: {last}", kind="prefill_failed")
-
     # ---------------------------------------------------------------- decoder calls
     @overload
     async def decode(self, req: ClientRequest, path: str, read: Literal[True],
@@ -182,8 +115,7 @@ class Proxy:
         parent = self.registry.open(req.children, req)
         headers = self.headers
         if relay is not None:
-            parent.relay = relay
-            headers = {**self.headers, "X-Request-Id": relay_request_id(parent.id)}
+            headers = self.prefill.relay(parent, relay, headers)
         handed_over = answered = False
         try:
             for attempt in range(self.cfg.max_retries + 1):
@@ -194,19 +126,14 @@ class Proxy:
                 dec = self.decoders.pick(exclude)
                 if dec is None:
                     break
-                if self._early and parent.task is None:  # the prefill runs alongside the decoder call (once per parent)
-                    self.registry.dispatch(parent)
-                    # Let the prefill's request go out before the decoder's: the prefill is the
-                    # critical path (a streamed first token relayed from it, or the KV the
-                    # decoder waits for), and the decoder has nothing to do until it runs.
-                    await asyncio.sleep(0)
+                await self.prefill.start_early(self.registry, parent)  # --prefill-dispatch early
                 dec.acquire(work)
                 t0 = time.perf_counter()
                 resp = None
                 first_byte = asyncio.timeout(None if read else self.cfg.first_byte_timeout)
                 try:
                     async with first_byte:
-                        resp = await self._client().post(dec.url + path, data=self._decoder_payload(req, parent),
+                        resp = await self.client().post(dec.url + path, data=self._decoder_payload(req, parent),
                                                        headers=headers)
                         status = resp.status
                         if status == 200 and not read:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .fanin import Parent
     from .validate import ClientRequest
 
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"  # the generation endpoints, the backends' and ours
 # Statuses that say "this backend cannot serve now" (not "this request is wrong"): try another one.
 RETRY_STATUSES = frozenset({502, 503, 504})
 UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)

@@ -1,0 +1,146 @@
+"""A parent's one prefill (docs/design/architecture.md §6): ``PrefillDispatcher``, owned by
+``proxy.Proxy``, builds the prefill request, picks a prefiller, sends it, retries another prefiller
+on a failure and turns the answer into the outcome the held metaserver POSTs get
+(``fanin.ParentRegistry`` calls ``run`` once per parent). It also holds the rules of when the
+prefill goes out (``--prefill-dispatch early``: ``start_early``) and of ``--prefill-first``
+(``relay``: the prefill's 200 answer is handed to the stream, lw_proxy.relay).
+
+Built from the proxy's config and metrics, the prefiller pool, the client session's getter and the
+headers every backend call carries; it holds no state across parents."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from lw_core.wire import PrefillTransferParams
+
+from .backends import Backend, BackendPool
+from .config import PREFILL_DISPATCH, ProxyConfig
+from .errors import ProxyError
+from .fanin import OK_BODY, Outcome, Parent, ParentRegistry
+from .metrics import ProxyMetrics
+from .relay import request_id as relay_request_id
+from .upstream import CHAT, COMPLETIONS, RETRY_STATUSES, UPSTREAM_ERRORS
+from .validate import ClientRequest
+
+_encode = msgspec.json.encode
+
+
+def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False) -> dict[str, Any]:
+    """The prefill's request: the client's, one token, not streamed, one choice. ``token_ids``: ask
+    for the prompt's and the first token's ids (a relayed first token's)."""
+    body = dict(req.body)
+    for k in ("stream_options", "min_tokens", "best_of"):
+        body.pop(k, None)
+    body.update(max_tokens=1, stream=False, n=1)
+    if req.chat:
+        body["max_completion_tokens"] = 1
+    if token_ids:
+        body["return_token_ids"] = True
+    kv = msgspec.structs.asdict(PrefillTransferParams(lw_parent_id=parent_id))
+    if req.prompt_ids is not None:  # a resumed chat choice: the prompt the decoder is given too
+        kv["prompt_token_ids"] = req.prompt_ids
+    body["kv_transfer_params"] = kv
+    return body
+
+
+class PrefillDispatcher:
+    """``cfg``: ``prefill_dispatch``, ``prefill_timeout``, ``connect_timeout``, ``max_retries``,
+    ``retry_delay``; ``m``: the proxy's metrics; ``prefillers``: the pool it picks from; ``client``:
+    the proxy's client session (called per request, so the session the proxy holds then is used);
+    ``headers``: what every backend call carries (content type, the backends' API key)."""
+
+    def __init__(self, cfg: ProxyConfig, m: ProxyMetrics, prefillers: BackendPool,
+                 client: Callable[[], aiohttp.ClientSession], headers: dict[str, str]) -> None:
+        if cfg.prefill_dispatch not in PREFILL_DISPATCH:
+            raise ValueError(f"prefill_dispatch: {cfg.prefill_dispatch!r} is not one of {PREFILL_DISPATCH}")
+        self.cfg = cfg
+        self.m = m
+        self.prefillers = prefillers
+        self.client = client
+        self.headers = headers
+        self.early = cfg.prefill_dispatch == "early"
+        self.timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout, sock_connect=cfg.connect_timeout)
+        self.retries = m.retries.labels("prefiller")
+
+    # ---------------------------------------------------------------- when it goes out
+    async def start_early(self, registry: ParentRegistry, parent: Parent) -> None:
+        """``--prefill-dispatch early``: start the parent's prefill before its decoder call (once
+        per parent; a no-op otherwise), and let the prefill's request go out before the decoder's:
+        the prefill is the critical path (a streamed first token relayed from it, or the KV the
+        decoder waits for), and the decoder has nothing to do until it runs."""
+        if self.early and parent.task is None:
+            registry.dispatch(parent)
+            await asyncio.sleep(0)
+
+    @staticmethod
+    def relay(parent: Parent, relay: asyncio.Future, headers: dict[str, str]) -> dict[str, str]:
+        """``--prefill-first``: the prefill's 200 answer goes to ``relay``; returns the decoder's
+        headers, which name the request as the relayed first event did (``X-Request-Id``)."""
+        parent.relay = relay
+        return {**headers, "X-Request-Id": relay_request_id(parent.id)}
+
+    # ---------------------------------------------------------------- the prefill itself
+    async def run(self, parent: Parent) -> Outcome:
+        """Send the parent's prefill; its outcome for the held metaserver POSTs, or ``ProxyError``
+        (kind ``prefill_failed``) when no prefiller completed it."""
+        req: ClientRequest = parent.request
+        path = CHAT if req.chat else COMPLETIONS
+        payload = _encode(prefill_body(req, parent.id, token_ids=parent.relay is not None))
+        headers = {**self.headers, "X-Request-Id": f"lw-prefill-{parent.id}"}
+        # Each prefiller is tried at most once per parent: one that answered 503 is overloaded, and
+        # asking it again only adds load; the decoders recompute instead.
+        last, tried = "no prefiller configured", set[Backend]()
+        attempts = min(self.cfg.max_retries + 1, len(self.prefillers.backends))
+        for attempt in range(attempts):
+            if attempt:
+                self.retries.inc()
+                await asyncio.sleep(self.cfg.retry_delay)
+            pf = self.prefillers.pick(tried)
+            if pf is None:
+                break
+            tried.add(pf)
+            got = await self._send(pf, path, payload, headers, req.prompt_tokens)
+            if isinstance(got, str):
+                last = got
+                continue
+            status, data = got
+            return self._answer(parent, pf, status, data)
+        self.m.errors.labels("prefill_failed").inc()
+        raise ProxyError(502, f"no prefiller completed the prefill after {attempts} attempt(s) (each prefiller "
+                         f"at most once); last error: {last}", kind="prefill_failed")
+
+    async def _send(self, pf: Backend, path: str, payload: bytes, headers: dict[str, str],
+                    work: int) -> tuple[int, bytes] | str:
+        """One prefiller's answer (status, body), or why it cannot serve now (it is marked failed)."""
+        pf.acquire(work)
+        t0 = time.perf_counter()
+        try:
+            async with self.client().post(pf.url + path, data=payload, headers=headers, timeout=self.timeout) as r:
+                data = await r.read()
+                status = r.status
+        except UPSTREAM_ERRORS as e:
+            pf.mark_failed(repr(e))
+            return f"{pf.url}: {e!r}"
+        finally:
+            pf.release(work, t0)
+        if status in RETRY_STATUSES:
+            pf.mark_failed(f"HTTP {status}")
+            return f"{pf.url}: HTTP {status}"
+        return status, data
+
+    def _answer(self, parent: Parent, pf: Backend, status: int, data: bytes) -> Outcome:
+        pf.mark_ok()
+        if status == 200 and parent.relay is not None and not parent.relay.done():
+            parent.relay.set_result((parent.id, data))
+        if status != 200:  # the prefiller refused this request: another prefiller would too
+            self.m.errors.labels("prefill_failed").inc()
+            raise ProxyError(502, f"prefiller {pf.url} answered HTTP {status}: {data[:500].decode(errors='replace')}",
+                             kind="prefill_failed")
+        return 200, OK_BODY

@@ -137,7 +137,7 @@ def test_logprobs_0_reaches_the_client_on_its_first_token():
         async with harness() as h:
             _, texts, errors, events = await _sse(h, {**GREEDY, "logprobs": 0})
             assert "".join(texts) == "".join(generate("p", 4)) and not errors
-            assert h.proxy.m.relayed_first._value.get() == 0  # the decoder's own first event went out
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 0  # the decoder's own first event went out
             assert all(ev["choices"][0]["logprobs"] is not None for ev in events)
 
     run(body())

@@ -124,7 +124,7 @@ def test_a_relayed_first_token_is_resumed_from_once():
             h.decoders[0].knobs.delay = 0.3  # the prefill answers first: its token is relayed
             h.decoders[0].knobs.recompute_after = 3
             got = await _events(h.session, h.url + "/v1/completions", req)
-            assert h.proxy.m.relayed_first._value.get() == 1
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
             assert "".join(c["text"] for e in got for c in e["choices"]) == "".join(c["text"] for e in want
                                                                                      for c in e["choices"])
             assert h.prefillers[0].bodies[0]["return_token_ids"] is True

@@ -6,15 +6,11 @@ For each concurrency, the same closed-loop load runs first straight at the mock 
 what a client of a single vLLM would see) and then through the proxy (full PD flow: decoder,
 metaserver callback, one prefill, answer). Timings are wall-clock latencies of whole requests.
 
-JSON keys (stable; ``--json`` prints them):
-  ``duration_s``           seconds of load per (concurrency, target) point
-  ``concurrency``          the concurrency levels measured, e.g. [1, 16, 64]
-  ``c<N>``                 per concurrency N: ``{"direct": S, "proxy": S, "added_p50_ms",
-                           "throughput_ratio" (proxy rps / direct rps), "proxy_p99_over_p50"}``,
-                           where S = ``{"requests", "errors", "rps", "p50_ms", "p99_ms", "mean_ms"}``
-  ``targets``              ``{"added_p50_ms_c1_le_2", "throughput_ratio_c64_ge_0.5",
-                           "p99_le_3x_p50_c64"}``: booleans, reported, never asserted
-Targets apply when 1 and 64 are among the concurrency levels (the defaults).
+The report is a ``lw_bench.proxy.result.ProxyBenchResult`` (its fields are the JSON's keys; the
+per-concurrency points appear as top-level ``c<N>`` keys): ``duration_s``, ``concurrency``, ``c<N>``
+(``direct`` and ``proxy`` load figures, ``added_p50_ms``, ``throughput_ratio``,
+``proxy_p99_over_p50``) and ``targets`` (booleans, reported, never asserted; each only when 1 or 64
+is among the concurrency levels, as by default).
 """
 
 from __future__ import annotations
@@ -28,6 +24,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from lw_bench.proxy.result import ConcurrencyPoint, LoadStats, ProxyBenchResult, ProxyTargets, as_json_object, checked
 from lw_bench.proxy.stack import free_port, proxy_main, serve_mocks, stop_stack, wait_closed, wait_ready
 from lw_core.wire import DecodeTransferParams, MetaserverRequest, decode_transfer_params
 from lw_proxy.config import ProxyConfig
@@ -90,7 +87,7 @@ def _mock_main(conn: Any) -> None:
 
 
 # ------------------------------------------------------------------------ load generator
-async def _load(url: str, concurrency: int, duration: float) -> dict[str, Any]:
+async def _load(url: str, concurrency: int, duration: float) -> LoadStats:
     conn = aiohttp.TCPConnector(limit=concurrency, limit_per_host=0)
     headers = {"Content-Type": "application/json"}
     lat: list[float] = []
@@ -122,9 +119,9 @@ async def _load(url: str, concurrency: int, duration: float) -> dict[str, Any]:
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.perf_counter() - t0
     ms = sorted(x * 1000 for x in lat)
-    return {"requests": len(lat), "errors": errors, "rps": round(len(lat) / elapsed, 1),
-            "p50_ms": round(percentile(ms, 50), 3), "p99_ms": round(percentile(ms, 99), 3),
-            "mean_ms": round(sum(ms) / len(ms), 3) if ms else float("nan")}
+    return LoadStats(requests=len(lat), errors=errors, rps=round(len(lat) / elapsed, 1),
+                     p50_ms=round(percentile(ms, 50), 3), p99_ms=round(percentile(ms, 99), 3),
+                     mean_ms=round(sum(ms) / len(ms), 3) if ms else float("nan"))
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -163,37 +160,41 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         proxy.start()
         direct_url = f"http://127.0.0.1:{dport}/v1/completions"
         proxy_url = f"http://127.0.0.1:{port}/v1/completions"
-        result = asyncio.run(_measure(direct_url, proxy_url, f"http://127.0.0.1:{port}/healthcheck", levels, duration))
+        points = asyncio.run(_measure(direct_url, proxy_url, f"http://127.0.0.1:{port}/healthcheck", levels, duration))
     finally:
         stop_stack(parent_end, (proxy, mocks))
-    result["duration_s"] = duration
+    out = as_json_object(checked(ProxyBenchResult(duration_s=duration, concurrency=levels,
+                                                  targets=_targets(points), points=points)))
     if not getattr(args, "json", False):
-        _print_table(result)
-    return result
+        _print_table(out)
+    return out
 
 
 async def _measure(direct_url: str, proxy_url: str, health: str, levels: list[int],
-                   duration: float) -> dict[str, Any]:
+                   duration: float) -> dict[str, ConcurrencyPoint]:
     await wait_ready(health)
-    out: dict[str, Any] = {"concurrency": levels}
+    out: dict[str, ConcurrencyPoint] = {}
     for c in levels:
         d = await _load(direct_url, c, duration)
         p = await _load(proxy_url, c, duration)
-        out[f"c{c}"] = {
-            "direct": d, "proxy": p,
-            "added_p50_ms": round(p["p50_ms"] - d["p50_ms"], 3),
-            "throughput_ratio": round(p["rps"] / d["rps"], 3) if d["rps"] else None,
-            "proxy_p99_over_p50": round(p["p99_ms"] / p["p50_ms"], 2) if p["p50_ms"] else None,
-        }
-    t: dict[str, bool | None] = {}
-    if "c1" in out:
-        t["added_p50_ms_c1_le_2"] = out["c1"]["added_p50_ms"] <= 2.0
-    if "c64" in out:
-        r = out["c64"]
-        t["throughput_ratio_c64_ge_0.5"] = r["throughput_ratio"] is not None and r["throughput_ratio"] >= 0.5
-        t["p99_le_3x_p50_c64"] = r["proxy_p99_over_p50"] is not None and r["proxy_p99_over_p50"] <= 3.0
-    out["targets"] = t
+        out[f"c{c}"] = ConcurrencyPoint(
+            direct=d, proxy=p,
+            added_p50_ms=round(p.p50_ms - d.p50_ms, 3),
+            throughput_ratio=round(p.rps / d.rps, 3) if d.rps else None,
+            proxy_p99_over_p50=round(p.p99_ms / p.p50_ms, 2) if p.p50_ms else None,
+        )
     return out
+
+
+def _targets(points: dict[str, ConcurrencyPoint]) -> ProxyTargets:
+    t = ProxyTargets()
+    if "c1" in points:
+        t.added_p50_ms_c1_le_2 = points["c1"].added_p50_ms <= 2.0
+    if "c64" in points:
+        r = points["c64"]
+        t.throughput_ratio_c64_ge_0_5 = r.throughput_ratio is not None and r.throughput_ratio >= 0.5
+        t.p99_le_3x_p50_c64 = r.proxy_p99_over_p50 is not None and r.proxy_p99_over_p50 <= 3.0
+    return t
 
 
 def _print_table(r: dict[str, Any]) -> None:

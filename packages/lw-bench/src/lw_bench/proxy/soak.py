@@ -6,10 +6,10 @@ Mock decoders (two) call the metaserver like the real connector, then answer 503
 "recompute"). The load generator checks that every request gets its own answer or a clear error
 (502/503/504 with a message), and reads the proxy's RSS after a warm-up and at the end.
 
-JSON keys: ``requests``, ``concurrency``, ``fail_rate``, ``elapsed_s``, ``rps``, ``ok``,
-``errors`` (by HTTP status), ``lost`` (no answer: connection error or client timeout),
-``wrong_answer`` (someone else's text or a malformed error), ``rss_start_mib``, ``rss_end_mib``,
-``rss_growth_mib``.
+The report is a ``lw_bench.proxy.result.SoakResult`` (its fields are the JSON's keys): ``requests``,
+``concurrency``, ``fail_rate``, ``elapsed_s``, ``rps``, ``ok``, ``errors`` (by HTTP status),
+``lost`` (no answer: connection error or client timeout), ``wrong_answer`` (someone else's text or
+a malformed error), ``rss_start_mib``, ``rss_end_mib``, ``rss_growth_mib``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
+from lw_bench.proxy.result import SoakResult, as_json_object, checked
 from lw_bench.proxy.stack import free_port, proxy_main, serve_mocks, stop_stack, wait_closed, wait_ready
 from lw_core.wire import DecodeTransferParams, MetaserverRequest, decode_transfer_params
 from lw_proxy.config import ProxyConfig
@@ -155,7 +156,7 @@ def run(n: int, concurrency: int, fail_rate: float, *, quiet: bool = False) -> d
         res = asyncio.run(_drive(f"http://127.0.0.1:{port}/v1/completions", n, concurrency, proxy.pid))
     finally:
         stop_stack(parent_end, (proxy, mocks))
-    res = {"requests": n, "concurrency": concurrency, "fail_rate": fail_rate, **res}
+    res = as_json_object(checked(SoakResult(requests=n, concurrency=concurrency, fail_rate=fail_rate, **res)))
     if not quiet:
         print(f"lw-bench proxy --soak: {n} requests at concurrency {concurrency}, fail rate {fail_rate:g}: "
               f"{res['rps']} req/s; ok {res['ok']}, errors {res['errors']}, lost {res['lost']}, "

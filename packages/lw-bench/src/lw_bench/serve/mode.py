@@ -30,11 +30,12 @@ The engine's compute runs on ``--threads`` OpenMP threads (default 1): on a smal
 two threads stall on each other's barriers whenever another process holds a core, and one core
 stays free for the pool's copy thread -- the role a device's copy engine plays.
 
-Returned dict (stable keys; lengths are string keys, times in seconds):
+The report is a ``lw_bench.serve.result.ServeBenchResult`` (its fields are the JSON's keys; ``run``
+returns it as the JSON object, lengths as string keys, times in seconds):
 
 * ``config``: ``model``, ``layers``, ``hidden``, ``dtype``, ``block_size``, ``lengths``, ``reps``,
   ``rounds``, ``depths``, ``tail``, ``threads``, ``kv_bytes_per_token``, ``pool_path``,
-  ``pool_capacity_bytes``, ``headline_depth``
+  ``pool_capacity_bytes``, ``headline_depth``, ``max_model_len``, ``kv_cache_memory_bytes``
 * ``modes``: engine names in first-run order (``save``, ``recompute``, ``bulk``, ``layerwise_d<d>``...)
 * ``ttft_s``: ``{mode: {L: median TTFT of first requests}}``
 * ``local_ttft_s``: ``{mode: {L: median TTFT of second requests}}`` (not for ``save``)
@@ -74,6 +75,9 @@ import time
 import uuid
 from typing import Any
 
+import msgspec
+
+from lw_bench.serve.result import checked
 from lw_bench.serve.run import EngineError, run_engine
 
 BLOCK_SIZE = 32
@@ -279,6 +283,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.plot:
         _plot(result, args.plot)
         result["plot"] = args.plot
+    result = msgspec.to_builtins(checked(result))
     if args.save:
         with open(args.save, "w") as f:
             json.dump(result, f, indent=1, sort_keys=True)

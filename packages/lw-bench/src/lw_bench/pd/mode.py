@@ -17,7 +17,8 @@ relayed; from the client's clock and the wall-clock milestones both connectors w
 stats records, ``LW_VLLM_STATS_FILE``, field ``t``) and a per-layer timeline (prefiller layer
 saved/published vs decoder layer landed, from the backend's call timeline). Headline: median
 ratios of per-rep pairs, PD / alone (target <= 1.10) and streaming PD / alone (target <= 1.03).
-``--out DIR`` writes ``result.json``, ``ttft.png`` and ``timeline.png``. ``--quick`` is a smoke
+``--out DIR`` writes ``result.json``, ``ttft.png`` and ``timeline.png``. The report is a
+``lw_bench.pd.result.PdBenchResult`` (its fields are the JSON's keys). ``--quick`` is a smoke
 run (one length of 200 tokens, one rep).
 
 ``measure``/``summarize`` below are the older single-stack measurement (kinds pd, alone, turn2 on
@@ -39,6 +40,8 @@ import time
 import uuid
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from lw_bench.pd.report import PHASES, plot, print_table  # noqa: F401  (re-exported: the PD tests use them)
 
@@ -325,6 +328,7 @@ def _run_store(store: str, cfg: dict[str, Any], log_dir: Path, base: str) -> lis
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from lw_bench.pd import compare, compare_report
+    from lw_bench.pd.result import checked
 
     cfg = config(args)
     if args.plot or args.out:
@@ -347,6 +351,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result["runtime_s"] = round(time.perf_counter() - t0, 1)
     result["loadavg"] = round(os.getloadavg()[0], 2)
     result["cpus"] = len(os.sched_getaffinity(0))
+    checked(result)  # before the figures: a report that breaks its own shape fails first
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -355,10 +360,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         result["files"] = {"json": str(out / "result.json"), "ttft": str(out / "ttft.png"),
                            "timeline": str(out / "timeline.png")}
         with open(out / "result.json", "w") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
+            json.dump(msgspec.to_builtins(checked(result)), f, indent=1, sort_keys=True)
     if args.plot:
         compare_report.plot_ttft(result, args.plot)
         result["plot"] = args.plot
+    result = msgspec.to_builtins(checked(result))
     if args.save:
         with open(args.save, "w") as f:
             json.dump(result, f, indent=1, sort_keys=True)

@@ -121,7 +121,7 @@ def test_a_batch_with_one_failed_put_reports_only_that_object(backend, monkeypat
     count as committed (as the memory backend's commit of a committed handle does), not as "not
     reserved": else the prefiller reports every object of the step failed though all but one are
     stored, and the one that failed is invisible in its record."""
-    monkeypatch.setattr(backend, "store", _OnePutFails(backend.store, "bad"))
+    monkeypatch.setattr(backend.client, "store", _OnePutFails(backend.client.store, "bad"))
     src = seeded_kv(LAYOUT, 13)
     res = save_all(backend, src, LAYOUT, SAVES)  # keys a, b, c, d
     assert sorted(res.committed_keys) == ["a", "b", "c", "d"]

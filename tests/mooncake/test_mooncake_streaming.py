@@ -56,7 +56,7 @@ def be(client):
     yield client
     # Objects of one test must not be seen by the next (force: reads lease objects for a while).
     assert client.store.remove_all(True) >= 0
-    client._collector.clear()
+    client.stream_writer.collector.clear()
 
 
 def exists(be, keys: list[str]) -> list[int]:
@@ -107,13 +107,13 @@ def test_commit_removes_head_and_segments_and_a_leased_segment_once_its_lease_en
     from lw_core.backends.segment_stream import head_key, seg_key
 
     (w,) = be.reserve(["k"], NB)
-    token = be._wstreams["k"].token
+    token = be.stream_writer.stream("k").token
     (r,) = be.open_streaming(["k"])
     for layer in range(NL):
         write_layer(be, w, 6, layer)
         publish_layers(be, [w], layer, LB)
     segs = [seg_key("k", token, (layer + 1) * LB) for layer in range(NL)]
-    assert be._wstreams["k"].segs == segs  # one segment per written layer
+    assert be.stream_writer.stream("k").segs == segs  # one segment per written layer
     assert np.array_equal(read_layer(be, r, 2), layer_bytes(6, 2))  # leases layer 2's segment
     be.commit([w])
     assert be.stats()["stream_leftovers"] == 1  # the leased one, queued for removal
@@ -121,7 +121,7 @@ def test_commit_removes_head_and_segments_and_a_leased_segment_once_its_lease_en
     deadline = time.monotonic() + 10 * LEASE_MS / 1000
     while be.stats()["stream_leftovers"] and time.monotonic() < deadline:
         time.sleep(0.2)
-        be._collect()  # what later publish/commit calls do
+        be.stream_writer.collect()  # what later publish/commit calls do
     assert be.stats()["stream_leftovers"] == 0 and exists(be, segs) == [0] * NL
     assert np.array_equal(read_layer(be, r, 2), layer_bytes(6, 2))  # the reader reads the object now
 
@@ -130,7 +130,7 @@ def test_abort_leaves_only_its_marker(be):
     from lw_core.backends.segment_stream import abort_key, head_key, seg_key
 
     (w,) = be.reserve(["k"], NB)
-    token = be._wstreams["k"].token
+    token = be.stream_writer.stream("k").token
     write_layer(be, w, 2, 0)
     publish_layers(be, [w], 0, LB)
     be.abort([w])

@@ -16,52 +16,43 @@ Mooncake has no reserve/commit, so one pool object is one Mooncake object put wh
   Mooncake's cost is per key and call; measured in docs/bench/mooncake.md). ``release`` drops the local
   copies; Mooncake itself pins an object for ``--default_kv_lease_ttl`` after each get.
 
-The writes are ``lw_mooncake.writes``, the reads ``lw_mooncake.reads``; the optional streaming
-extension (``streaming=True``, from ``pd_streaming``) is ``lw_mooncake.streaming`` (writer) and
-``lw_mooncake.stream_read`` (reader). This module holds the client's set-up, lookups and close. Every call has a deadline (``mooncake_call_timeout_s``); past
-it ``BackendUnavailable``. Mooncake loses every object when its master dies (the master holds the only index).
+This module is a facade: it builds its collaborators, each with its own state, and forwards the
+protocol's calls to them:
+
+* ``client.StoreClient`` -- the Mooncake client set up against the master, its calls under a
+  deadline (``mooncake_call_timeout_s``; past it ``BackendUnavailable``), and whether it is closed;
+* ``puts.StagedPuts`` / ``gets.StagedGets`` -- registered put and get staging, one batch at a time;
+* ``reservations.Reservations`` -- this process's open reservations (their local objects);
+* ``object_writer.ObjectWriter`` / ``object_reader.ObjectReader`` -- the protocol's two halves;
+* the optional streaming extension (``streaming=True``, from ``pd_streaming``; design in
+  ``lw_mooncake.streaming``): ``stream_write.StreamWriter`` (None without streaming) and
+  ``stream_read.StreamReader``.
+
+The facade's own state is its configuration (``load``, ``staging_size``). Mooncake loses every
+object when its master dies (the master holds the only index).
 """
 
 from __future__ import annotations
 
-import logging
-import signal
-import socket
-import threading
-from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from lw_core.backend import BackendError, BackendUnavailable
-from lw_core.backends.segment_stream.collector import Collector
-from lw_mooncake.buffers import Staging
+from lw_core.backends.segment_stream.checks import check_publish, require_streaming
 from lw_mooncake.calls import Deadlines
-from lw_mooncake.errors import to_error
-from lw_mooncake.handle import MooncakeHandle
-from lw_mooncake.reads import Reads
-from lw_mooncake.stream_read import StreamReads
-from lw_mooncake.streaming import StreamWrites
-from lw_mooncake.writes import Writes
+from lw_mooncake.client import INSTALL_HINT, StoreClient, route_address
+from lw_mooncake.gets import StagedGets
+from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
+from lw_mooncake.object_reader import ObjectReader
+from lw_mooncake.object_writer import ObjectWriter
+from lw_mooncake.puts import StagedPuts
+from lw_mooncake.reservations import Reservations
+from lw_mooncake.stream_read import StreamReader
+from lw_mooncake.stream_write import StreamWriter
 
 __all__ = ["INSTALL_HINT", "MooncakeBackend", "MooncakeHandle", "route_address"]
-log = logging.getLogger(__name__)
-INSTALL_HINT = ("pip install 'lw-mooncake[store]' (mooncake-transfer-engine-non-cuda; on CUDA machines "
-                "mooncake-transfer-engine instead) and the Debian package libibverbs1 "
-                "(scripts/install-mooncake-deps.sh)")
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-# Clients whose setup or close outlived its deadline: kept alive here, as their destructor would
-# block whichever thread drops the last reference until Mooncake gives up (a minute or more).
-_STUCK: list[Any] = []
 
 
-def route_address(host: str, port: int) -> str:
-    """This machine's address on the route to ``host`` (a UDP connect sends nothing)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, port))
-        return s.getsockname()[0]
-
-
-class MooncakeBackend(Writes, Reads, StreamWrites, StreamReads):
+class MooncakeBackend:
     name = "mooncake"
 
     def __init__(self, master: str, *, metadata_server: str = "P2PHANDSHAKE", protocol: str = "tcp", rdma_devices: str = "",
@@ -71,56 +62,22 @@ class MooncakeBackend(Writes, Reads, StreamWrites, StreamReads):
         if load not in ("per_layer", "whole"):
             raise ValueError(f"mooncake_load={load!r}: expected 'per_layer' or 'whole'")
         self.load = load
-        try:
-            from mooncake.store import MooncakeDistributedStore
-        except ImportError as e:
-            raise BackendError(f"backend='mooncake': the Mooncake client cannot be imported ({e}); {INSTALL_HINT}") from e
-        host, _, port = master.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"mooncake_master={master!r}: expected host:port")
-        self.master = master
-        self.metadata_server = metadata_server or "P2PHANDSHAKE"
-        self.local_hostname = local_hostname or route_address(host, int(port))
         self.staging_size = staging_size
-        # setup() holds the GIL while it retries an absent master (minutes): no thread-based
-        # deadline can interrupt it, so find out first whether the master answers at all.
-        try:
-            socket.create_connection((host, int(port)), timeout=min(3.0, setup_timeout_s)).close()
-        except OSError as e:
-            raise BackendUnavailable(f"mooncake setup: master {master} cannot be reached ({e}); "
-                                     "is `lw-mooncake master` running there?") from None
-        self.calls = Deadlines(call_timeout_s, f"master {master}")
-        self.stats_: Counter[str] = Counter()
-        self._lock = threading.Lock()
-        self._pending: dict[str, MooncakeHandle] = {}
-        self._closed = False
-        self._streaming = bool(streaming)  # reservations get heads; publish puts segments
-        self._wstreams: dict = {}  # key -> streaming.WriteStream of our open reservations
-        # streaming: removals to retry (read leases), markers kept a while, the quiet period after a timeout
-        self._collector = Collector("mooncake streaming", self._remove_names)
-        self.store = MooncakeDistributedStore()
-        saved = [(s, signal.getsignal(s)) for s in _SIGNALS]
-        rc = None
-        try:
-            rc = self.calls.call("setup", self.store.setup, self.local_hostname, self.metadata_server,
-                                 int(global_segment_size), int(local_buffer_size), protocol, rdma_devices, master,
-                                 timeout_s=setup_timeout_s)
-        finally:
-            if rc != 0:
-                _STUCK.append(self.store)
-            # The client installs SIGINT/SIGTERM/SIGHUP handlers of its own; keep the host's.
-            if restore_signals and threading.current_thread() is threading.main_thread():
-                for s, h in saved:
-                    if h is not None:
-                        signal.signal(s, h)
-        if rc != 0:
-            self.calls.shutdown()
-            raise BackendUnavailable(
-                f"mooncake setup failed ({rc}): master {master}, metadata {self.metadata_server}, "
-                f"local address {self.local_hostname}, protocol {protocol}; is `lw-mooncake master` running there?"
-            )
-        self._puts = Staging(self.store, staging_size, self.calls, "put")
-        self._gets = Staging(self.store, staging_size, self.calls, "get")
+        self.client = StoreClient.connect(
+            master, metadata_server=metadata_server, protocol=protocol, rdma_devices=rdma_devices,
+            local_hostname=local_hostname, global_segment_size=global_segment_size,
+            local_buffer_size=local_buffer_size, call_timeout_s=call_timeout_s, setup_timeout_s=setup_timeout_s,
+            restore_signals=restore_signals)
+        self.master, self.metadata_server = master, self.client.metadata_server
+        self.local_hostname = self.client.local_hostname
+        self.puts = StagedPuts(self.client, staging_size)
+        self.gets = StagedGets(self.client, staging_size)
+        self.reservations = Reservations()
+        self.stream_writer = StreamWriter(self.client, self.puts, self.reservations) if streaming else None
+        self.stream_reader = StreamReader(self.client, self.gets)
+        self.writer = ObjectWriter(self.client, self.puts, self.reservations, staging_size=staging_size,
+                                   streams=self.stream_writer)
+        self.reader = ObjectReader(self.client, self.gets, load=load, staging_size=staging_size)
 
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> MooncakeBackend:
@@ -132,55 +89,80 @@ class MooncakeBackend(Writes, Reads, StreamWrites, StreamReads):
                    local_buffer_size=k.mooncake_local_buffer_size, staging_size=k.mooncake_staging_size,
                    call_timeout_s=k.mooncake_call_timeout_s, load=k.mooncake_load, **kwargs)
 
-    # ----- lookups -----
+    @property
+    def store(self) -> Any:
+        """Mooncake's client (``StoreClient.store``)."""
+        return self.client.store
 
-    def _exist(self, keys: list[str]) -> list[int]:
-        self._check_open()
-        res = self.calls.call("batch_is_exist", self.store.batch_is_exist, keys)
-        for k, r in zip(keys, res):
-            if r < 0:
-                raise to_error(r, f"batch_is_exist({k!r})")
-        return list(res)
+    @property
+    def calls(self) -> Deadlines:
+        return self.client.calls
+
+    # ----- the protocol (ObjectReader, ObjectWriter) -----
 
     def lookup(self, keys: Sequence[str]) -> int:
-        if not keys:
-            return 0
-        n = 0
-        for r in self._exist(list(keys)):
-            if r != 1:
-                break
-            n += 1
-        return n
+        return self.reader.lookup(keys)
 
-    # ----- misc -----
+    def reserve(self, keys: Sequence[str], nbytes: int) -> list[MooncakeHandle | None]:
+        return self.writer.reserve(keys, nbytes)
+
+    def write(self, handles: Sequence[MooncakeHandle], offsets: Sequence[int], srcs: Sequence[Any]) -> None:
+        self.writer.write(handles, offsets, srcs)
+
+    def view(self, handle: MooncakeHandle, offset: int, nbytes: int) -> memoryview | None:
+        if isinstance(handle, MooncakeStreamHandle):
+            return None  # streaming reads copy (a segment proves its bytes only when fetched)
+        if handle.buf is None:  # a read handle, or a reservation that ended
+            return self.reader.view(handle, offset, nbytes)
+        return self.writer.view(handle, offset, nbytes)
+
+    def commit(self, handles: Sequence[MooncakeHandle]) -> None:
+        self.writer.commit(handles)
+
+    def abort(self, handles: Sequence[MooncakeHandle]) -> None:
+        self.writer.abort(handles)
+
+    def open(self, keys: Sequence[str]) -> list[MooncakeHandle | None]:
+        return self.reader.open(keys)
+
+    def read(self, handles: Sequence[Any], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
+        if any(isinstance(h, MooncakeStreamHandle) for h in handles):
+            self.stream_reader.read(handles, offsets, dsts)
+        else:
+            self.reader.read(handles, offsets, dsts)
+
+    def release(self, handles: Sequence[Any]) -> None:
+        self.reader.release(handles)
+
+    # ----- streaming (StreamWriter, StreamReader) -----
+
+    def publish(self, handles: Sequence[Any], upto: int) -> None:
+        if self.stream_writer is not None:
+            self.stream_writer.publish(handles, upto)
+            return
+        check_publish("mooncake", handles, upto, lambda h: isinstance(h, MooncakeHandle) and h.reserved)
+        require_streaming("mooncake", False, "MooncakeBackend", "reservations get a head streaming readers find")
+
+    def open_streaming(self, keys: Sequence[str]) -> list[MooncakeStreamHandle | None]:
+        return self.stream_reader.open_streaming(keys)
+
+    def wait_published(self, handles: Sequence[Any], upto: int, timeout_s: float) -> list[bool]:
+        return self.stream_reader.wait_published(handles, upto, timeout_s)
+
+    # ----- counters and close -----
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            return {**self.stats_, "pending": len(self._pending), "call_timeouts": self.calls.timeouts,
-                    "stream_leftovers": len(self._collector)}
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise BackendError("the mooncake backend is closed")
+        leftovers = len(self.stream_writer.collector) if self.stream_writer is not None else 0
+        return {**self.writer.counts, **self.gets.counts, "pending": len(self.reservations),
+                "call_timeouts": self.calls.timeouts, "stream_leftovers": leftovers}
 
     def close(self, timeout_s: float = 10.0) -> None:
-        if self._closed:
+        if self.client.closed:
             return
-        if self._streaming:
-            try:
-                self._stream_close()
-                self._collect(every_s=0.0)
-            except BackendError as e:
-                log.debug("mooncake streaming: clean-up at close: %s", e)
-        self._closed = True
-        with self._lock:
-            self._pending.clear()
-        try:
-            self.calls.call("close", self.store.close, timeout_s=timeout_s)
-        except BackendError as e:
-            _STUCK.append(self.store)
-            log.warning("mooncake client close: %s (left to exit)", e)
-        self.calls.shutdown()
+        if self.stream_writer is not None:
+            self.stream_writer.close()
+        self.reservations.clear()
+        self.client.close(timeout_s)
 
     def __enter__(self) -> MooncakeBackend:
         return self

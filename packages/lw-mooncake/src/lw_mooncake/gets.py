@@ -1,0 +1,93 @@
+"""``StagedGets``: gets through registered get staging, ranged (``get_into_ranges``) or of whole
+objects (``batch_get_into``), and its count of the bytes they read (``counts["bytes_read"]``).
+
+Invariants:
+
+* One batch at a time uses the staging (its lock is held from the call to the copy out); callers
+  size each batch to fit ``staging_size``.
+* Bytes reach the caller's buffers only from a call that returned them whole; a get past its
+  deadline retires the staging (``lw_mooncake.buffers.Staging``), as the late call may still write
+  it.
+* An object that is gone is ``ObjectMissing`` (or, where asked, reported and left out); any other
+  failure is the lw-core error of its status (``lw_mooncake.errors``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
+from lw_mooncake.buffers import Staging
+from lw_mooncake.client import StoreClient
+from lw_mooncake.errors import OBJECT_NOT_FOUND, to_error
+
+# A ranged get: the object's key, the offset in it, and the buffer its bytes go to.
+Range = tuple[str, int, np.ndarray]
+
+
+class StagedGets:
+    def __init__(self, client: StoreClient, staging_size: int) -> None:
+        self.client = client
+        self.staging_size = staging_size
+        self._staging = Staging(client.store, staging_size, client.calls, "get")
+        self.counts: Counter[str] = Counter()
+
+    def ranges(self, batch: list[Range], *, missing_ok: bool = False) -> set[str]:
+        """Ranged gets of ``(key, offset, into)``. ``missing_ok``: keys whose object is missing or
+        too short are returned (their ``into`` is left as it was) instead of raised."""
+        self.client.check_open()
+        missing: set[str] = set()
+        by_key: dict[str, list[tuple[int, int, np.ndarray]]] = {}
+        pos = 0
+        for key, off, arr in batch:
+            by_key.setdefault(key, []).append((pos, off, arr))
+            pos += arr.nbytes
+        keys = list(by_key)
+        with self._staging.lock:
+            buf = self._staging.get()
+            try:
+                res = self.client.calls.call(
+                    "get_into_ranges", self.client.store.get_into_ranges, [int(buf.ctypes.data)], [keys],
+                    [[[p for p, _, _ in by_key[k]] for k in keys]], [[[o for _, o, _ in by_key[k]] for k in keys]],
+                    [[[a.nbytes for _, _, a in by_key[k]] for k in keys]])
+            except BackendUnavailable:
+                self._staging.retire()
+                raise
+            for k, got in zip(keys, res[0]):
+                if missing_ok and any(n != arr.nbytes and not (n <= -900 or n == -1)
+                                      for (_, _, arr), n in zip(by_key[k], got)):
+                    missing.add(k)
+                    continue
+                for (p, _, arr), n in zip(by_key[k], got):
+                    if n < 0:
+                        raise to_error(n, f"ranged get of {k!r}") if n != OBJECT_NOT_FOUND else ObjectMissing(
+                            f"ranged get of {k!r}: the object is gone (evicted, or the master restarted)")
+                    if n != arr.nbytes:
+                        raise BackendError(f"ranged get of {k!r}: {n} of {arr.nbytes} bytes")
+                    arr[:] = buf[p : p + n]
+        self.counts["bytes_read"] += pos
+        return missing
+
+    def whole(self, keys: list[str], sizes: dict[str, int], fetched: dict[str, np.ndarray]) -> None:
+        """Copies of the objects ``keys`` (of ``sizes``, together within the staging) into
+        ``fetched``; an object gone since its size was read is left out."""
+        self.client.check_open()
+        with self._staging.lock:
+            buf = self._staging.get()
+            offs = np.cumsum([0] + [sizes[k] for k in keys[:-1]]).tolist()
+            base = int(buf.ctypes.data)
+            try:
+                res = self.client.calls.call("batch_get_into", self.client.store.batch_get_into, keys,
+                                             [base + o for o in offs], [sizes[k] for k in keys])
+            except BackendUnavailable:
+                self._staging.retire()
+                raise
+            for k, o, n in zip(keys, offs, res):
+                if n == sizes[k]:
+                    fetched[k] = buf[o : o + n].copy()
+                    self.counts["bytes_read"] += n
+                elif n != OBJECT_NOT_FOUND:
+                    raise to_error(n, f"get of {k!r}") if n < 0 else BackendError(
+                        f"get of {k!r}: {n} of {sizes[k]} bytes")

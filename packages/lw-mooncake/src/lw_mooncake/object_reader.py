@@ -1,0 +1,120 @@
+"""``ObjectReader``: the reading half of the ``Backend`` protocol on Mooncake (open, read, view of a
+read handle, release); ``lookup`` is one ``StoreClient.exist``.
+
+``open`` takes the objects' sizes from their replica descriptors. Then, by ``load``:
+``"per_layer"`` -- each ``read`` is ranged gets of one layer of every object through get staging,
+and ``view`` is None; ``"whole"`` -- ``open`` fetches the whole objects into local copies, which
+``view`` and ``read`` then serve.
+
+Invariants:
+
+* Only complete objects are ever seen (Mooncake marks an object complete after its put), and
+  bytes reach a caller only from a get that returned them whole (``StagedGets``).
+* Every batch of gets fits ``staging_size``; an object or read larger than that is refused.
+* The reader holds no state of its own: a read handle carries its fetched copy (``data``), which
+  ``release`` drops; Mooncake's own read lease is a TTL on the master.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lw_core.backend import BackendError
+from lw_mooncake.buffers import byte_view
+from lw_mooncake.client import StoreClient
+from lw_mooncake.gets import Range, StagedGets
+from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
+
+
+class ObjectReader:
+    """Reads through ``client`` and ``gets``; ``load`` is ``"per_layer"`` or ``"whole"``."""
+
+    def __init__(self, client: StoreClient, gets: StagedGets, *, load: str, staging_size: int) -> None:
+        self.client = client
+        self.gets = gets
+        self.load = load
+        self.staging_size = staging_size
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        if not keys:
+            return 0
+        n = 0
+        for r in self.client.exist(list(keys)):
+            if r != 1:
+                break
+            n += 1
+        return n
+
+    def open(self, keys: Sequence[str]) -> list[MooncakeHandle | None]:
+        if not keys:
+            return []
+        self.client.check_open()
+        sizes = self.client.sizes(list(dict.fromkeys(keys)))
+        fetched = self._fetch_whole(sizes) if self.load == "whole" else None
+        out: list[MooncakeHandle | None] = []
+        for k in keys:
+            if k not in sizes or (fetched is not None and k not in fetched):
+                out.append(None)
+            else:
+                out.append(MooncakeHandle(k, sizes[k], data=None if fetched is None else fetched[k]))
+        return out
+
+    def _fetch_whole(self, sizes: dict[str, int]) -> dict[str, np.ndarray]:
+        """The objects, fetched in batches that fit the staging; an object gone since its
+        descriptor was read is left out (a miss)."""
+        fetched: dict[str, np.ndarray] = {}
+        batch: list[str] = []
+        total = 0
+        for k, n in sizes.items():
+            if n > self.staging_size:
+                raise BackendError(f"open: {k!r} of {n} bytes exceeds mooncake_staging_size={self.staging_size}")
+            if total + n > self.staging_size:
+                self.gets.whole(batch, sizes, fetched)
+                batch, total = [], 0
+            batch.append(k)
+            total += n
+        if batch:
+            self.gets.whole(batch, sizes, fetched)
+        return fetched
+
+    def view(self, handle: MooncakeHandle, offset: int, nbytes: int) -> memoryview | None:
+        """A read-only view of a read handle's fetched copy ("whole"); None without one."""
+        if handle.data is None:
+            return None  # the object lives in other hosts' segments
+        if offset < 0 or offset + nbytes > handle.nbytes:
+            raise ValueError(f"view: range [{offset}, {offset + nbytes}) outside {handle.key!r} of {handle.nbytes} bytes")
+        return handle.data[offset : offset + nbytes].data.toreadonly()
+
+    def read(self, handles: Sequence[MooncakeHandle], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
+        items: list[Range] = []
+        for h, off, dst in zip(handles, offsets, dsts, strict=True):
+            arr = byte_view(dst, writable=True, what="read")
+            if off < 0 or off + arr.nbytes > h.nbytes:
+                raise ValueError(f"read: range [{off}, {off + arr.nbytes}) outside {h.key!r} of {h.nbytes} bytes")
+            if h.data is not None:
+                arr[:] = h.data[off : off + arr.nbytes]
+                continue
+            if arr.nbytes > self.staging_size:
+                raise BackendError(f"read: {arr.nbytes} bytes exceed mooncake_staging_size={self.staging_size}")
+            items.append((h.key, off, arr))
+        batch: list[Range] = []
+        size = 0
+        for it in items:
+            if size + it[2].nbytes > self.staging_size:
+                self.gets.ranges(batch)
+                batch, size = [], 0
+            batch.append(it)
+            size += it[2].nbytes
+        if batch:
+            self.gets.ranges(batch)
+
+    def release(self, handles: Sequence[MooncakeHandle | MooncakeStreamHandle]) -> None:
+        """Drops fetched copies; a streaming handle ends (it holds nothing, Mooncake's lease is a TTL)."""
+        for h in handles:
+            if isinstance(h, MooncakeStreamHandle):
+                h.dead = True
+            else:
+                h.data = None

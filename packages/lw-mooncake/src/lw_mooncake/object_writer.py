@@ -1,0 +1,149 @@
+"""``ObjectWriter``: the writing half of the ``Backend`` protocol on Mooncake (reserve, write, view
+of a reservation, commit, abort).
+
+Mooncake has no reserve/commit, so a reservation is a local buffer (``Reservations``) filled
+layer by layer, and ``commit`` puts it whole (``StagedPuts``).
+
+Invariants:
+
+* Nothing of a reservation is visible in Mooncake before its put completes; a failed put leaves
+  nothing visible, and ``abort`` only drops the local buffer.
+* After ``commit`` returns or raises, none of its handles is held: a handle whose put succeeded
+  (here or before) counts as committed (committing it again is a no-op), one whose put failed
+  raises that put's error again.
+* With streaming (``streams``), every reservation's stream starts after ``reserve`` and ends
+  after its commit or before its abort; the writer's own state is its counters
+  (``bytes_written``, ``objects_put``, ``bytes_put``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
+from lw_mooncake.buffers import byte_view
+from lw_mooncake.client import StoreClient
+from lw_mooncake.errors import to_error
+from lw_mooncake.handle import MooncakeHandle
+from lw_mooncake.puts import StagedPuts
+from lw_mooncake.reservations import Reservations
+from lw_mooncake.stream_write import StreamWriter
+
+
+class ObjectWriter:
+    """Reservations in ``reservations``, put through ``puts``; ``streams``: the stream writer, or
+    None without streaming. Objects larger than ``staging_size`` are refused."""
+
+    def __init__(self, client: StoreClient, puts: StagedPuts, reservations: Reservations, *, staging_size: int,
+                 streams: StreamWriter | None) -> None:
+        self.client = client
+        self.puts = puts
+        self.reservations = reservations
+        self.staging_size = staging_size
+        self.streams = streams
+        self.counts: Counter[str] = Counter()
+
+    def reserve(self, keys: Sequence[str], nbytes: int) -> list[MooncakeHandle | None]:
+        if nbytes < 0:
+            raise ValueError(f"reserve: nbytes={nbytes} must be >= 0")
+        if nbytes > self.staging_size:
+            raise BackendError(f"reserve: an object of {nbytes} bytes exceeds mooncake_staging_size={self.staging_size}")
+        if not keys:
+            return []
+        out = self.reservations.reserve(keys, self.client.exist(list(keys)), nbytes)
+        if self.streams is not None:
+            self.streams.start(out)
+        return out
+
+    def _local(self, h: MooncakeHandle, off: int, n: int, what: str) -> np.ndarray:
+        buf = h.buf
+        if buf is None or not self.reservations.holds(h):
+            raise ObjectMissing(f"{what}: {h.key!r} is not reserved here (committed or aborted)")
+        if off < 0 or off + n > h.nbytes:
+            raise ValueError(f"{what}: range [{off}, {off + n}) outside {h.key!r} of {h.nbytes} bytes")
+        if self.streams is not None and n:
+            self.streams.written(h.key, off + n)  # publish cuts segments where written ranges end
+        return buf[off : off + n]
+
+    def write(self, handles: Sequence[MooncakeHandle], offsets: Sequence[int], srcs: Sequence[Any]) -> None:
+        n = 0
+        for h, off, src in zip(handles, offsets, srcs, strict=True):
+            data = byte_view(src, writable=False, what="write")
+            self._local(h, off, data.nbytes, "write")[:] = data
+            n += data.nbytes
+        self.counts["bytes_written"] += n
+
+    def view(self, handle: MooncakeHandle, offset: int, nbytes: int) -> memoryview | None:
+        """A writable view of a reservation's local object; None once it ended."""
+        if handle.buf is None:
+            return None
+        return self._local(handle, offset, nbytes, "view").data
+
+    def commit(self, handles: Sequence[MooncakeHandle]) -> None:
+        """Puts the objects; raises the first error (and how many more) when any put failed. A
+        handle whose put succeeded, here or before, counts as committed: the layer pipeline, after
+        a failed batch, commits each object again to find the failed ones. A failed one is dropped
+        (nothing of it is visible) and committing it again raises its put's error again."""
+        todo = [h for h in handles if not h.committed]
+        again = [h.failed for h in todo if h.failed is not None]
+        todo = [h for h in todo if h.failed is None]
+        missing = [h.key for h, held in zip(todo, self.reservations.held(todo)) if not held]
+        live = [h for h in todo if h.key not in missing]
+        errors: list[BackendError] = [type(e)(str(e)) for e in again]
+        try:
+            for batch in self._batches(live):
+                errors += self._put(batch)
+        except BackendError as e:  # e.g. a put past its deadline: this and any later batch failed
+            for h in live:
+                if not h.committed and h.failed is None:
+                    h.failed = e
+            if isinstance(e, BackendUnavailable) and self.streams is not None:
+                self.streams.go_quiet()  # no streaming clean-up calls into a store that does not answer
+            raise
+        finally:
+            self.reservations.end(live)
+            if self.streams is not None:
+                self.streams.end([h for h in live if h.committed], aborted=False)
+                self.streams.end([h for h in live if not h.committed], aborted=True)
+        if missing:
+            errors.insert(0, ObjectMissing(f"commit: {', '.join(map(repr, missing))} not reserved (aborted)"))
+        if errors:
+            if len(errors) > 1:
+                raise type(errors[0])(f"{errors[0]} (and {len(errors) - 1} more of {len(handles)})")
+            raise errors[0]
+
+    def _batches(self, hs: list[MooncakeHandle]) -> list[list[MooncakeHandle]]:
+        out: list[list[MooncakeHandle]] = []
+        size = self.staging_size + 1
+        for h in hs:
+            if size + h.nbytes > self.staging_size:
+                out.append([])
+                size = 0
+            out[-1].append(h)
+            size += h.nbytes
+        return out
+
+    def _put(self, batch: list[MooncakeHandle]) -> list[BackendError]:
+        items = []
+        for h in batch:
+            assert h.buf is not None
+            items.append((h.key, [h.buf]))
+        res = self.puts.put_parts(items)
+        errors = []
+        for h, r in zip(batch, res):
+            h.committed = r == 0
+            if r != 0:
+                h.failed = to_error(r, f"put of {h.key!r}")
+                errors.append(h.failed)
+        self.counts["objects_put"] += len(batch) - len(errors)
+        self.counts["bytes_put"] += sum(h.nbytes for h, r in zip(batch, res) if r == 0)
+        return errors
+
+    def abort(self, handles: Sequence[MooncakeHandle]) -> None:
+        if self.streams is not None:
+            self.streams.end(handles, aborted=True)
+        self.reservations.end(handles)

@@ -80,7 +80,7 @@ def main() -> None:
                 backend.release([opened.pop(k) for k in req["keys"]])
                 reply(ok=True)
             elif op == "remove":  # as the MetaService's eviction does
-                reply(ok=True, value=backend._store.remove_batch(req["keys"]))
+                reply(ok=True, value=backend.client.store.remove_batch(req["keys"]))
             elif op == "stats":
                 reply(ok=True, value=backend.stats())
             elif op == "close":

@@ -145,7 +145,7 @@ def held(pool):
 
 
 def gva_of(be, key: str) -> int:
-    info = be._store.batch_get_key_info([key], 0)[0]
+    info = be.client.store.batch_get_key_info([key], 0)[0]
     return int(info.gva_list()[0]) if info.size() else 0
 
 

@@ -89,7 +89,7 @@ def test_streaming_reads_never_touch_an_unfinished_object(be):
 
 
 def test_publish_without_streaming_names_the_switch(mc):
-    mc._streaming = False
+    mc.stream_writer.enabled = False
     try:
         be = Prefixed(mc, "nostream/")
         (w,) = be.reserve(["k"], NB)
@@ -97,7 +97,7 @@ def test_publish_without_streaming_names_the_switch(mc):
             be.publish([w], LB)
         be.abort([w])
     finally:
-        mc._streaming = True
+        mc.stream_writer.enabled = True
 
 
 def test_from_config_follows_pd_streaming():
@@ -158,17 +158,17 @@ def test_a_segment_removed_between_its_lease_and_the_copy_is_read_from_the_commi
     publish_layers(be, [w], NL - 1, LB)
     (r,) = be.open_streaming(["k"])
     assert wait_layers(be, [r], 1, LB, 1.0) == [True]
-    real = mc._store
-    mc._store = _StoreHook(real, lambda: be.commit([w]))
+    real = mc.client.store
+    mc.client.store = _StoreHook(real, lambda: be.commit([w]))
     try:
         assert np.array_equal(streaming_contract.read_layer(be, r, 1), streaming_contract.layer_bytes(9, 1))
     finally:
-        mc._store = real
+        mc.client.store = real
     assert be.lookup(["k"]) == 1
 
 
 def _exists(mc, names) -> list[int]:
-    return list(mc._store.batch_is_exist(list(names)))
+    return list(mc.client.store.batch_is_exist(list(names)))
 
 
 def test_a_lease_taken_just_before_the_commit_is_released_cleanly(mc, be):
@@ -177,7 +177,7 @@ def test_a_lease_taken_just_before_the_commit_is_released_cleanly(mc, be):
     objects too, and a lease on a removed object outlives its release: that client could then lease
     nothing placed at that address again, so a later prompt's head or segment there failed to
     stream and was recomputed: 'failed to register gva interval' in the decoder's log.)"""
-    grace, mc._reaper.grace_s = mc._reaper.grace_s, 0.5
+    grace, mc.stream_writer.reaper.grace_s = mc.stream_writer.reaper.grace_s, 0.5
     try:
         (w,) = be.reserve(["k"], NB)
         streaming_contract.write_layer(be, w, 3, 0)
@@ -186,29 +186,29 @@ def test_a_lease_taken_just_before_the_commit_is_released_cleanly(mc, be):
         assert r.token is not None
         key = be._p + "k"
         names = [head_key(key), seg_key(key, r.token, LB)]
-        assert list(mc._store.batch_add_lease(names, 5000)) == [0, 0]  # a reader mid-copy
+        assert list(mc.client.store.batch_add_lease(names, 5000)) == [0, 0]  # a reader mid-copy
         be.commit([w])
         assert _exists(mc, names) == [1, 1]  # not removed under the reader
-        assert mc._store.batch_remove_lease(names) == 0
+        assert mc.client.store.batch_remove_lease(names) == 0
         deadline = time.monotonic() + 5
         while _exists(mc, names) != [0, 0] and time.monotonic() < deadline:
             time.sleep(0.05)
         assert _exists(mc, names) == [0, 0], "the head and the segment were never removed"
         assert be.lookup(["k"]) == 1
     finally:
-        mc._reaper.grace_s = grace
+        mc.stream_writer.reaper.grace_s = grace
 
 
 def test_a_head_removed_between_its_lease_and_the_copy_is_no_error(mc, be):
     """open_streaming races a head's removal (memcache removes leased objects): no exception; the
     key is simply not open yet (the receive tries again), and once committed it opens leased."""
     (w,) = be.reserve(["k"], NB)
-    real = mc._store
-    mc._store = _StoreHook(real, lambda: real.remove_batch([head_key(be._p + "k")]))
+    real = mc.client.store
+    mc.client.store = _StoreHook(real, lambda: real.remove_batch([head_key(be._p + "k")]))
     try:
         assert be.open_streaming(["k"]) == [None]
     finally:
-        mc._store = real
+        mc.client.store = real
     for layer in range(NL):
         streaming_contract.write_layer(be, w, 5, layer)
     be.commit([w])

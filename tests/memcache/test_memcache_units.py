@@ -15,6 +15,7 @@ from lw_core.config import parse_config
 from lw_memcache import backend as mb
 from lw_memcache import copies, errors
 from lw_memcache.conf import ConfError, local_config_fields, parse_size, read_conf, write_local_conf, write_meta_conf
+from lw_memcache.handles import MemcacheHandle
 
 
 def test_importing_lw_memcache_does_not_import_memcache_hybrid():
@@ -184,67 +185,77 @@ class _RecordingStore:
         return 0
 
 
-def _bare_backend():
-    import threading
-    from collections import Counter
+def _copier():
+    from lw_memcache.client import StoreClient
 
-    b = object.__new__(mb.MemcacheBackend)
-    b._store, b._closed, b._lock = _RecordingStore(), False, threading.Lock()
-    b._writing, b._reading, b._device_regions = {}, Counter(), []
-    b._stats = dict.fromkeys(("copy_calls", "bytes_written", "bytes_read", "errors", "unavailable"), 0)
-    return b
+    return copies.Copier(StoreClient(_RecordingStore()))
+
+
+def _writer(copier):
+    from lw_memcache.object_writer import ObjectWriter
+    from lw_memcache.orphans import Sightings
+    from lw_memcache.stream_write import StreamWriter
+
+    streams = StreamWriter(copier.client, copier, enabled=False, write_lease_ms=1000)
+    return ObjectWriter(copier.client, copier, Sightings(1.0), streams, write_lease_ms=1000, full_wait_s=0)
 
 
 def test_copy_direction_follows_where_memory_lives():
-    b = _bare_backend()
-    h = copies.MemcacheHandle("k", 4096, 0x1000_0000, True)
-    b._writing["k"] = h
+    c = _copier()
+    h = MemcacheHandle("k", 4096, 0x1000_0000, True)
     host = np.zeros(1024, np.uint8)
-    b.write([h, h], [0, 1024], [host, copies.DeviceRegion(0xDEAD000, 1024)])
-    assert sorted((d, g) for d, g, _ in b._store.copies) == [(copies.L2G, [0x1000_0000 + 1024]), (copies.H2G, [0x1000_0000])]
-    b._store.copies.clear()
+    c.copy([h, h], [0, 1024], [host, copies.DeviceRegion(0xDEAD000, 1024)], to_store=True)
+    assert sorted((d, g) for d, g, _ in c.client.store.copies) == [(copies.L2G, [0x1000_0000 + 1024]), (copies.H2G, [0x1000_0000])]
+    c.client.store.copies.clear()
     dev = np.zeros(2048, np.uint8)
-    b.register_buffer(dev, device=True)  # e.g. an NPU KV cache handed over as a region
-    b.read([h, h], [0, 2048], [dev[:1024], bytearray(512)])
-    assert sorted(d for d, _, _ in b._store.copies) == [copies.G2L, copies.G2H]
+    c.register(dev, device=True)  # e.g. an NPU KV cache handed over as a region
+    c.copy([h, h], [0, 2048], [dev[:1024], bytearray(512)], to_store=False)
+    assert sorted(d for d, _, _ in c.client.store.copies) == [copies.G2L, copies.G2H]
+    assert c.client.counters()["copy_calls"] == 4
 
 
 def test_copy_rejects_out_of_range_and_readonly():
-    b = _bare_backend()
-    h = copies.MemcacheHandle("k", 4096, 0x1000_0000, True)
-    b._writing["k"] = h
+    c = _copier()
+    h = MemcacheHandle("k", 4096, 0x1000_0000, True)
     with pytest.raises(ValueError, match=r"range \[4000, 4200\) outside the object's 4096 bytes"):
-        b.write([h], [4000], [bytes(200)])
+        c.copy([h], [4000], [bytes(200)], to_store=True)
     with pytest.raises(ValueError, match="read-only"):
-        b.read([h], [0], [bytes(16)])
+        c.copy([h], [0], [bytes(16)], to_store=False)
     with pytest.raises(BackendError, match="not a reservation"):
-        b.write([copies.MemcacheHandle("other", 4096, 1, True)], [0], [bytes(16)])
-    assert b._store.copies == []
+        _writer(c).write([MemcacheHandle("other", 4096, 1, True)], [0], [bytes(16)])
+    assert c.client.store.copies == []
 
 
 def test_copy_passes_each_buffers_own_address_on_every_path():
     # The per-layer hot path takes ndarray addresses through ctypes; read-only, non-contiguous and
     # non-numpy buffers take the general path. Both must hand the store the same addresses.
-    b = _bare_backend()
-    b._store.batch_copy = lambda g, p, n, d, f: b._store.copies.append((d, list(g), list(p), list(n))) or 0
-    h = copies.MemcacheHandle("k", 1 << 16, 0x1000_0000, True)
-    b._writing["k"] = h
+    c = _copier()
+    store = c.client.store
+    store.batch_copy = lambda g, p, n, d, f: store.copies.append((d, list(g), list(p), list(n))) or 0
+    h = MemcacheHandle("k", 1 << 16, 0x1000_0000, True)
     staging = np.arange(4096, dtype=np.uint8)
     ro = staging[1024:2048].copy()
     ro.flags.writeable = False
     ba = bytearray(100)
     srcs = [staging[:1024], staging[2048:3072], ro, ba]
-    b.write([h] * 4, [0, 1024, 2048, 3072], srcs)
-    (d, gvas, ptrs, sizes), = b._store.copies
+    c.copy([h] * 4, [0, 1024, 2048, 3072], srcs, to_store=True)
+    (d, gvas, ptrs, sizes), = store.copies
     assert d == copies.H2G and gvas == [h.gva, h.gva + 1024, h.gva + 2048, h.gva + 3072]
     assert ptrs == [staging.ctypes.data, staging.ctypes.data + 2048, ro.ctypes.data, np.frombuffer(ba, np.uint8).ctypes.data]
     assert sizes == [1024, 1024, 1024, 100]
     with pytest.raises(ValueError, match="read-only"):
-        b.read([h], [0], [ro])
+        c.copy([h], [0], [ro], to_store=False)
     with pytest.raises(ValueError, match="C-contiguous"):
-        b.read([h], [0], [staging.reshape(64, 64)[:, :8]])
-    b.read([h], [0], [np.zeros(0, np.uint8)])  # nothing to copy: no call
-    assert len(b._store.copies) == 1
+        c.copy([h], [0], [staging.reshape(64, 64)[:, :8]], to_store=False)
+    c.copy([h], [0], [np.zeros(0, np.uint8)], to_store=False)  # nothing to copy: no call
+    assert len(store.copies) == 1
+
+
+def test_a_closed_client_refuses_copies():
+    c = _copier()
+    assert c.client.mark_closed() and not c.client.mark_closed()
+    with pytest.raises(BackendError, match="closed"):
+        c.copy([MemcacheHandle("k", 16, 1, True)], [0], [bytes(16)], to_store=True)
 
 
 def test_memcache_keys_belong_to_its_plugin_and_stay_top_level():

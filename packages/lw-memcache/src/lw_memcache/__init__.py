@@ -4,7 +4,8 @@ Importing this package never imports memcache_hybrid; that happens when a backen
 """
 
 from lw_memcache.backend import MemcacheBackend
-from lw_memcache.copies import DeviceRegion, MemcacheHandle
+from lw_memcache.copies import DeviceRegion
+from lw_memcache.handles import MemcacheHandle
 
 __version__ = "0.1.0"
 __all__ = ["DeviceRegion", "MemcacheBackend", "MemcacheHandle"]

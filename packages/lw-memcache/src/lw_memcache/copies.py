@@ -1,13 +1,21 @@
-"""Copies between process memory and the pool's global space (``batch_copy``), for MemcacheBackend.
+"""``Copier``: copies between process memory and the pool's global space (``batch_copy``), for
+MemcacheBackend's collaborators, and the buffers registered with the store.
 
-Copy direction comes from where the memory lives: host buffers use H2G/G2H; device memory
-(``DeviceRegion``, a non-CPU tensor, or a region registered with ``device=True``) uses L2G/G2L,
-which needs an Ascend NPU.
+Invariants:
+
+* Copy direction comes from where the memory lives: host buffers use H2G/G2H; device memory
+  (``DeviceRegion``, a non-CPU tensor, or a region registered with ``device=True``) uses L2G/G2L,
+  which needs an Ascend NPU. Host and device memory in one batch make one ``batch_copy`` per
+  direction.
+* Every range lies within its handle's ``nbytes`` (checked before any copy); empty ranges copy
+  nothing. One ``copy`` counts its calls and bytes on the ``StoreClient``.
+* The Copier owns only the device regions registered through it (its own lock).
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +23,8 @@ from typing import Any
 import numpy as np
 
 from lw_core.backends.segment_stream.checks import check_lengths, check_range
+from lw_memcache.client import StoreClient
+from lw_memcache.handles import Placed
 
 # Copy directions (memcache_hybrid's BmCopyType values; AUTO is rejected by batch_copy).
 L2G, G2L, G2H, H2G = 0, 1, 2, 3
@@ -28,15 +38,6 @@ class DeviceRegion:
 
     ptr: int
     nbytes: int
-
-
-@dataclass(eq=False, slots=True)
-class MemcacheHandle:
-    key: str
-    nbytes: int
-    gva: int
-    writable: bool
-    state: int = 0  # reservations: 0 writing, 1 committed, 2 aborted
 
 
 def _memory(buf: Any, *, writable: bool, what: str) -> tuple[int, int, bool]:
@@ -63,18 +64,23 @@ def _memory(buf: Any, *, writable: bool, what: str) -> tuple[int, int, bool]:
     return int(arr.ctypes.data), int(arr.nbytes), False
 
 
-class CopyMixin:
-    """``_copy`` and buffer registration; MemcacheBackend provides ``_live``, ``_check``,
-    ``_count``, ``_lock`` and ``_device_regions``."""
+class Copier:
+    """Copies through the client ``client``; owns the device regions registered with the store."""
 
-    def _on_device(self: Any, ptr: int, nbytes: int, flagged: bool) -> bool:
+    def __init__(self, client: StoreClient) -> None:
+        self.client = client
+        self._lock = threading.Lock()
+        self._device_regions: list[tuple[int, int]] = []
+
+    def _on_device(self, ptr: int, nbytes: int, flagged: bool) -> bool:
         if flagged:
             return True
         return any(s <= ptr and ptr + nbytes <= s + n for s, n in self._device_regions)
 
-    def _copy(self: Any, handles: Sequence[MemcacheHandle], offsets: Sequence[int], bufs: Sequence[Any], *, to_store: bool) -> None:
+    def copy(self, handles: Sequence[Placed], offsets: Sequence[int], bufs: Sequence[Any], *, to_store: bool) -> None:
+        """Copy ``bufs[i]`` to (``to_store``) or from ``handles[i]``'s object at ``offsets[i]``."""
         check_lengths(handles, offsets, bufs)
-        store = self._live()
+        store = self.client.live()
         what = "write" if to_store else "read"
         host_dir, dev_dir = (H2G, L2G) if to_store else (G2H, G2L)
         check_regions = bool(self._device_regions)
@@ -118,22 +124,22 @@ class CopyMixin:
                     lp.append(p)
                     ln.append(n)
             for direction, (g_, p_, n_) in groups.items():
-                self._check(store.batch_copy(g_, p_, n_, direction, 0), f"batch_copy ({what}, {len(g_)} ranges)")
+                self.client.check(store.batch_copy(g_, p_, n_, direction, 0), f"batch_copy ({what}, {len(g_)} ranges)")
                 calls += 1
-        self._count(copy_calls=calls, **{"bytes_written" if to_store else "bytes_read": total})
+        self.client.count(copy_calls=calls, **{"bytes_written" if to_store else "bytes_read": total})
 
-    def register_buffer(self: Any, buf: Any, *, device: bool = False) -> None:
+    def register(self, buf: Any, *, device: bool = False) -> None:
         """Register memory the pipeline will copy to/from (KV cache or staging regions): the
         store maps it for its copy engines. ``device=True`` (or a non-CPU tensor /
         ``DeviceRegion``) marks it device memory, so copies touching it use L2G/G2L."""
         ptr, n, dev = _memory(buf, writable=False, what="register_buffer")
-        self._check(self._live().register_buffer(ptr, n), f"register_buffer ({n} bytes at {ptr:#x})")
+        self.client.check(self.client.live().register_buffer(ptr, n), f"register_buffer ({n} bytes at {ptr:#x})")
         if dev or device:
             with self._lock:
                 self._device_regions.append((ptr, n))
 
-    def unregister_buffer(self: Any, buf: Any) -> None:
+    def unregister(self, buf: Any) -> None:
         ptr, n, _ = _memory(buf, writable=False, what="unregister_buffer")
-        self._check(self._live().unregister_buffer(ptr, n), f"unregister_buffer ({n} bytes at {ptr:#x})")
+        self.client.check(self.client.live().unregister_buffer(ptr, n), f"unregister_buffer ({n} bytes at {ptr:#x})")
         with self._lock:
             self._device_regions = [r for r in self._device_regions if r != (ptr, n)]

@@ -18,7 +18,7 @@ from lw_core.backends.registry import BackendPlugin
 from lw_memcache.conf import PROTOCOLS
 
 if TYPE_CHECKING:  # the store itself is imported only when opened
-    from lw_memcache.copies import MemcacheHandle
+    from lw_memcache.handles import MemcacheHandle
 
 
 class MemcacheKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

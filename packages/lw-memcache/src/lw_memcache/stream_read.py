@@ -1,10 +1,21 @@
-"""The reader's side of memcache streaming: ``open_streaming``, ``wait_published`` and reads
-through streaming handles (the design is in ``lw_memcache.streaming``'s docstring)."""
+"""``StreamReader``: the reader's side of memcache streaming (design: ``lw_memcache.streaming``):
+``open_streaming``, ``wait_published`` and reads through streaming handles.
+
+Invariants:
+
+* It holds no state of its own beyond the read lease length: a streaming handle carries what it
+  reads (the token, or the committed object's address and lease).
+* Bytes come only from objects named by the reservation's token (its head and segments), each
+  leased for one copy and checked to still exist after it, or from the committed object once its
+  trailer holds that token (``adopt``); else the read fails with ``ObjectMissing``.
+* Leases on committed objects are ``ObjectReader``'s (``open``/``release``), so ``close`` drops
+  them with the others.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -12,43 +23,46 @@ from lw_core.backend import BackendError, ObjectMissing
 from lw_core.backends.segment_stream import head_key, seg_key, wait_published
 from lw_core.backends.segment_stream.checks import check_lengths, check_range
 from lw_core.backends.segment_stream.head import HEAD, unpack_head
-from lw_memcache.streaming import (
-    _TRAILER,
-    _TRAILER_MAGIC,
-    HEAD_MAGIC,
-    TRAILER,
-    MemcacheStreamHandle,
-    _nbytes,
-    _Seg,
-)
+from lw_memcache.client import INFO_READABLE, StoreClient
+from lw_memcache.copies import Copier
+from lw_memcache.handles import MemcacheStreamHandle, Seg, nbytes_of
+from lw_memcache.object_reader import ObjectReader
+from lw_memcache.streaming import HEAD_MAGIC, TRAILER, trailer_token
 
 
-class StreamReadMixin:
-    """Readers' calls of the streaming extension, mixed into MemcacheBackend."""
+class StreamReader:
+    """Streaming reads through the client ``client`` and ``copier``; committed objects are opened
+    and released by ``objects``, with read leases of ``read_lease_ms``."""
 
-    def open_streaming(self: Any, keys: Sequence[str]) -> list[MemcacheStreamHandle | None]:
-        store = self._live()
+    def __init__(self, client: StoreClient, copier: Copier, objects: ObjectReader, *, read_lease_ms: int) -> None:
+        self.client = client
+        self.copier = copier
+        self.objects = objects
+        self.read_lease_ms = read_lease_ms
+
+    def open(self, keys: Sequence[str]) -> list[MemcacheStreamHandle | None]:
+        store = self.client.live()
         out: list[MemcacheStreamHandle | None] = [None] * len(keys)
         if not keys:
             return out
-        for i, h in zip(range(len(keys)), self.open(keys)):  # committed: leased, like open
+        for i, h in zip(range(len(keys)), self.objects.open(keys)):  # committed: leased, like open
             if h is not None:
                 out[i] = MemcacheStreamHandle(h.key, h.nbytes, None, gva=h.gva, leased=True)
         rest = [i for i in range(len(keys)) if out[i] is None]
         if not rest:
             return out
         heads = [head_key(keys[i]) for i in rest]
-        res = store.batch_add_lease(heads, self._read_lease_ms)
+        res = store.batch_add_lease(heads, self.read_lease_ms)
         leased = [(i, hk) for i, hk, r in zip(rest, heads, res) if r == 0]
         if not leased:
             return out
         try:
-            infos = store.batch_get_key_info([hk for _, hk in leased], 1)
+            infos = store.batch_get_key_info([hk for _, hk in leased], INFO_READABLE)
             got = [(i, hk, int(info.gva_list()[0])) for (i, hk), info in zip(leased, infos)
                    if info.size() == HEAD.size and len(info.gva_list())]
             bufs = [np.zeros(HEAD.size, np.uint8) for _ in got]
             try:
-                self._copy([_Seg(hk, HEAD.size, g, 0, False) for _, hk, g in got], [0] * len(got), bufs, to_store=False)
+                self.copier.copy([Seg(hk, HEAD.size, g, 0, False) for _, hk, g in got], [0] * len(got), bufs, to_store=False)
                 copied = got
             except ObjectMissing:
                 # A head removed after we leased it (its writer aborted, or closed; memcache removes
@@ -56,7 +70,7 @@ class StreamReadMixin:
                 copied = []
                 for one, b in zip(got, bufs):
                     try:
-                        self._copy([_Seg(one[1], HEAD.size, one[2], 0, False)], [0], [b], to_store=False)
+                        self.copier.copy([Seg(one[1], HEAD.size, one[2], 0, False)], [0], [b], to_store=False)
                         copied.append(one)
                     except ObjectMissing:
                         pass
@@ -69,7 +83,7 @@ class StreamReadMixin:
             store.batch_remove_lease([hk for _, hk in leased])
         lost = [i for i, _ in leased if out[i] is None]
         if lost:  # committed meanwhile? (else: not openable now; the caller tries again)
-            for i, h in zip(lost, self.open([keys[i] for i in lost])):
+            for i, h in zip(lost, self.objects.open([keys[i] for i in lost])):
                 if h is not None:
                     out[i] = MemcacheStreamHandle(h.key, h.nbytes, None, gva=h.gva, leased=True)
         return out
@@ -82,40 +96,40 @@ class StreamReadMixin:
                 h.dead = True  # a committed object's handle, released: it holds nothing any more
         return list(handles)
 
-    def _adopt(self: Any, hs: Sequence[MemcacheStreamHandle]) -> None:
+    def adopt(self, hs: Sequence[MemcacheStreamHandle]) -> None:
         """Handles whose object is committed now: lease it and keep the handle if the trailer holds
         its token (else a later reservation committed the key: this one is dead)."""
-        got = self.open([h.key for h in hs])
+        got = self.objects.open([h.key for h in hs])
         pairs = [(h, o) for h, o in zip(hs, got) if o is not None]
         if not pairs:
             return
         bufs = [np.zeros(TRAILER, np.uint8) for _ in pairs]
         try:
-            self._copy([_Seg(o.key, o.nbytes + TRAILER, o.gva, 0, False) for _, o in pairs], [o.nbytes for _, o in pairs],
-                       bufs, to_store=False)
+            self.copier.copy([Seg(o.key, o.nbytes + TRAILER, o.gva, 0, False) for _, o in pairs], [o.nbytes for _, o in pairs],
+                             bufs, to_store=False)
         except BackendError:
-            self.release([o for _, o in pairs])
+            self.objects.release([o for _, o in pairs])
             raise
         wrong = []
         for (h, o), b in zip(pairs, bufs):
-            magic, token = _TRAILER.unpack(b.tobytes())
-            if magic == _TRAILER_MAGIC and token == h.token and o.nbytes == h.nbytes:
+            token = trailer_token(b.tobytes())
+            if token is not None and token == h.token and o.nbytes == h.nbytes:
                 h.gva, h.leased = o.gva, True
             else:
                 h.dead = True
                 wrong.append(o)
         if wrong:
-            self.release(wrong)
+            self.objects.release(wrong)
 
-    def wait_published(self: Any, handles: Sequence[Any], upto: int, timeout_s: float) -> list[bool]:
+    def wait_published(self, handles: Sequence[Any], upto: int, timeout_s: float) -> list[bool]:
         hs = self._streams(handles, "wait_published")
-        return wait_published("memcache", _Polls(self, self._live()), hs, upto, timeout_s, lambda h: h.leased)
+        return wait_published("memcache", _Polls(self, self.client.live()), hs, upto, timeout_s, lambda h: h.leased)
 
-    def _read_stream(self: Any, handles: Sequence[Any], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
+    def read(self, handles: Sequence[Any], offsets: Sequence[int], dsts: Sequence[Any]) -> None:
         hs = self._streams(handles, "a streaming read")
         check_lengths(hs, offsets, dsts)
-        store = self._live()
-        sizes = [_nbytes(d) for d in dsts]
+        store = self.client.live()
+        sizes = [nbytes_of(d) for d in dsts]
         for h, off, n in zip(hs, offsets, sizes):
             check_range("read", h, off, n)
         dead = [h.key for h in hs if h.dead]
@@ -123,22 +137,23 @@ class StreamReadMixin:
             raise ObjectMissing(f"memcache: streaming read of {len(dead)} abandoned reservation(s) (aborted, writer dead, or the key "
                                 f"was committed by a later reservation): {dead[:3]}")
         idx = [j for j, (h, n) in enumerate(zip(hs, sizes)) if not h.leased and n > 0]
-        segs: dict[int, _Seg] = {}
+        segs: dict[int, Seg] = {}
         leased: list[str] = []
         try:
             if idx:
-                names = [seg_key(hs[j].key, hs[j].token, offsets[j] + sizes[j]) for j in idx]
-                res = store.batch_add_lease(names, self._read_lease_ms)
+                # Not leased and not dead: a handle on a reservation, so it has a token (_streams).
+                names = [seg_key(hs[j].key, cast(bytes, hs[j].token), offsets[j] + sizes[j]) for j in idx]
+                res = store.batch_add_lease(names, self.read_lease_ms)
                 leased = [k for k, r in zip(names, res) if r == 0]
                 if leased:
-                    infos = dict(zip(leased, store.batch_get_key_info(leased, 1)))
+                    infos = dict(zip(leased, store.batch_get_key_info(leased, INFO_READABLE)))
                     for j, k in zip(idx, names):
                         info = infos.get(k)
                         if info is not None and info.size() == sizes[j] and len(info.gva_list()):
-                            segs[j] = _Seg(k, sizes[j], int(info.gva_list()[0]), offsets[j], False)
+                            segs[j] = Seg(k, sizes[j], int(info.gva_list()[0]), offsets[j], False)
                 missing = [hs[j] for j in idx if j not in segs]
                 if missing:  # not published as such; maybe committed meanwhile
-                    self._adopt(missing)
+                    self.adopt(missing)
                     short = [h.key for h in missing if not h.leased]
                     if short:
                         raise ObjectMissing(
@@ -147,27 +162,27 @@ class StreamReadMixin:
                         )
             whole = [j for j in range(len(hs)) if j not in segs]
             if whole:
-                self._copy([hs[j] for j in whole], [offsets[j] for j in whole], [dsts[j] for j in whole], to_store=False)
+                self.copier.copy([hs[j] for j in whole], [offsets[j] for j in whole], [dsts[j] for j in whole], to_store=False)
             if segs:
                 js = list(segs)
                 try:
-                    self._copy([segs[j] for j in js], [0] * len(js), [dsts[j] for j in js], to_store=False)
+                    self.copier.copy([segs[j] for j in js], [0] * len(js), [dsts[j] for j in js], to_store=False)
                 except ObjectMissing:
                     # A segment removed after we leased it (its reservation committed or aborted:
                     # memcache removes leased objects too) makes the whole batch_copy fail (-3102):
                     # copy the ones still there one by one, and treat the others as gone below.
                     for j, r in zip(js, store.batch_is_exist([segs[j].key for j in js])):
                         if r == 1:
-                            self._copy([segs[j]], [0], [dsts[j]], to_store=False)
+                            self.copier.copy([segs[j]], [0], [dsts[j]], to_store=False)
                 res = store.batch_is_exist([segs[j].key for j in js])
                 gone = [j for j, r in zip(js, res) if r != 1]
                 if gone:  # removed before or while being copied: committed (then read the object) or aborted
-                    self._adopt([hs[j] for j in gone])
+                    self.adopt([hs[j] for j in gone])
                     lost = [hs[j].key for j in gone if not hs[j].leased]
                     if lost:
                         raise ObjectMissing(f"memcache: {len(lost)} segment(s) went while being read (aborted): "
                                             f"their bytes are not used: {lost[:3]}")
-                    self._copy([hs[j] for j in gone], [offsets[j] for j in gone], [dsts[j] for j in gone], to_store=False)
+                    self.copier.copy([hs[j] for j in gone], [offsets[j] for j in gone], [dsts[j] for j in gone], to_store=False)
         finally:
             if leased:
                 store.batch_remove_lease(leased)
@@ -176,15 +191,15 @@ class StreamReadMixin:
 class _Polls:
     """memcache as ``wait_published``'s store (``lw_core.backends.segment_stream.PollStore``)."""
 
-    def __init__(self, backend: Any, store: Any) -> None:
-        self.backend, self.store = backend, store
+    def __init__(self, reader: StreamReader, store: Any) -> None:
+        self.reader, self.store = reader, store
 
     def exists(self, names: list[str]) -> list[int]:
         res = list(self.store.batch_is_exist(names))
         if len(res) != len(names) or any(r not in (0, 1) for r in res):
             bad = [r for r in res if r not in (0, 1)]
-            self.backend._fail(bad[0] if bad else -1, "wait_published (batch_is_exist)")
+            self.reader.client.fail(bad[0] if bad else -1, "wait_published (batch_is_exist)")
         return res
 
     def adopt(self, handles: Sequence[MemcacheStreamHandle]) -> None:
-        self.backend._adopt(handles)
+        self.reader.adopt(handles)

@@ -10,7 +10,8 @@ import sys
 import pytest
 from mc_support import expected, needs_memcache, wait_until
 
-from lw_memcache.local import LocalMemcache, LocalMemcacheError, free_ports, meta_lock_holder
+from lw_memcache.local import LocalMemcache, LocalMemcacheError, free_ports
+from lw_memcache.machine import meta_lock_holder
 
 pytestmark = [needs_memcache]
 

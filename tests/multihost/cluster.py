@@ -116,7 +116,7 @@ class Cluster:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     p.wait(45)  # a leaving holder waits out read leases
         self.hosts.close()
-        from lw_memcache.local import cleanup_leftovers
+        from lw_memcache.machine import cleanup_leftovers
 
         cleanup_leftovers(self._since)  # the clients' trace files (and any /dev/shm segment) of exited processes
         if self._old_hugepages is not None:
@@ -162,7 +162,7 @@ class Cluster:
         return sorted(top)
 
     def meta_healthy(self) -> bool:
-        from lw_memcache.local import meta_ready
+        from lw_memcache.machine import meta_ready
 
         with self.hosts.entered("a"):
             return meta_ready(self.a, METRICS_PORT)

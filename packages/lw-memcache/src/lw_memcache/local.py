@@ -19,14 +19,13 @@ What it takes care of (facts of memcache-hybrid 1.3.0):
 * ``stop`` ends the holder, then the MetaService (SIGTERM, then SIGKILL after a deadline) and removes what dead
   clients leave behind: ``/dev/shm/memfabric_hybrid_*`` segments no process maps any more and the
   ``/var/log/memfabric_hybrid/ptracer_<pid>.dat`` traces of exited processes, made since start.
+
+The machine's side (the lock, ``/health``, leftovers) is ``lw_memcache.machine``; the holder
+subprocess is ``lw_memcache.holder_proc.HolderProcess``.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
-import http.client
-import json
 import os
 import shutil
 import signal
@@ -39,10 +38,8 @@ from pathlib import Path
 from typing import Any
 
 from lw_memcache.conf import HOST_PROTOCOLS, PROTOCOLS, write_local_conf, write_meta_conf
-
-META_LOCK = Path("/tmp/mmc_meta_service.lock")
-TRACE_DIR = Path("/var/log/memfabric_hybrid")
-SHM_DIR = Path("/dev/shm")
+from lw_memcache.holder_proc import HolderError, HolderProcess
+from lw_memcache.machine import META_LOCK, cleanup_leftovers, meta_lock_holder, meta_ready
 
 
 class LocalMemcacheError(RuntimeError):
@@ -60,82 +57,6 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
-
-
-def meta_lock_holder() -> int | None:
-    """Pid of the process holding the MetaService lock, or None when it is free."""
-    try:
-        fd = os.open(META_LOCK, os.O_RDWR)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        ino = os.fstat(fd).st_ino
-        with contextlib.suppress(OSError):
-            for line in Path("/proc/locks").read_text().splitlines():
-                f = line.split()
-                # "1: POSIX  ADVISORY  WRITE 18670 fe:00:2146897 0 EOF"
-                if len(f) > 5 and f[5].rsplit(":", 1)[-1] == str(ino):
-                    return int(f[4])
-        return -1
-    else:
-        fcntl.lockf(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-def _mapped_paths() -> set[str]:
-    out: set[str] = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        with contextlib.suppress(OSError):
-            for line in maps.read_text().splitlines():
-                if "/dev/shm/" in line:
-                    out.add(line.split(None, 5)[-1].split(" (deleted)")[0])
-    return out
-
-
-def meta_ready(host: str, port: int, timeout_s: float = 1.0) -> bool:
-    """Whether the MetaService whose HTTP server is at ``host:port`` says ready on /health."""
-    # http.client, not urllib: urllib sends "Connection: close", and this server then never
-    # sends the body.
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    try:
-        conn.request("GET", "/health")
-        r = conn.getresponse()
-        return r.status == 200 and bool(json.loads(r.read()).get("service_ready"))
-    except (OSError, ValueError, http.client.HTTPException):
-        return False
-    finally:
-        conn.close()
-
-
-def cleanup_leftovers(since: float) -> list[str]:
-    """Remove memfabric leftovers created after ``since`` by processes that are gone."""
-    removed = []
-    segs = [p for p in SHM_DIR.glob("memfabric_hybrid_*") if _mtime(p) >= since]
-    if segs:
-        mapped = _mapped_paths()
-        for p in segs:
-            if str(p) not in mapped:
-                with contextlib.suppress(OSError):
-                    p.unlink()
-                    removed.append(str(p))
-    for p in TRACE_DIR.glob("ptracer_*.dat"):
-        pid = p.stem.split("_", 1)[1]
-        if pid.isdigit() and _mtime(p) >= since and not Path(f"/proc/{pid}").exists():
-            with contextlib.suppress(OSError):
-                p.unlink()
-                removed.append(str(p))
-    return removed
-
-
-def _mtime(p: Path) -> float:
-    try:
-        return p.stat().st_mtime
-    except OSError:
-        return 0.0
 
 
 class LocalMemcache:
@@ -173,7 +94,7 @@ class LocalMemcache:
         self.workdir = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix="lw-memcache-"))
         self.proc: subprocess.Popen[bytes] | None = None
         self.holder = holder
-        self.holder_proc: subprocess.Popen[bytes] | None = None
+        self._holder: HolderProcess | None = None
         self._since = time.time()
         self._ports: list[int] | None = None
 
@@ -296,42 +217,18 @@ class LocalMemcache:
         self._wait_ready()
 
     def _spawn_holder(self) -> None:
-        from lw_memcache.cli import READY_MARK
-
-        log = open(self.workdir / "holder.log", "w+b")
-        self.holder_proc = subprocess.Popen(
-            [sys.executable, "-m", "lw_memcache.cli", "hold", "--config", str(self.local_conf)],
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deadline = time.monotonic() + self.start_timeout_s
-        out = ""
-        with log:
-            while time.monotonic() < deadline:
-                log.seek(0)
-                out = log.read().decode(errors="replace")
-                if READY_MARK in out:
-                    return
-                if self.holder_proc.poll() is not None:
-                    break
-                time.sleep(0.1)
-        tail = "\n".join(out.splitlines()[-20:])
-        self._stop_holder()
-        raise LocalMemcacheError(f"lw-memcache hold did not get ready within {self.start_timeout_s:.0f} s; output:\n{tail}")
+        self._holder = HolderProcess(self.local_conf, self.workdir / "holder.log",
+                                     start_timeout_s=self.start_timeout_s, stop_timeout_s=self.stop_timeout_s)
+        try:
+            self._holder.start()
+        except HolderError as e:
+            self._holder = None
+            raise LocalMemcacheError(str(e)) from None
 
     def _stop_holder(self) -> None:
-        p, self.holder_proc = self.holder_proc, None
-        if p is None or p.poll() is not None:
-            return
-        p.send_signal(signal.SIGTERM)
-        try:
-            # Leaving, a client waits for read leases on what it holds (up to a lease length).
-            p.wait(timeout=max(self.stop_timeout_s, 40.0))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
+        h, self._holder = self._holder, None
+        if h is not None:
+            h.stop()
 
     def _wait_ready(self) -> None:
         assert self.proc is not None

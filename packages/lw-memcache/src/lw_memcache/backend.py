@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lw_core.backend import BackendError, BackendUnavailable
-from lw_memcache.client import StoreClient, open_store
-from lw_memcache.conf import ConfError, meta_address, read_conf, resolve_auto_hcom
+from lw_memcache.client import StoreClient, open_store, read_client_conf
 from lw_memcache.copies import Copier
 from lw_memcache.handles import MemcacheHandle, MemcacheStreamHandle
 from lw_memcache.object_reader import ObjectReader
@@ -67,26 +66,7 @@ class MemcacheBackend:
     ) -> None:
         # ``protocol`` is validated with the config (lw_memcache.plugin.MemcacheKeys); a direct
         # caller's bad value fails the agreement with the file's protocol below.
-        if not config_path:
-            raise BackendError(
-                "kv_connector_extra_config.memcache_config_path is empty: give the mmc-local.conf path "
-                "(write one with `lw-memcache config`)"
-            )
-        try:
-            conf = read_conf(config_path)
-        except OSError as e:
-            raise BackendError(f"kv_connector_extra_config.memcache_config_path={config_path!r}: cannot read it ({e})") from e
-        file_protocol = conf.get("ock.mmc.local_service.protocol")
-        if file_protocol != protocol:
-            raise BackendError(
-                f"kv_connector_extra_config.memcache_protocol={protocol!r} but {config_path} sets "
-                f"ock.mmc.local_service.protocol = {file_protocol}; make them agree"
-            )
-        try:
-            host, port = meta_address(conf)
-            conf = resolve_auto_hcom(conf)
-        except ConfError as e:
-            raise BackendError(f"{config_path}: {e}") from e
+        conf, host, port = read_client_conf(config_path, protocol)
         for name, v in (("read_lease_ms", read_lease_ms), ("write_lease_ms", write_lease_ms)):
             if v <= 0:
                 raise BackendError(f"{name}={v!r} must be > 0 (milliseconds)")

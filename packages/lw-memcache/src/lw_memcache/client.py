@@ -1,6 +1,6 @@
 """``StoreClient``: this process's memcache client (``memcache_hybrid.DistributedObjectStore``) as
-MemcacheBackend's collaborators share it, with the backend's counters; and ``open_store``, which
-sets one up from an mmc-local.conf.
+MemcacheBackend's collaborators share it, with the backend's counters; ``read_client_conf``, which
+reads and checks an mmc-local.conf, and ``open_store``, which sets a client up from it.
 
 Invariants:
 
@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 
 from lw_core.backend import BackendError
 from lw_memcache import errors
-from lw_memcache.conf import ConfError, local_config_fields
+from lw_memcache.conf import ConfError, local_config_fields, meta_address, read_conf, resolve_auto_hcom
 
 MEDIA_DRAM = 1  # batch_alloc's medium
 # batch_get_key_info flags: 1 = readable objects only, 0 = also objects still being written.
@@ -75,6 +75,32 @@ class StoreClient:
                 return False
             self.closed = True
             return True
+
+
+def read_client_conf(config_path: str, protocol: str) -> tuple[dict[str, str], str, int]:
+    """The client config at ``config_path`` (``BackendError`` naming the key when it cannot be
+    used), with the MetaService's host and port; ``protocol`` must be the file's."""
+    if not config_path:
+        raise BackendError(
+            "kv_connector_extra_config.memcache_config_path is empty: give the mmc-local.conf path "
+            "(write one with `lw-memcache config`)"
+        )
+    try:
+        conf = read_conf(config_path)
+    except OSError as e:
+        raise BackendError(f"kv_connector_extra_config.memcache_config_path={config_path!r}: cannot read it ({e})") from e
+    file_protocol = conf.get("ock.mmc.local_service.protocol")
+    if file_protocol != protocol:
+        raise BackendError(
+            f"kv_connector_extra_config.memcache_protocol={protocol!r} but {config_path} sets "
+            f"ock.mmc.local_service.protocol = {file_protocol}; make them agree"
+        )
+    try:
+        host, port = meta_address(conf)
+        conf = resolve_auto_hcom(conf)
+    except ConfError as e:
+        raise BackendError(f"{config_path}: {e}") from e
+    return conf, host, port
 
 
 def open_store(mc: Any, conf: dict[str, str], config_path: str, *, protocol: str, device_id: int,

@@ -50,6 +50,37 @@ MLA_SPEC: dict[str, Any] = {
 }
 
 
+# Sliding-window hybrid (Gemma 3 style): layers alternate sliding-window and full attention. The
+# window (48 tokens) spans three 16-token blocks, so a hit past it leaves windowed blocks unread.
+SWA_SPEC: dict[str, Any] = {
+    "arch": "gemma3_text",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "sliding_window": 48,
+}
+
+# Linear-attention hybrid (Qwen3-Next style): gated delta-net layers with full attention every
+# other layer, dense MLPs. vLLM's CPU GDN kernels need bf16, so the weights are bf16.
+GDN_SPEC: dict[str, Any] = {
+    "arch": "qwen3_next",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "dtype": "bfloat16",
+}
+
+
 def _corpus() -> list[str]:
     # Deterministic pseudo-text: enough variety for a few hundred merges.
     import random
@@ -117,7 +148,30 @@ def _hf_config(spec: dict[str, Any], max_len: int):
             moe_intermediate_size=spec["intermediate_size"],
             **common,
         )
-    raise ValueError(f"spec['arch']={spec['arch']!r}; accepted: 'llama', 'deepseek_v2'")
+    if spec["arch"] == "gemma3_text":
+        from transformers import Gemma3TextConfig
+
+        n = spec["num_hidden_layers"]
+        return Gemma3TextConfig(
+            num_key_value_heads=spec["num_key_value_heads"], head_dim=spec["head_dim"],
+            sliding_window=spec["sliding_window"], query_pre_attn_scalar=spec["head_dim"],
+            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            pad_token_id=0, **common)
+    if spec["arch"] == "qwen3_next":
+        from transformers import Qwen3NextConfig
+
+        n = spec["num_hidden_layers"]
+        common["dtype"] = spec["dtype"]
+        return Qwen3NextConfig(
+            num_key_value_heads=spec["num_key_value_heads"], head_dim=spec["head_dim"],
+            linear_num_key_heads=spec["linear_num_key_heads"], linear_num_value_heads=spec["linear_num_value_heads"],
+            linear_key_head_dim=spec["linear_key_head_dim"], linear_value_head_dim=spec["linear_value_head_dim"],
+            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            # Dense MLPs but in the last layer: vLLM's Qwen3-Next needs one MoE layer to start.
+            mlp_only_layers=list(range(n - 1)), num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=spec["intermediate_size"], shared_expert_intermediate_size=spec["intermediate_size"],
+            **common)
+    raise ValueError(f"spec['arch']={spec['arch']!r}; accepted: 'llama', 'deepseek_v2', 'gemma3_text', 'qwen3_next'")
 
 
 def cache_root() -> Path:
@@ -139,7 +193,8 @@ def build_model(spec: dict[str, Any], *, max_len: int = 4096, seed: int = 0) -> 
     try:
         torch.manual_seed(seed)
         cfg = _hf_config(spec, max_len)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        dtype = torch.bfloat16 if spec.get("dtype") == "bfloat16" else torch.float32
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         model.save_pretrained(tmp)
         _build_tokenizer(tmp)
         (tmp / "spec.json").write_text(key)
@@ -160,6 +215,14 @@ def gqa_model(**kw: Any) -> Path:
 
 def mla_model(**kw: Any) -> Path:
     return build_model(MLA_SPEC, **kw)
+
+
+def swa_model(**kw: Any) -> Path:
+    return build_model(SWA_SPEC, **kw)
+
+
+def gdn_model(**kw: Any) -> Path:
+    return build_model(GDN_SPEC, **kw)
 
 
 # ``lw-bench serve``: big enough that prefill compute dominates a 2k-token miss on a CPU, small

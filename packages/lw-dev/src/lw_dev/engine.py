@@ -3,7 +3,7 @@ so every engine is a fresh process (as a second instance would be).
 
     python -m lw_dev.engine < job.json   ->  last stdout line: LW-ENGINE-RESULT {"phases": [...], ...}
 
-Job keys: ``model`` ("gqa" | "mla" | a path), ``phases``, ``max_tokens``, ``extra``
+Job keys: ``model`` ("gqa" | "mla" | "swa" | "gdn" | a path; swa and gdn are the hybrids), ``phases``, ``max_tokens``, ``extra``
 (kv_connector_extra_config, or null for no connector), ``kv_role``, ``connector``, ``engine``
 (extra ``LLM(...)`` keyword arguments), ``max_model_len``, ``kv_cache_memory_bytes``.
 A phase is a list of prompts run on the same engine one phase after another; a prompt is a list of
@@ -45,6 +45,11 @@ def _model_path(name: str) -> tuple[str, dict[str, Any]]:
     if name == "mla":
         # The AMX MLA backend needs bf16 weights; the tiny models are float32.
         return str(models.mla_model()), {"attention_backend": "CPU_MLA"}
+    if name == "swa":
+        return str(models.swa_model()), {}
+    if name == "gdn":
+        # vLLM's CPU gated delta-net kernels run in bf16 only.
+        return str(models.gdn_model()), {"dtype": "bfloat16"}
     return name, {}
 
 
@@ -122,8 +127,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         max_model_len=job.get("max_model_len", 1024 if faults else 2048),
         kv_cache_memory_bytes=job.get("kv_cache_memory_bytes", 32 << 20),
         seed=0,
-        **model_kw,
     )
+    kw.update(model_kw)
     if faults:
         kw["disable_log_stats"] = False  # the connector's metrics reach llm.get_metrics()
     if extra is not None:

@@ -393,7 +393,8 @@ def test_streaming_receive_ends_at_the_answer_when_a_chunk_never_comes(meta, poo
         assert (n, is_async) == (3 * BLOCK + 4, True)  # the whole prompt but its last token, streamed
         blocks = [5, 6, 7, 8]
         side.update_state_after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: (blocks,)), n)
-        worker = SimpleNamespace(_meta=None, _recv=rx, keyspace=side.keyspace, tag=side.tags[0], _failed_blocks=set())
+        worker = SimpleNamespace(_meta=None, _recv=rx, keyspace=side.keyspace, tag=side.tags[0], _failed_blocks=set(),
+                                 _groups=None)
         empty = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
                                 scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
                                                                       resumed_req_ids=set(), num_computed_tokens=[]))

@@ -14,7 +14,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -33,7 +35,11 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class LayerwiseStoreConnector(KVConnectorBase_V1):
+class LayerwiseStoreConnector(KVConnectorBase_V1, SupportsHMA):
+    """Supports vLLM's hybrid KV cache manager (``SupportsHMA``): full-attention and sliding-window
+    groups share each chunk's object (``group_copier``); a model with recurrent-state groups runs
+    with the pool inert (``scheduler_side``)."""
+
     _cache_hit_source = getattr(CacheHitSource, "HOST", CacheHitSource.EXTERNAL_UNSPECIFIED)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
@@ -96,6 +102,11 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
         recving = self._worker.get_finished(finished_req_ids) if self._worker is not None else None
         return None, recving
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        _, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_recving() if self._worker is not None else set()
+        return KVConnectorTransferResults(finished_recving=set(recving or ()), failed_recving=failed)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()
 
@@ -147,3 +158,7 @@ class LayerwiseStoreConnector(KVConnectorBase_V1):
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished_all_groups(request, block_ids)

@@ -13,12 +13,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 class Xfer(msgspec.Struct, frozen=True, array_like=True):
     """Move chunk ``hashes[i]`` to/from KV block ``block_ids[i]`` for request ``req_id``.
     ``src_tp`` (loads): the TP size of the engine that saved the chunks when it is not this
-    engine's (GQA: each worker reads its heads from that size's objects); 0 = this engine's."""
+    engine's (GQA: each worker reads its heads from that size's objects); 0 = this engine's.
+    Hybrid models: ``block_ids`` are the anchor group's and ``more[g][i]`` is chunk ``i``'s block in
+    the other attention groups (``lw_vllm.group_copier``)."""
 
     req_id: str
     hashes: list[bytes]
     block_ids: list[int]
     src_tp: int = 0
+    more: list[list[int]] = msgspec.field(default_factory=list)
 
 
 class LayerwiseMeta(KVConnectorMetadata):
@@ -29,7 +32,8 @@ class LayerwiseMeta(KVConnectorMetadata):
                  stream_loads: list[Xfer] | None = None) -> None:
         self.loads = loads or []
         self.saves = saves or []
-        # Streaming PD: receives the worker starts now and reports through get_finished later.
+        # Streaming PD, and every load of a hybrid model: receives the worker starts now and
+        # reports through get_finished later.
         self.stream_loads = stream_loads or []
         # Streaming PD: receives to end now (their prefill failed); still reported as finished.
         self.stream_cancels: list[str] = []

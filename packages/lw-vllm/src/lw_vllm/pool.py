@@ -4,6 +4,7 @@ pool is opened once per process)."""
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any
 
@@ -61,14 +62,62 @@ def pool_config(vllm_config: Any) -> PoolConfig:
     return parse_config(dict(ktc.kv_connector_extra_config or {}))
 
 
+def _kinds(spec: Any) -> set[str]:
+    """Class names of ``spec`` and its bases (vLLM's spec classes, or test doubles named alike)."""
+    return {c.__name__ for c in type(spec).__mro__}
+
+
+def is_state_spec(spec: Any) -> bool:
+    """A recurrent-state group (Mamba2, gated delta-net, short conv): one state per request."""
+    return "MambaSpec" in _kinds(spec)
+
+
+def is_window_spec(spec: Any) -> bool:
+    return "SlidingWindowSpec" in _kinds(spec)
+
+
+def is_full_spec(spec: Any) -> bool:
+    return "FullAttentionSpec" in _kinds(spec) and not is_window_spec(spec)
+
+
+def anchor_group(kv_cache_config: Any) -> int:
+    """The group whose block ids name a request's chunks: the first full-attention group (its
+    blocks are never null, so they are unique among live requests). A single group is its own."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) == 1:
+        return 0
+    for i, g in enumerate(groups):
+        if is_full_spec(g.kv_cache_spec):
+            return i
+    raise NotImplementedError("LayerwiseStoreConnector needs one full-attention layer group in a hybrid model")
+
+
+def state_groups(kv_cache_config: Any) -> list[int]:
+    return [i for i, g in enumerate(kv_cache_config.kv_cache_groups) if is_state_spec(g.kv_cache_spec)]
+
+
 def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
     """Refuse set-ups whose KV this connector would get wrong, at start-up."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1:
-        raise NotImplementedError(
-            f"LayerwiseStoreConnector supports models with exactly one KV cache group; this model has "
-            f"{len(groups)} (hybrid attention, e.g. sliding window + full). Run it without the connector."
-        )
+    if len(groups) > 1:
+        odd = [type(g.kv_cache_spec).__name__ for g in groups
+               if not (is_full_spec(g.kv_cache_spec) or is_window_spec(g.kv_cache_spec) or is_state_spec(g.kv_cache_spec))]
+        if odd:
+            raise NotImplementedError(
+                f"LayerwiseStoreConnector: KV cache group kinds {sorted(set(odd))} are not supported in a hybrid "
+                "model; supported: full attention (GQA, MLA), sliding window, Mamba/linear-attention state")
+        anchor_group(kv_cache_config)
+        # State groups (the pool is inert for them, see scheduler_side) may size their blocks apart.
+        attn = [g for g in groups if not is_state_spec(g.kv_cache_spec)]
+        sizes = {g.kv_cache_spec.block_size for g in attn}
+        pages = {g.kv_cache_spec.page_size_bytes for g in attn}
+        if len(pages) != 1:
+            raise NotImplementedError(
+                f"LayerwiseStoreConnector: the model's attention groups have different page sizes {sorted(pages)}")
+        if len(sizes) != 1:
+            raise NotImplementedError(
+                f"LayerwiseStoreConnector: the model's KV cache groups have different block sizes {sorted(sizes)}; "
+                "a pool chunk is one block of every group")
     pc = vllm_config.parallel_config
     for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         if getattr(pc, name, 1) > 1:
@@ -83,11 +132,27 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
 
 
 def block_size(kv_cache_config: Any) -> int:
-    return kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size
+    return kv_cache_config.kv_cache_groups[anchor_group(kv_cache_config)].kv_cache_spec.block_size
+
+
+def _layer_order(name: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", name))
 
 
 def layer_names(kv_cache_config: Any) -> list[str]:
-    return list(kv_cache_config.kv_cache_groups[0].layer_names)
+    """The attention layers a pool object holds, in the model's order (a hybrid's state layers are
+    not among them: ``state_groups``). One group: that group's order, as vLLM lists it."""
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) == 1:
+        return list(groups[0].layer_names)
+    names = [n for g in groups if not is_state_spec(g.kv_cache_spec) for n in g.layer_names]
+    return sorted(names, key=_layer_order)
+
+
+def layer_groups(kv_cache_config: Any) -> dict[str, int]:
+    """Each attention layer's KV cache group."""
+    return {n: i for i, g in enumerate(kv_cache_config.kv_cache_groups) if not is_state_spec(g.kv_cache_spec)
+            for n in g.layer_names}
 
 
 def key_space(vllm_config: Any, kv_cache_config: Any, cfg: PoolConfig, tp_size: int | None = None) -> KeySpace:
@@ -99,7 +164,9 @@ def key_space(vllm_config: Any, kv_cache_config: Any, cfg: PoolConfig, tp_size: 
     TP size: every rank holds the same latent KV, so engines at any TP size share its objects.
     ``layout_fp`` also holds the order of heads and tokens in a block (``kv_layout.key_token``,
     from vLLM's resolved layout): engines whose blocks differ so never share an object."""
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    # A hybrid's objects hold its attention layers in model order, each block as the engine holds
+    # it: the same bytes as the model run with HMA off (one group), so both share objects.
+    spec = kv_cache_config.kv_cache_groups[anchor_group(kv_cache_config)].kv_cache_spec
     n_layers = len(layer_names(kv_cache_config))
     mc = vllm_config.model_config
     own_tp = vllm_config.parallel_config.tensor_parallel_size

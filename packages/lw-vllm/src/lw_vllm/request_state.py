@@ -91,6 +91,7 @@ class ReqState:
     hashes: list[bytes] = field(default_factory=list)
     n_tokens: int = -1  # token count the hashes were computed for
     block_ids: list[int] = field(default_factory=list)
+    more_blocks: list[list[int]] = field(default_factory=list)  # hybrid: the other attention groups' blocks
     pool_chunks: int = 0  # leading chunks known to be in the pool
     saved_upto: int = 0  # chunks [0, saved_upto) need no saving
     load: tuple[int, int] | None = None  # (first chunk, n chunks) to load this step

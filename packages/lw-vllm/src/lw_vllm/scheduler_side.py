@@ -45,6 +45,7 @@ from typing import Any
 from lw_core.config import PoolConfig
 from lw_core.keys import chunk_hashes
 from lw_vllm import pool
+from lw_vllm.group_copier import NULL_BLOCK
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector
 from lw_vllm.pd_coordinator import PdCoordinator, parent_id
@@ -73,6 +74,25 @@ class SchedulerSide:
         self.cfg = cfg
         self.metrics = metrics if metrics is not None else Collector()
         self.block_size = pool.block_size(kv_cache_config)
+        # Hybrid models (several KV cache groups): a chunk is a block of every attention group, named
+        # by the anchor group's block; loads are asynchronous (vLLM takes a hybrid's load failures
+        # per request only, through failed_recving). Models with state groups (Mamba2, gated
+        # delta-net) run with the pool inert: their state is not saved yet, so no hit is restorable.
+        n_groups = len(kv_cache_config.kv_cache_groups)
+        self.anchor = pool.anchor_group(kv_cache_config)
+        state = pool.state_groups(kv_cache_config)
+        self.others = [g for g in range(n_groups) if g != self.anchor and g not in state]
+        self.hybrid = n_groups > 1
+        self.inert = bool(state)
+        self._async_loads: list[ReqState] = []
+        if self.hybrid and cfg.pd_streaming:
+            raise NotImplementedError(
+                "kv_connector_extra_config.pd_streaming=true is not supported for hybrid models (several KV cache "
+                "groups) yet; set pd_streaming to false")
+        if self.inert:
+            log.warning("lw-vllm: this model has recurrent-state layers (KV cache groups %s: Mamba / linear "
+                        "attention); the pool does not save or restore their state yet, so it neither saves nor "
+                        "loads for this model and every request computes its prompt", state)
         self.keyspace = pool.key_space(vllm_config, kv_cache_config, cfg)
         self.tags = pool.rank_tags(vllm_config)
         # Key spaces of this model at other TP sizes (GQA: MLA's keys carry no TP size).
@@ -92,6 +112,8 @@ class SchedulerSide:
         self.can_load = (role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load)
                          or (role == "kv_producer" and cfg.producer_is_to_load))
         self.can_save = role in ("kv_both", "kv_producer") or (role == "kv_consumer" and cfg.consumer_is_to_put)
+        if self.inert:
+            self.can_load = self.can_save = False
         self.backend = pool.acquire_backend(cfg)
         self.lookup = PoolLookup(self.backend, self.keyspace, self.tags, self.other_tp, self.readable_tp,
                                  cfg.lookup_timeout_s, self.metrics)
@@ -139,6 +161,8 @@ class SchedulerSide:
     # --- vLLM hooks ---
     def get_num_new_matched_tokens(self, req: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         self.last_call_looked_up = False
+        if self.inert:
+            return 0, False
         st = self._state(req)
         n_tokens = len(req.all_token_ids)
         remote = self.pd.remote_prefill(st, num_computed_tokens)
@@ -148,6 +172,9 @@ class SchedulerSide:
             n, is_async = self.pd.stream_match(st, num_computed_tokens)
             self.last_call_looked_up = is_async
             return n, is_async
+        if self.hybrid and st.failed_blocks:
+            # vLLM retries a hybrid's failed asynchronous load from scratch: it computes, not loads.
+            return 0, False
         if not (self.can_load or remote):
             if self.can_save:
                 self._skip_published(st)
@@ -182,7 +209,8 @@ class SchedulerSide:
         st.pool_chunks = max(st.pool_chunks, full)
         st.saved_upto = max(st.saved_upto, full)
         tokens = min(hit * self.block_size, n_tokens - 1)
-        return max(0, tokens - num_computed_tokens), False
+        n = max(0, tokens - num_computed_tokens)
+        return n, self.hybrid and n > 0
 
     def update_state_after_alloc(self, req: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._state(req)
@@ -195,7 +223,63 @@ class SchedulerSide:
         end = st.local_computed + num_external_tokens
         st.load = (first, -(-end // bs) - first)
         st.promised += num_external_tokens
+        if self.hybrid:  # asynchronous: vLLM parks the request until the workers report the load
+            self._set_blocks(st, blocks.get_block_ids())
+            self._async_loads.append(st)
+            return
         self.pd.park(st, blocks)
+
+    def _set_blocks(self, st: ReqState, ids: Any) -> None:
+        st.block_ids = list(ids[self.anchor])
+        st.more_blocks = [list(ids[g]) for g in self.others]
+
+    def _add_blocks(self, st: ReqState, ids: Any) -> None:
+        st.block_ids.extend(ids[self.anchor])
+        for m, g in zip(st.more_blocks, self.others):
+            m.extend(ids[g])
+
+    def _xfer(self, st: ReqState, hashes: list[bytes], a: int, b: int, src_tp: int = 0) -> Xfer:
+        """Chunks ``[a, b)`` of ``st``: ``hashes`` holds theirs from index ``a``."""
+        return Xfer(st.req.request_id, hashes[a:b], st.block_ids[a:b], src_tp, [m[a:b] for m in st.more_blocks])
+
+    def _savable_runs(self, st: ReqState, a: int, b: int) -> list[tuple[int, int]]:
+        """Runs of chunks in ``[a, b)`` whose every group holds a real block (a hybrid's
+        sliding-window block outside the window is vLLM's null block: that chunk is not saved)."""
+        if not st.more_blocks:
+            return [(a, b)] if b > a else []
+        runs: list[tuple[int, int]] = []
+        start = None
+        for i in range(a, b):
+            ok = all(m[i] != NULL_BLOCK for m in st.more_blocks)
+            if ok and start is None:
+                start = i
+            elif not ok and start is not None:
+                runs.append((start, i))
+                start = None
+        if start is not None:
+            runs.append((start, b))
+        return runs
+
+    def _plan_async_loads(self, meta: LayerwiseMeta) -> None:
+        """Hybrid models: hand the loads vLLM parked to the workers' receiver. Every parked request
+        is handed over (an empty one too: the worker reports it failed), or vLLM would wait forever."""
+        pending, self._async_loads = self._async_loads, []
+        for st in pending:
+            rid = st.req.request_id
+            if st.load is None or self.reqs.get(rid) is not st:
+                continue
+            first, n = st.load
+            st.load = None
+            hashes = st.load_hashes or self._hashes(st)
+            end = min(first + n, len(hashes), len(st.block_ids))
+            if end < first + n:
+                log.error("lw-vllm: %s: %d chunks to load but %d hashes and %d blocks; recomputing", rid,
+                          first + n, len(hashes), len(st.block_ids))
+                end = first
+            meta.stream_loads.append(self._xfer(st, hashes, first, end, st.load_src_tp))
+            meta.stream_prefilled.append(rid)  # committed objects: a missing one will not appear
+            st.saved_upto = max(st.saved_upto, min(end, st.prompt_len // self.block_size))
+            st.last_xfer_build = self._builds
 
     def build_connector_meta(self, so: Any) -> LayerwiseMeta:
         self._builds += 1
@@ -209,7 +293,7 @@ class SchedulerSide:
             st = self.reqs.get(nr.req_id)
             if st is None:
                 continue
-            st.block_ids = list(nr.block_ids[0])
+            self._set_blocks(st, nr.block_ids)
             scheduled.append((st, nr.num_computed_tokens + so.num_scheduled_tokens.get(nr.req_id, 0)))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -218,12 +302,16 @@ class SchedulerSide:
                 continue
             new = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                st.block_ids = list(new[0]) if new is not None else []
+                if new is not None:
+                    self._set_blocks(st, new)
+                else:
+                    st.block_ids, st.more_blocks = [], [[] for _ in self.others]
             elif new is not None:
-                st.block_ids.extend(new[0])
+                self._add_blocks(st, new)
             scheduled.append((st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)))
 
         self.pd.plan_streams(meta)
+        self._plan_async_loads(meta)
         meta.idle = empty
         now = time.time()
         for st, computed_after in scheduled:
@@ -235,8 +323,7 @@ class SchedulerSide:
                 st.load = None
                 hashes = st.load_hashes or self._hashes(st)
                 if n > 0 and first + n <= min(len(hashes), len(st.block_ids)):
-                    meta.loads.append(Xfer(st.req.request_id, hashes[first:first + n], st.block_ids[first:first + n],
-                                           st.load_src_tp))
+                    meta.loads.append(self._xfer(st, hashes, first, first + n, st.load_src_tp))
                     st.saved_upto = max(st.saved_upto, min(first + n, st.prompt_len // bs))
                     st.last_xfer_build = self._builds
             if not self.can_save:
@@ -247,12 +334,16 @@ class SchedulerSide:
                 hashes = self._hashes(st)
                 full = min(full, len(hashes))
                 if full > st.saved_upto:
-                    meta.saves.append(Xfer(st.req.request_id, hashes[st.saved_upto:full], st.block_ids[st.saved_upto:full]))
+                    for a, b in self._savable_runs(st, st.saved_upto, full):
+                        meta.saves.append(self._xfer(st, hashes, a, b))
                     st.saved_upto = full
                     st.last_xfer_build = self._builds
             partial = self.pd.partial_save(st, computed_after)
             if partial is not None:  # PD prefill: the decoder loads it and computes one token only
-                meta.saves.append(Xfer(st.req.request_id, [partial[0]], [partial[1]]))
+                i = st.prompt_len // bs  # the partial chunk (pd_coordinator.partial_save)
+                if self._savable_runs(st, i, i + 1):
+                    meta.saves.append(Xfer(st.req.request_id, [partial[0]], [partial[1]], 0,
+                                           [[m[i]] for m in st.more_blocks]))
                 st.last_xfer_build = self._builds
         if meta.loads and getattr(so, "total_num_scheduled_tokens", 0) <= BULK_LOAD_TOKENS_PER_REQ * len(scheduled):
             meta.bulk_load = True  # nothing worth overlapping: layer pipelining would only add waits
@@ -296,6 +387,9 @@ class SchedulerSide:
             self.stats.finished(st, self._builds)
         # Saves complete inside their step: nothing still reads these blocks.
         return False, None
+
+    def request_finished_all_groups(self, req: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        return self.request_finished(req, list(block_ids[self.anchor]) if block_ids else [])
 
     def shutdown(self) -> None:
         self.stats.close()

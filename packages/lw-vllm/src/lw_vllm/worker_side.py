@@ -20,6 +20,7 @@ from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_core.tp_split import HeadSplit, TpSplitError, split_heads
 from lw_vllm import kv_layout, pool
 from lw_vllm.copier import TorchCopier, block_order
+from lw_vllm.group_copier import GroupCopier
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector, EvictionWatch
 from lw_vllm.stream_recv import IDLE_WAIT_S, StreamReceiver
@@ -65,7 +66,14 @@ class WorkerSide:
         self.layout = kv_layout.layout_name(vllm_config, kv_cache_config)
         self.block_order = kv_layout.order_of(self.layout)
         self.role = role
-        self._recv: StreamReceiver | None = None  # streaming PD decoder (cfg.pd_streaming)
+        self._recv: StreamReceiver | None = None  # streaming PD decoder (cfg.pd_streaming), or a hybrid's loads
+        # Hybrid models (several KV cache groups): chunks are named by the anchor group's blocks and
+        # the copier maps them to each layer's group (group_copier); loads go through the receiver,
+        # and a failed one is reported per request (vLLM cannot map a hybrid's block ids back).
+        self.hybrid = len(kv_cache_config.kv_cache_groups) > 1
+        self._groups: GroupCopier | None = None
+        self._failed_recving: set[str] = set()
+        self._empty_done: set[str] = set()
 
     # --- set-up ---
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -74,12 +82,20 @@ class WorkerSide:
         if missing:
             raise NotImplementedError(f"LayerwiseStoreConnector: KV cache tensors missing for layers {missing[:4]}")
         num_blocks = self.kv_cache_config.num_blocks
-        copier = TorchCopier([kv_caches[n] for n in names], num_blocks)
+        torch_copier = TorchCopier([kv_caches[n] for n in names], num_blocks)
+        copier: Any = torch_copier
         self.block_order = kv_layout.check_tensors(
             self.block_order, self.layout, {n: block_order(kv_caches[n], num_blocks) for n in names})
-        page = self.kv_cache_config.kv_cache_groups[0].kv_cache_spec.page_size_bytes
+        groups = self.kv_cache_config.kv_cache_groups
+        layer_group = pool.layer_groups(self.kv_cache_config)
+        anchor = pool.anchor_group(self.kv_cache_config)
+        if self.hybrid:
+            others = [g for g in range(len(groups)) if g != anchor and g not in pool.state_groups(self.kv_cache_config)]
+            self._groups = copier = GroupCopier(
+                torch_copier, [-1 if layer_group[n] == anchor else others.index(layer_group[n]) for n in names])
+        page = groups[anchor].kv_cache_spec.page_size_bytes
         for i, n in enumerate(names):
-            if copier.block_nbytes(i) != page:
+            if copier.block_nbytes(i) != page or groups[layer_group[n]].kv_cache_spec.page_size_bytes != page:
                 raise NotImplementedError(
                     f"LayerwiseStoreConnector: layer {n} has {copier.block_nbytes(i)} bytes per block in its KV "
                     f"tensor but the KV cache spec says {page}; this KV layout is not supported"
@@ -104,7 +120,7 @@ class WorkerSide:
             save_timeout_s=self.cfg.save_timeout_s,
             stream_publish=self.cfg.pd_streaming and self.role in ("kv_producer", "kv_both"),
         )
-        if self.cfg.pd_streaming and self.role in ("kv_consumer", "kv_both"):
+        if (self.cfg.pd_streaming and self.role in ("kv_consumer", "kv_both")) or self.hybrid:
             self._recv = StreamReceiver(self.backend, copier, layout, self.cfg.metaserver_timeout_s,
                                         threads=self.cfg.stream_recv_threads)
         log.info(
@@ -125,6 +141,8 @@ class WorkerSide:
             return
         loads = []
         for x in meta.loads:
+            if self._groups is not None:
+                self._groups.add_rows(x.block_ids, x.more)
             load = self._req_load(x)
             if load is None:
                 continue
@@ -158,6 +176,12 @@ class WorkerSide:
                 log.error("lw-vllm: %s: streaming load without pd_streaming on this worker; recomputing", x.req_id)
                 self._failed_blocks |= set(x.block_ids)
                 continue
+            if self._groups is not None:
+                if not x.hashes:  # the scheduler could not plan it: vLLM recomputes the request
+                    self._failed_recving.add(x.req_id)
+                    self._empty_done.add(x.req_id)
+                    continue
+                self._groups.add_rows(x.block_ids, x.more)
             recv.start(x.req_id, self.keyspace.keys(self.tag, x.hashes), x.block_ids)
         if meta.stream_prefilled and recv is not None:  # after the starts: the answer may come in their step
             recv.prefilled(set(meta.stream_prefilled))
@@ -173,11 +197,16 @@ class WorkerSide:
             recv.cancel(finished_req_ids)
         idle = self._meta is not None and self._meta.idle
         done = recv.take_done(IDLE_WAIT_S if idle else 0.0)
+        empty, self._empty_done = self._empty_done, set()
         if not done:
-            return None
+            return empty or None
         for d in done:
             bad = d.failed_blocks
-            self._failed_blocks |= set(bad)
+            if self._groups is not None:
+                if bad:
+                    self._failed_recving.add(d.req_id)
+            else:
+                self._failed_blocks |= set(bad)
             self._report.load_span[d.req_id] = d.span
             self._report.loaded[d.req_id] = self._report.loaded.get(d.req_id, 0) + d.good
             if bad:
@@ -185,7 +214,12 @@ class WorkerSide:
                 log.warning("lw-vllm: %s: %d of %d streamed KV blocks did not arrive (%s); vLLM recomputes them",
                             d.req_id, len(bad), len(d.block_ids), d.error or "unknown")
         self.stats.add(load_failed_blocks=sum(len(d.failed_blocks) for d in done))
-        return {d.req_id for d in done}
+        return {d.req_id for d in done} | empty
+
+    def take_failed_recving(self) -> set[str]:
+        """Hybrid models: requests whose load failed (any block): vLLM recomputes them whole."""
+        out, self._failed_recving = self._failed_recving, set()
+        return out
 
     def _req_load(self, x: Xfer) -> ReqLoad | None:
         """The pipeline's load for ``x``: this rank's own objects, or (saved at another TP size,
@@ -227,6 +261,8 @@ class WorkerSide:
             return
         saves = []
         for x in meta.saves:
+            if self._groups is not None:
+                self._groups.add_rows(x.block_ids, x.more)
             keys = self.keyspace.keys(self.tag, x.hashes)
             saves.append(ReqSave(x.req_id, keys, list(x.block_ids)))
             for k in keys:

@@ -1,0 +1,82 @@
+"""Hybrid models' KV cache groups without an engine: which layers a pool object holds, which group
+names the chunks, what is refused, and how a chunk's anchor block maps to each layer's group."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from lw_core.pipeline.host_copier import HostCopier
+from lw_vllm import pool
+from lw_vllm.group_copier import NULL_BLOCK, GroupCopier
+
+
+class FullAttentionSpec(SimpleNamespace):
+    pass
+
+
+class SlidingWindowSpec(SimpleNamespace):
+    pass
+
+
+class MambaSpec(SimpleNamespace):
+    pass
+
+
+class ChunkedLocalAttentionSpec(SimpleNamespace):
+    pass
+
+
+def _cfg(*groups: tuple[type, list[str], int]) -> SimpleNamespace:
+    return SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=kind(block_size=bs, page_size_bytes=64), layer_names=names)
+        for kind, names, bs in groups])
+
+
+def test_layers_in_model_order_and_the_full_group_anchors() -> None:
+    kc = _cfg((SlidingWindowSpec, ["m.layers.0.attn", "m.layers.2.attn"], 16),
+              (FullAttentionSpec, ["m.layers.1.attn", "m.layers.3.attn"], 16))
+    assert pool.anchor_group(kc) == 1
+    assert pool.layer_names(kc) == ["m.layers.0.attn", "m.layers.1.attn", "m.layers.2.attn", "m.layers.3.attn"]
+    assert pool.layer_groups(kc)["m.layers.2.attn"] == 0
+    assert pool.block_size(kc) == 16
+    pool.check_supported(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1)), kc)
+
+
+def test_state_layers_are_not_in_the_objects() -> None:
+    kc = _cfg((MambaSpec, ["m.layers.0.mixer"], 1024), (FullAttentionSpec, ["m.layers.1.attn"], 256))
+    assert pool.state_groups(kc) == [0]
+    assert pool.layer_names(kc) == ["m.layers.1.attn"]
+    pool.check_supported(SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1)), kc)
+
+
+@pytest.mark.parametrize("groups, words", [
+    (((ChunkedLocalAttentionSpec, ["a"], 16), (FullAttentionSpec, ["b"], 16)), "ChunkedLocalAttentionSpec"),
+    (((SlidingWindowSpec, ["a"], 16), (SlidingWindowSpec, ["b"], 16)), "full-attention"),
+    (((SlidingWindowSpec, ["a"], 32), (FullAttentionSpec, ["b"], 16)), "different block sizes"),
+])
+def test_unsupported_hybrids_are_refused_naming_why(groups: tuple, words: str) -> None:
+    vc = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1))
+    with pytest.raises(NotImplementedError, match=words):
+        pool.check_supported(vc, _cfg(*groups))
+
+
+def test_group_copier_maps_anchor_blocks_and_skips_null_blocks() -> None:
+    host = HostCopier.allocate(2, 8, 4, fill=0)  # layer 0: anchor group, layer 1: the other group
+    gc = GroupCopier(host, [-1, 0])
+    gc.add_rows([5, 6, 7], [[NULL_BLOCK, 2, 3]])
+    srcs = [np.full(4, v, dtype=np.uint8) for v in (1, 2, 3)]
+    gc.to_kv(0, [5, 6, 7], srcs)
+    gc.to_kv(1, [5, 6, 7], srcs)
+    dst = [np.zeros(4, dtype=np.uint8) for _ in range(3)]
+    host.from_kv(0, [5, 6, 7], dst)
+    assert [int(d[0]) for d in dst] == [1, 2, 3]
+    host.from_kv(1, [0, 2, 3], dst)
+    assert [int(d[0]) for d in dst] == [0, 2, 3]  # the null block was not written
+    with pytest.raises(ValueError, match="null block"):
+        gc.from_kv(1, [5], dst[:1])
+    assert gc.kv_views(1, [5, 6]) is None
+    with pytest.raises(ValueError, match="do not match"):
+        gc.add_rows([1, 2], [[3]])

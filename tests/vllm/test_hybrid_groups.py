@@ -80,3 +80,20 @@ def test_group_copier_maps_anchor_blocks_and_skips_null_blocks() -> None:
     assert gc.kv_views(1, [5, 6]) is None
     with pytest.raises(ValueError, match="do not match"):
         gc.add_rows([1, 2], [[3]])
+
+
+def test_chunks_with_a_null_block_in_any_group_are_not_saved() -> None:
+    from lw_vllm.group_blocks import GroupBlocks
+    from lw_vllm.request_state import ReqState
+
+    gb = GroupBlocks(1, [0])
+    st = ReqState(req=SimpleNamespace(request_id="r"))
+    gb.set(st, ([NULL_BLOCK, NULL_BLOCK, 7, 8], [1, 2, 3, 4]))
+    gb.add(st, ([NULL_BLOCK, 9], [5, 6]))
+    assert st.block_ids == [1, 2, 3, 4, 5, 6] and st.more_blocks == [[0, 0, 7, 8, 0, 9]]
+    assert gb.savable_runs(st, 0, 6) == [(2, 4), (5, 6)]
+    x = gb.xfer(st, [bytes([i]) for i in range(6)], 2, 4)
+    assert x.block_ids == [3, 4] and x.more == [[7, 8]] and x.hashes == [b"\x02", b"\x03"]
+    dense = ReqState(req=SimpleNamespace(request_id="d"))
+    GroupBlocks(0, []).set(dense, ([4, 5, 6],))
+    assert GroupBlocks.savable_runs(dense, 1, 3) == [(1, 3)] and dense.more_blocks == []

@@ -45,11 +45,12 @@ from typing import Any
 from lw_core.config import PoolConfig
 from lw_core.keys import chunk_hashes
 from lw_vllm import pool
-from lw_vllm.group_copier import NULL_BLOCK
+from lw_vllm.group_blocks import GroupBlocks
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector
 from lw_vllm.pd_coordinator import PdCoordinator, parent_id
 from lw_vllm.pd_metaserver import MetaserverClient
+from lw_vllm.pool_events import PoolEvents, events_enabled
 from lw_vllm.pool_lookup import PoolLookup
 from lw_vllm.request_state import RemotePhase, ReqState
 from lw_vllm.request_stats import StatsLog
@@ -79,9 +80,9 @@ class SchedulerSide:
         # per request only, through failed_recving). Models with state groups (Mamba2, gated
         # delta-net) run with the pool inert: their state is not saved yet, so no hit is restorable.
         n_groups = len(kv_cache_config.kv_cache_groups)
-        self.anchor = pool.anchor_group(kv_cache_config)
         state = pool.state_groups(kv_cache_config)
-        self.others = [g for g in range(n_groups) if g != self.anchor and g not in state]
+        anchor = pool.anchor_group(kv_cache_config)
+        self.groups = GroupBlocks(anchor, [g for g in range(n_groups) if g != anchor and g not in state])
         self.hybrid = n_groups > 1
         self.inert = bool(state)
         self._async_loads: list[ReqState] = []
@@ -130,6 +131,7 @@ class SchedulerSide:
         # "not ready yet" answers and plain requests on a non-loading role are not lookups).
         self.last_call_looked_up = False
         self._first_step: list[ReqState] = []  # requests whose first scheduled step has not reported yet
+        self.events = PoolEvents(self.block_size, events_enabled(vllm_config))  # KV events for routers
 
     # --- helpers ---
     def _state(self, req: Any) -> ReqState:
@@ -195,6 +197,8 @@ class SchedulerSide:
             # From the first chunk vLLM lacks: chained keys make chunk i valid after any valid prefix.
             seen = st.pool_seen and hashes is st.pd_hashes
             hit = limit if seen else local + self.lookup(hashes[local:limit])
+            if hit < limit:
+                self.events.missing(hashes[hit:limit])
             src_tp = 0
             if hit == local and self.readable_tp:
                 hit, src_tp = self.lookup.at_other_tp(hashes, local, limit)
@@ -224,41 +228,10 @@ class SchedulerSide:
         st.load = (first, -(-end // bs) - first)
         st.promised += num_external_tokens
         if self.hybrid:  # asynchronous: vLLM parks the request until the workers report the load
-            self._set_blocks(st, blocks.get_block_ids())
+            self.groups.set(st, blocks.get_block_ids())
             self._async_loads.append(st)
             return
         self.pd.park(st, blocks)
-
-    def _set_blocks(self, st: ReqState, ids: Any) -> None:
-        st.block_ids = list(ids[self.anchor])
-        st.more_blocks = [list(ids[g]) for g in self.others]
-
-    def _add_blocks(self, st: ReqState, ids: Any) -> None:
-        st.block_ids.extend(ids[self.anchor])
-        for m, g in zip(st.more_blocks, self.others):
-            m.extend(ids[g])
-
-    def _xfer(self, st: ReqState, hashes: list[bytes], a: int, b: int, src_tp: int = 0) -> Xfer:
-        """Chunks ``[a, b)`` of ``st``: ``hashes`` holds theirs from index ``a``."""
-        return Xfer(st.req.request_id, hashes[a:b], st.block_ids[a:b], src_tp, [m[a:b] for m in st.more_blocks])
-
-    def _savable_runs(self, st: ReqState, a: int, b: int) -> list[tuple[int, int]]:
-        """Runs of chunks in ``[a, b)`` whose every group holds a real block (a hybrid's
-        sliding-window block outside the window is vLLM's null block: that chunk is not saved)."""
-        if not st.more_blocks:
-            return [(a, b)] if b > a else []
-        runs: list[tuple[int, int]] = []
-        start = None
-        for i in range(a, b):
-            ok = all(m[i] != NULL_BLOCK for m in st.more_blocks)
-            if ok and start is None:
-                start = i
-            elif not ok and start is not None:
-                runs.append((start, i))
-                start = None
-        if start is not None:
-            runs.append((start, b))
-        return runs
 
     def _plan_async_loads(self, meta: LayerwiseMeta) -> None:
         """Hybrid models: hand the loads vLLM parked to the workers' receiver. Every parked request
@@ -276,7 +249,7 @@ class SchedulerSide:
                 log.error("lw-vllm: %s: %d chunks to load but %d hashes and %d blocks; recomputing", rid,
                           first + n, len(hashes), len(st.block_ids))
                 end = first
-            meta.stream_loads.append(self._xfer(st, hashes, first, end, st.load_src_tp))
+            meta.stream_loads.append(self.groups.xfer(st, hashes, first, end, st.load_src_tp))
             meta.stream_prefilled.append(rid)  # committed objects: a missing one will not appear
             st.saved_upto = max(st.saved_upto, min(end, st.prompt_len // self.block_size))
             st.last_xfer_build = self._builds
@@ -293,7 +266,7 @@ class SchedulerSide:
             st = self.reqs.get(nr.req_id)
             if st is None:
                 continue
-            self._set_blocks(st, nr.block_ids)
+            self.groups.set(st, nr.block_ids)
             scheduled.append((st, nr.num_computed_tokens + so.num_scheduled_tokens.get(nr.req_id, 0)))
         cached = so.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -303,11 +276,11 @@ class SchedulerSide:
             new = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
                 if new is not None:
-                    self._set_blocks(st, new)
+                    self.groups.set(st, new)
                 else:
-                    st.block_ids, st.more_blocks = [], [[] for _ in self.others]
+                    self.groups.clear(st)
             elif new is not None:
-                self._add_blocks(st, new)
+                self.groups.add(st, new)
             scheduled.append((st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)))
 
         self.pd.plan_streams(meta)
@@ -323,7 +296,7 @@ class SchedulerSide:
                 st.load = None
                 hashes = st.load_hashes or self._hashes(st)
                 if n > 0 and first + n <= min(len(hashes), len(st.block_ids)):
-                    meta.loads.append(self._xfer(st, hashes, first, first + n, st.load_src_tp))
+                    meta.loads.append(self.groups.xfer(st, hashes, first, first + n, st.load_src_tp))
                     st.saved_upto = max(st.saved_upto, min(first + n, st.prompt_len // bs))
                     st.last_xfer_build = self._builds
             if not self.can_save:
@@ -334,14 +307,14 @@ class SchedulerSide:
                 hashes = self._hashes(st)
                 full = min(full, len(hashes))
                 if full > st.saved_upto:
-                    for a, b in self._savable_runs(st, st.saved_upto, full):
-                        meta.saves.append(self._xfer(st, hashes, a, b))
+                    for a, b in self.groups.savable_runs(st, st.saved_upto, full):
+                        meta.saves.append(self.groups.xfer(st, hashes, a, b))
                     st.saved_upto = full
                     st.last_xfer_build = self._builds
             partial = self.pd.partial_save(st, computed_after)
             if partial is not None:  # PD prefill: the decoder loads it and computes one token only
                 i = st.prompt_len // bs  # the partial chunk (pd_coordinator.partial_save)
-                if self._savable_runs(st, i, i + 1):
+                if self.groups.savable_runs(st, i, i + 1):
                     meta.saves.append(Xfer(st.req.request_id, [partial[0]], [partial[1]], 0,
                                            [[m[i]] for m in st.more_blocks]))
                 st.last_xfer_build = self._builds
@@ -377,6 +350,11 @@ class SchedulerSide:
         for rid, n in wm.saved.items():
             if (st := get(rid)) is not None:
                 st.saved_chunks += n
+        for rid, committed in wm.stored.items():
+            if (st := get(rid)) is not None:
+                lora = getattr(st.req, "lora_request", None)
+                self.events.stored(self._hashes(st), st.req.all_token_ids, committed,
+                                   getattr(lora, "lora_name", None))
 
     def request_finished(self, req: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         st = self.reqs.pop(req.request_id, None)
@@ -389,7 +367,7 @@ class SchedulerSide:
         return False, None
 
     def request_finished_all_groups(self, req: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
-        return self.request_finished(req, list(block_ids[self.anchor]) if block_ids else [])
+        return self.request_finished(req, list(block_ids[self.groups.anchor]) if block_ids else [])
 
     def shutdown(self) -> None:
         self.stats.close()

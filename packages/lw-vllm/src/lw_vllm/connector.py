@@ -24,7 +24,10 @@ from lw_vllm import pool
 from lw_vllm.metrics import Collector, LayerwisePromMetrics, LayerwiseStats
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
@@ -157,6 +160,16 @@ class LayerwiseStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """The pool's chunks stored and found gone since the last call (``pool_events``)."""
+        return self._sched.events.take() if self._sched is not None else ()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A prefiller's saves are a hand-off a decoder waits for; kv_both saves are best effort
+        (a dropped one is a later miss) and a decoder hands nothing off."""
+        return self._kv_transfer_config.kv_role == "kv_producer"
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:

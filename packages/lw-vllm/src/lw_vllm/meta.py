@@ -53,13 +53,16 @@ class LayerwiseMeta(KVConnectorMetadata):
 
 
 class LayerwiseWorkerMeta(KVConnectorWorkerMetadata):
-    """Per request: blocks loaded, blocks that failed to load, chunks committed to the pool."""
+    """Per request: blocks loaded, blocks that failed to load, chunks committed to the pool (and,
+    when vLLM publishes KV events, their hashes: ``stored``)."""
 
     def __init__(self, loaded: dict[str, int] | None = None, failed: dict[str, int] | None = None,
-                 saved: dict[str, int] | None = None, load_span: dict[str, tuple[float, float]] | None = None) -> None:
+                 saved: dict[str, int] | None = None, load_span: dict[str, tuple[float, float]] | None = None,
+                 stored: dict[str, list[bytes]] | None = None) -> None:
         self.loaded = loaded or {}
         self.failed = failed or {}
         self.saved = saved or {}
+        self.stored = stored or {}
         # Wall-clock (start, end) of the step's load per request, for the stats record's breakdown.
         self.load_span = load_span or {}
 
@@ -80,4 +83,8 @@ class LayerwiseWorkerMeta(KVConnectorWorkerMetadata):
         for k, (a, b) in other.load_span.items():
             mine = span.get(k)
             span[k] = (a, b) if mine is None else (min(a, mine[0]), max(b, mine[1]))
-        return LayerwiseWorkerMeta(loaded, failed, saved, span)
+        # A chunk is announced once any rank committed its object (MLA: rank 0 alone saves).
+        stored = {rid: list(hs) for rid, hs in self.stored.items()}
+        for rid, hs in other.stored.items():
+            stored[rid] = list(dict.fromkeys(stored.get(rid, []) + list(hs)))
+        return LayerwiseWorkerMeta(loaded, failed, saved, span, stored)

@@ -23,6 +23,7 @@ from lw_vllm.copier import TorchCopier, block_order
 from lw_vllm.group_copier import GroupCopier
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector, EvictionWatch
+from lw_vllm.pool_events import events_enabled
 from lw_vllm.stream_recv import IDLE_WAIT_S, StreamReceiver
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ class WorkerSide:
         self._saving = False
         self._load_blocks: dict[str, list[int]] = {}
         self._save_owner: dict[str, str] = {}
+        self._save_hash: dict[str, bytes] = {}  # key -> chunk hash, for KV events (pool_events)
+        self._events = events_enabled(vllm_config)
         self._failed_blocks: set[int] = set()
         self._report = LayerwiseWorkerMeta()
         self._load_t0 = self._load_t1 = 0.0  # wall clock: this step's load start / last layer in
@@ -265,8 +268,10 @@ class WorkerSide:
                 self._groups.add_rows(x.block_ids, x.more)
             keys = self.keyspace.keys(self.tag, x.hashes)
             saves.append(ReqSave(x.req_id, keys, list(x.block_ids)))
-            for k in keys:
+            for k, h in zip(keys, x.hashes):
                 self._save_owner.setdefault(k, x.req_id)
+                if self._events:
+                    self._save_hash[k] = h
         pipe.start_save(saves)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -295,10 +300,14 @@ class WorkerSide:
         res = pipe.finish_save()
         for k in res.committed_keys:
             rid = self._save_owner.pop(k, None)
+            h = self._save_hash.pop(k, None)
             if rid is not None:
                 self._report.saved[rid] = self._report.saved.get(rid, 0) + 1
+                if h is not None:
+                    self._report.stored.setdefault(rid, []).append(h)
         for k in res.failed_keys + res.skipped_keys:
             self._save_owner.pop(k, None)
+            self._save_hash.pop(k, None)
         self.stats.add(saved_objects=len(res.committed_keys), saved_bytes=res.saved_bytes,
                        save_failed_objects=len(res.failed_keys), save_errors=1 if res.errors else 0,
                        save_deadline_misses=len(res.deadline_misses))

@@ -97,3 +97,27 @@ def test_chunks_with_a_null_block_in_any_group_are_not_saved() -> None:
     dense = ReqState(req=SimpleNamespace(request_id="d"))
     GroupBlocks(0, []).set(dense, ([4, 5, 6],))
     assert GroupBlocks.savable_runs(dense, 1, 3) == [(1, 3)] and dense.more_blocks == []
+
+
+def test_the_receiver_reads_no_bytes_for_blocks_outside_the_window() -> None:
+    from lw_core.plan import ObjectLayout
+    from lw_vllm.stream_recv import _read_layer
+
+    class Backend:
+        def __init__(self) -> None:
+            self.read_handles: list[int] = []
+
+        def read(self, handles: list, offs: list, dsts: list) -> None:
+            for h, d in zip(handles, dsts):
+                self.read_handles.append(h)
+                np.asarray(d)[...] = h
+
+    host = HostCopier.allocate(2, 8, 4, fill=0)
+    gc = GroupCopier(host, [-1, 0])
+    gc.add_rows([5, 6, 7], [[NULL_BLOCK, NULL_BLOCK, 3]])
+    be = Backend()
+    layout = ObjectLayout((4, 4))
+    assert _read_layer(be, gc, layout, 1, [10, 11, 12], [5, 6, 7]) == 3
+    assert be.read_handles == [12]  # only the chunk inside the window
+    assert _read_layer(be, gc, layout, 0, [10, 11, 12], [5, 6, 7]) == 3
+    assert be.read_handles == [12, 10, 11, 12]

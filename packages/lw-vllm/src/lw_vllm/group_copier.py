@@ -7,7 +7,8 @@ own group, from the rows the worker registers with each step plan (``add_rows``)
 the chunks to the pipeline or the receiver.
 
 A sliding-window group's block outside the window is vLLM's null block (id ``NULL_BLOCK``): vLLM
-never reads it, so loads skip it (no copy) and saves never include it (the scheduler side saves
+never reads it, so loads skip it (the receiver does not even read it from the pool: ``unread``; a
+copy into it is dropped) and saves never include it (the scheduler side saves
 only chunks whose every group holds a real block).
 """
 
@@ -47,6 +48,12 @@ class GroupCopier:
             return list(block_ids)
         with self._lock:
             return [self._rows[b][slot] for b in block_ids]
+
+    def unread(self, layer: int, block_ids: Sequence[int]) -> list[bool]:
+        """Per chunk, whether vLLM will not read this layer's block (it is the null block)."""
+        if self.slots[layer] < 0:
+            return [False] * len(block_ids)
+        return [b == NULL_BLOCK for b in self._real(layer, block_ids)]
 
     def block_nbytes(self, layer: int) -> int:
         return int(self.inner.block_nbytes(layer))

@@ -223,7 +223,15 @@ def _wait_slice(backend: Any, handles: list[Any], upto: int, deadline: float,
 
 def _read_layer(backend: Any, copier: Any, layout: ObjectLayout, layer: int, handles: list[Any],
                 blocks: list[int]) -> int:
-    """Read one layer of each handle into its block; returns how many leading ones landed."""
+    """Read one layer of each handle into its block; returns how many leading ones landed. Blocks
+    vLLM will not read (a hybrid's sliding-window layers outside the window: ``copier.unread``)
+    are neither read from the pool nor copied; they count as landed."""
+    unread = getattr(copier, "unread", None)
+    skip = unread(layer, blocks) if unread is not None else None
+    if skip is not None and any(skip):
+        keep = [j for j, s in enumerate(skip) if not s]
+        got = _read_layer(backend, copier, layout, layer, [handles[j] for j in keep], [blocks[j] for j in keep])
+        return len(blocks) if got == len(keep) else keep[got]
     off, nb = layout.offsets[layer], layout.layer_nbytes[layer]
     direct = copier.kv_views(layer, blocks)
     if direct is not None:

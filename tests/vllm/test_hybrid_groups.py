@@ -117,7 +117,7 @@ def test_the_receiver_reads_no_bytes_for_blocks_outside_the_window() -> None:
     gc.add_rows([5, 6, 7], [[NULL_BLOCK, NULL_BLOCK, 3]])
     be = Backend()
     layout = ObjectLayout((4, 4))
-    assert _read_layer(be, gc, layout, 1, [10, 11, 12], [5, 6, 7]) == 3
+    assert _read_layer(be, gc, layout, 1, [10, 11, 12], [5, 6, 7]) == (3, 4)
     assert be.read_handles == [12]  # only the chunk inside the window
-    assert _read_layer(be, gc, layout, 0, [10, 11, 12], [5, 6, 7]) == 3
+    assert _read_layer(be, gc, layout, 0, [10, 11, 12], [5, 6, 7]) == (3, 12)
     assert be.read_handles == [12, 10, 11, 12]

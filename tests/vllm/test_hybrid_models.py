@@ -3,8 +3,8 @@
 
 * Sliding window + full attention (Gemma 3 style, window 48 tokens, 32-token blocks): one engine
   saves two prompts; a fresh process loads them from the pool (asynchronously: vLLM takes a hybrid's
-  load failures per request only) with the saver's greedy output; its windowed layers get only the
-  blocks inside the window at the hit boundary (the rest are vLLM's null blocks: not copied). Then a
+  load failures per request only) with the saver's greedy output; its windowed layers read only the
+  blocks inside the window at the hit boundary from the pool (the rest are vLLM's null blocks). Then a
   read that fails on one layer makes vLLM recompute the request whole, with the same output.
 * Gated delta-net + full attention (Qwen3-Next style, bf16): used to fail at start-up with the
   connector ("Failed to promote local KV cache specs to one unified type"); it now runs with the
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 
+from lw_bench.models import SWA_SPEC
 from lw_dev.harness import assert_same_greedy, random_tokens, run_engine, run_faulty
 
 pytestmark = pytest.mark.slow
@@ -43,10 +44,15 @@ def test_sliding_window_hybrid_saves_and_a_fresh_engine_loads_with_the_same_outp
         {"prompts": [P1], "rules": [{"op": "read", "layer": 1, "action": "fail"}]},
     ]))
     hit, failed = res["phases"][0]["outputs"], res["phases"][1]["outputs"][0]
-    for ref, o, chunks in zip(saved, hit, (6, 2)):
+    # A block of one layer: K and V, 2 kv heads of 32 in float32, 32 tokens.
+    page = 2 * SWA_SPEC["num_key_value_heads"] * SWA_SPEC["head_dim"] * 4 * BLOCK
+    # P1's hit ends at token 192: the windowed layers (0 and 2) need chunks 4 and 5 only; P2's
+    # ends at 64, so they need both its chunks. The full layers (1 and 3) need every chunk.
+    for ref, o, chunks, windowed in zip(saved, hit, (6, 2), (2, 2)):
         st = o["stats"]
         assert st["promised_tokens"] == chunks * BLOCK and st["loaded_tokens"] == chunks * BLOCK, st
         assert st["failed_blocks"] == 0, st
+        assert st["loaded_bytes"] == (2 * chunks + 2 * windowed) * page, st
         assert_same_greedy(ref, o)
     # The failed read ends the receive: vLLM recomputes the whole prompt and answers the same.
     assert res["phases"][1]["rule_hits"][0] >= 1

@@ -41,7 +41,7 @@ def test_a_request_waits_for_its_last_steps_report(tmp_path: Path) -> None:
     assert _ids(path) == ["no-kv", "moved"] and log.finishing("moved") is None
     rec = json.loads(path.read_text().splitlines()[1])
     assert rec == {"req_id": "moved", "prompt_tokens": 40, "promised_tokens": 32, "loaded_tokens": 32,
-                   "failed_blocks": 0, "saved_chunks": 3, "t": {"finished": 1.2346}}
+                   "failed_blocks": 0, "saved_chunks": 3, "loaded_bytes": 0, "t": {"finished": 1.2346}}
 
 
 def test_async_scheduling_waits_one_more_build(tmp_path: Path) -> None:

@@ -58,11 +58,12 @@ class LayerwiseWorkerMeta(KVConnectorWorkerMetadata):
 
     def __init__(self, loaded: dict[str, int] | None = None, failed: dict[str, int] | None = None,
                  saved: dict[str, int] | None = None, load_span: dict[str, tuple[float, float]] | None = None,
-                 stored: dict[str, list[bytes]] | None = None) -> None:
+                 stored: dict[str, list[bytes]] | None = None, loaded_bytes: dict[str, int] | None = None) -> None:
         self.loaded = loaded or {}
         self.failed = failed or {}
         self.saved = saved or {}
         self.stored = stored or {}
+        self.loaded_bytes = loaded_bytes or {}  # read from the pool into the KV cache
         # Wall-clock (start, end) of the step's load per request, for the stats record's breakdown.
         self.load_span = load_span or {}
 
@@ -87,4 +88,7 @@ class LayerwiseWorkerMeta(KVConnectorWorkerMetadata):
         stored = {rid: list(hs) for rid, hs in self.stored.items()}
         for rid, hs in other.stored.items():
             stored[rid] = list(dict.fromkeys(stored.get(rid, []) + list(hs)))
-        return LayerwiseWorkerMeta(loaded, failed, saved, span, stored)
+        nbytes = dict(self.loaded_bytes)  # every rank's reads count
+        for rid, n in other.loaded_bytes.items():
+            nbytes[rid] = nbytes.get(rid, 0) + n
+        return LayerwiseWorkerMeta(loaded, failed, saved, span, stored, nbytes)

@@ -99,6 +99,7 @@ class ReqState:
     promised: int = 0
     local_computed: int = 0  # tokens vLLM had cached locally at the last lookup
     loaded_blocks: int = 0
+    loaded_bytes: int = 0
     failed_blocks: int = 0
     saved_chunks: int = 0
     prompt_len: int = 0

@@ -79,6 +79,7 @@ class StatsLog:
             "loaded_tokens": min(st.loaded_blocks * self.block_size, st.promised),
             "failed_blocks": st.failed_blocks,
             "saved_chunks": st.saved_chunks,
+            "loaded_bytes": st.loaded_bytes,  # read from the pool into the KV cache, every rank
             "t": {k: round(v, 4) for k, v in st.t.items()},
         }
         if st.load_src_tp:

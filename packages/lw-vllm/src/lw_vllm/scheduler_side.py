@@ -341,6 +341,9 @@ class SchedulerSide:
         for rid, n in wm.loaded.items():
             if (st := get(rid)) is not None:
                 st.loaded_blocks += n
+        for rid, n in wm.loaded_bytes.items():
+            if (st := get(rid)) is not None:
+                st.loaded_bytes += n
         for rid, (a, b) in getattr(wm, "load_span", {}).items():
             if (st := get(rid)) is not None and "load_start" not in st.t:
                 st.t["load_start"], st.t["load_done"] = a, b

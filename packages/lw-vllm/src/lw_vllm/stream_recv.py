@@ -66,6 +66,7 @@ class RecvDone:
     good: int  # leading chunks whose every layer landed
     span: tuple[float, float]  # wall clock: receive start, end
     error: str | None = None
+    nbytes: int = 0  # bytes read from the pool (into the KV cache)
 
     @property
     def failed_blocks(self) -> list[int]:
@@ -97,6 +98,7 @@ class Receive:
         self._last_open = False  # the one open try after ``prefilled`` was made
         self.error: str | None = None
         self.result: tuple[int, str | None] | None = None
+        self.nbytes = 0  # read from the pool so far
 
     def advance(self, backend: Any, copier: Any, layout: ObjectLayout,
                 others_waiting: Callable[[], bool] = _never) -> bool:
@@ -148,8 +150,9 @@ class Receive:
                 self._cut(idx[bad], f"layer {layer} of chunk {idx[bad]} was not published in time (or was abandoned)")
                 idx = idx[:bad]
             if idx:
-                got = _read_layer(backend, copier, layout, layer, [self.handles[i] for i in idx],
-                                  [self.block_ids[i] for i in idx])
+                got, nbytes = _read_layer(backend, copier, layout, layer, [self.handles[i] for i in idx],
+                                          [self.block_ids[i] for i in idx])
+                self.nbytes += nbytes
                 if got < len(idx):
                     self._cut(idx[got], f"read of layer {layer} of chunk {idx[got]} failed")
                 for i in idx[:got]:
@@ -222,16 +225,17 @@ def _wait_slice(backend: Any, handles: list[Any], upto: int, deadline: float,
 
 
 def _read_layer(backend: Any, copier: Any, layout: ObjectLayout, layer: int, handles: list[Any],
-                blocks: list[int]) -> int:
-    """Read one layer of each handle into its block; returns how many leading ones landed. Blocks
-    vLLM will not read (a hybrid's sliding-window layers outside the window: ``copier.unread``)
-    are neither read from the pool nor copied; they count as landed."""
+                blocks: list[int]) -> tuple[int, int]:
+    """Read one layer of each handle into its block; returns how many leading ones landed and the
+    bytes that landed. Blocks vLLM will not read (a hybrid's sliding-window layers outside the
+    window: ``copier.unread``) are neither read from the pool nor copied; they count as landed."""
     unread = getattr(copier, "unread", None)
     skip = unread(layer, blocks) if unread is not None else None
     if skip is not None and any(skip):
         keep = [j for j, s in enumerate(skip) if not s]
-        got = _read_layer(backend, copier, layout, layer, [handles[j] for j in keep], [blocks[j] for j in keep])
-        return len(blocks) if got == len(keep) else keep[got]
+        got, nbytes = _read_layer(backend, copier, layout, layer, [handles[j] for j in keep],
+                                  [blocks[j] for j in keep])
+        return (len(blocks) if got == len(keep) else keep[got]), nbytes
     off, nb = layout.offsets[layer], layout.layer_nbytes[layer]
     direct = copier.kv_views(layer, blocks)
     if direct is not None:
@@ -254,8 +258,8 @@ def _read_layer(backend: Any, copier: Any, layout: ObjectLayout, layer: int, han
     if buf is not None and good:
         tok = copier.to_kv(layer, blocks[:good], dsts[:good])
         if not copier.wait(tok, 30.0):
-            return 0
-    return good
+            return 0, 0
+    return good, good * nb
 
 
 @dataclass(slots=True, eq=False)
@@ -336,7 +340,7 @@ class StreamReceiver:
         good, error = r.result or (0, "receive ended without a result")
         with self._lock:
             self._running.pop(job.req_id, None)
-            self._done.append(RecvDone(job.req_id, r.block_ids, good, (job.t0, time.time()), error))
+            self._done.append(RecvDone(job.req_id, r.block_ids, good, (job.t0, time.time()), error, r.nbytes))
             self._ended.notify_all()
 
     def prefilled(self, req_ids: set[str]) -> None:

@@ -212,6 +212,7 @@ class WorkerSide:
                 self._failed_blocks |= set(bad)
             self._report.load_span[d.req_id] = d.span
             self._report.loaded[d.req_id] = self._report.loaded.get(d.req_id, 0) + d.good
+            self._report.loaded_bytes[d.req_id] = self._report.loaded_bytes.get(d.req_id, 0) + d.nbytes
             if bad:
                 self._report.failed[d.req_id] = self._report.failed.get(d.req_id, 0) + len(bad)
                 log.warning("lw-vllm: %s: %d of %d streamed KV blocks did not arrive (%s); vLLM recomputes them",
@@ -325,6 +326,8 @@ class WorkerSide:
             self._report.load_span[rid] = span
             bad = sum(1 for b in blocks if b in failed)
             self._report.loaded[rid] = self._report.loaded.get(rid, 0) + len(blocks) - bad
+            nbytes = (len(blocks) - bad) * pipe.layout.nbytes
+            self._report.loaded_bytes[rid] = self._report.loaded_bytes.get(rid, 0) + nbytes
             if bad:
                 self._report.failed[rid] = self._report.failed.get(rid, 0) + bad
         self._load_blocks.clear()

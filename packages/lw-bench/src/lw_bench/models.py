@@ -155,7 +155,8 @@ def _hf_config(spec: dict[str, Any], max_len: int):
         return Gemma3TextConfig(
             num_key_value_heads=spec["num_key_value_heads"], head_dim=spec["head_dim"],
             sliding_window=spec["sliding_window"], query_pre_attn_scalar=spec["head_dim"],
-            layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            layer_types=["full_attention" if (i + 1) % spec.get("full_every", 2) == 0 else "sliding_attention"
+                         for i in range(n)],
             pad_token_id=0, **common)
     if spec["arch"] == "qwen3_next":
         from transformers import Qwen3NextConfig
@@ -240,6 +241,21 @@ BENCH_SPEC: dict[str, Any] = {
 
 def bench_model(**kw: Any) -> Path:
     return build_model(BENCH_SPEC, **kw)
+
+
+# ``lw-bench serve --model swa``: the bench model's size with Gemma 3's pattern (five
+# sliding-window layers of 512 tokens to one full-attention layer).
+BENCH_SWA_SPEC: dict[str, Any] = {
+    "arch": "gemma3_text",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "sliding_window": 512,
+    "full_every": 6,
+}
 
 
 def lora_adapter(out: Path, *, seed: int, rank: int = 8, spec: dict[str, Any] = GQA_SPEC) -> Path:

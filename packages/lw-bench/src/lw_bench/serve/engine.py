@@ -5,7 +5,7 @@ hit can only come from the pool (never from an earlier engine's memory).
 
 Job keys: ``model`` (checkpoint directory), ``dtype``, ``block_size``, ``max_model_len``,
 ``kv_cache_memory_bytes``, ``prefix_caching``, ``extra`` (kv_connector_extra_config, or null for
-no connector) and ``items``: ``[{"id": str, "tokens": [int, ...]}, ...]`` run one at a time, in
+no connector), ``engine`` (more ``LLM(...)`` keyword arguments, optional) and ``items``: ``[{"id": str, "tokens": [int, ...]}, ...]`` run one at a time, in
 order, each as its own ``generate`` call with ``max_tokens=1`` so the call's wall time is the
 request's time to first token.
 
@@ -45,6 +45,7 @@ def run(job: dict[str, Any]) -> None:
         "kv_cache_memory_bytes": job["kv_cache_memory_bytes"],
         "enable_prefix_caching": job["prefix_caching"],
         "seed": 0,
+        **job.get("engine", {}),
     }
     if job.get("extra") is not None:
         kw["kv_transfer_config"] = {

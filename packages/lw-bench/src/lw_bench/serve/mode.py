@@ -3,7 +3,9 @@ embedded pool -- recompute vs pool hits in bulk and layerwise mode -- at several
 
 Set-up: a Llama-style model built locally with random weights (``lw_bench.models``:
 12 layers, hidden 1024, GQA 16/4 heads of 64, float32 by default; ``--quick``: the 4-layer test
-model), vLLM's CPU build, block size 32. Each prompt is a *shared prefix* of ``L`` tokens (the
+model; ``--model swa``: the same size with Gemma 3's pattern, five 512-token sliding-window layers to
+one full-attention layer, also run as ``layerwise_hma_off`` with vLLM's hybrid KV cache manager off),
+vLLM's CPU build, block size 32. Each prompt is a *shared prefix* of ``L`` tokens (the
 length in the table) followed by a short unique tail (``--tail`` tokens, less than a block, so the
 tail is never a full chunk and nothing new is saved by the measured engines). Every prefix is
 used by two requests: ``first`` (prefix + tail 0) and ``second`` (prefix + tail 1).
@@ -41,6 +43,8 @@ returns it as the JSON object, lengths as string keys, times in seconds):
 * ``local_ttft_s``: ``{mode: {L: median TTFT of second requests}}`` (not for ``save``)
 * ``pool_hit_tokens``: ``{mode: {L: median tokens the connector loaded for first requests}}``
   (0 for ``recompute``; the saved tokens for ``save``)
+* ``pool_loaded_bytes``: ``{mode: {L: median bytes the connector read from the pool per first
+  request}}`` for pool modes (``--model swa``: the sliding-window layers read only their window)
 * ``pool_load_s``: ``{mode: {L: median of (first - second) TTFT}}`` for pool modes: what loading
   the prefix from the pool costs beyond reading it from vLLM's own cache (same tokens computed)
 * ``samples``: ``{mode: {L: {"first": [s...], "second": [s...]}}}`` every measured request
@@ -51,7 +55,10 @@ returns it as the JSON object, lengths as string keys, times in seconds):
   pool layered over vLLM's prefix cache vs that cache alone);
   ``load_layerwise_vs_bulk`` ``{d: pool_load[layerwise_d] / pool_load[bulk]}``: the same
   comparison as ``layerwise_vs_bulk`` on the load cost alone, each term taken within one engine,
-  so engine-to-engine differences (the machine's load while that engine ran) cancel out
+  so engine-to-engine differences (the machine's load while that engine ran) cancel out;
+  ``loaded_bytes_vs_hma_off`` (``--model swa``) ``{mode: pool_loaded_bytes[mode] /
+  pool_loaded_bytes[layerwise_hma_off]}``: bytes read per hit with vLLM's hybrid KV cache manager
+  on (windowed layers read their window) against off (every layer reads every chunk)
 * ``headline``: ``hit_vs_recompute`` (layerwise at ``headline_depth``), ``layerwise_vs_bulk``
   (same depth), ``layered_vs_local`` (same depth), ``targets`` (0.3, 0.85, 1.0), ``length``
 * ``checks``: ``pool_hits_ok`` (every first request of a pool mode loaded exactly ``L`` tokens,
@@ -81,7 +88,10 @@ from lw_bench.serve.result import checked
 from lw_bench.serve.run import EngineError, run_engine
 
 BLOCK_SIZE = 32
-MODELS = ("bench", "tiny")
+MODELS = ("bench", "tiny", "swa")
+# ``--model swa``: the same layerwise mode with vLLM's hybrid KV cache manager off, so the
+# sliding-window layers keep and move every chunk like full ones (bytes moved per hit compared).
+HMA_OFF = "layerwise_hma_off"
 DTYPES = ("float32", "bfloat16")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _TARGETS = {"hit_vs_recompute": 0.3, "layerwise_vs_bulk": 0.85, "layered_vs_local": 1.0}
@@ -93,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=2, help="engines per measured mode, run in alternating order; samples are pooled (default 2)")
     p.add_argument("--depths", default="1,2,4", help="layerwise prefetch depths, comma-separated (default 1,2,4)")
     p.add_argument("--tail", type=int, default=16, help="unique tokens after the shared prefix, 1..31 (default 16)")
-    p.add_argument("--model", choices=MODELS, default="bench", help="bench: 12 layers, hidden 1024; tiny: the 4-layer test model (default bench)")
+    p.add_argument("--model", choices=MODELS, default="bench", help="bench: 12 layers, hidden 1024; tiny: the 4-layer test model; swa: the bench size with Gemma 3's sliding-window pattern, also run with HMA off (default bench)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="model and KV dtype (default float32)")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the engine's compute (default 1; see the module doc)")
     p.add_argument("--pool-path", default=None, help="embedded pool directory (default: a fresh one on /dev/shm, removed after)")
@@ -119,7 +129,7 @@ def _int_list(name: str, text: str, *, lo: int) -> list[int]:
 def _model_spec(name: str) -> dict[str, Any]:
     from lw_bench import models
 
-    return models.BENCH_SPEC if name == "bench" else models.GQA_SPEC
+    return {"bench": models.BENCH_SPEC, "swa": models.BENCH_SWA_SPEC}.get(name, models.GQA_SPEC)
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -222,6 +232,8 @@ def _modes(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any] | None, bool]]
         ("bulk", {**base, "use_layerwise": False}, True),
     ]
     modes += [(f"layerwise_d{d}", {**base, "use_layerwise": True, "layerwise_prefetch_layers": d}, True) for d in cfg["depths"]]
+    if cfg["model"] == "swa":
+        modes.append((HMA_OFF, {**base, "use_layerwise": True, "layerwise_prefetch_layers": cfg["headline_depth"]}, True))
     return modes
 
 
@@ -238,7 +250,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     t_start = time.perf_counter()
     load_before = os.getloadavg()[0]
-    model_dir = str(models.bench_model() if cfg["model"] == "bench" else models.gqa_model())
+    model_dir = str(models.build_model(_model_spec(cfg["model"])))
     own_pool = args.pool_path is None
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else os.environ.get("TMPDIR", "/tmp")
     cfg["pool_path"] = args.pool_path or os.path.join(base, f"lw-bench-serve-{uuid.uuid4().hex[:8]}")
@@ -251,6 +263,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "model": model_dir, "dtype": cfg["dtype"], "block_size": BLOCK_SIZE,
             "max_model_len": cfg["max_model_len"], "kv_cache_memory_bytes": cfg["kv_cache_memory_bytes"],
             "prefix_caching": prefix_caching, "extra": extra, "items": items,
+            "engine": {"disable_hybrid_kv_cache_manager": True} if name == HMA_OFF else {},
         }
     schedule = _schedule([m[0] for m in modes], cfg["rounds"])
     env = {"OMP_NUM_THREADS": str(cfg["threads"])}
@@ -303,11 +316,13 @@ def summarize(cfg: dict[str, Any], modes: list[str], records: dict[str, list[dic
     bs = cfg["block_size"]
     samples: dict[str, dict[str, dict[str, list[float]]]] = {}
     hits: dict[str, dict[str, list[int]]] = {}
+    moved: dict[str, dict[str, list[int]]] = {}
     problems: list[str] = []
     ok = {"pool_hits_ok": True, "local_hits_ok": True, "saved_ok": True}
     for mode in modes:
         samples[mode] = {str(L): {"first": [], "second": []} for L in cfg["lengths"]}
         hits[mode] = {str(L): [] for L in cfg["lengths"]}
+        moved[mode] = {str(L): [] for L in cfg["lengths"]}
         for rec in records.get(mode, []):
             kind, L, _, which = rec["id"].split("/")
             pool = rec["pool"] or {}
@@ -329,6 +344,8 @@ def summarize(cfg: dict[str, Any], modes: list[str], records: dict[str, list[dic
             if which == "first":
                 n = pool.get("saved_chunks", 0) * bs if mode == "save" else pool.get("loaded_tokens", 0)
                 hits[mode][L].append(n or 0)
+                if mode not in ("save", "recompute"):
+                    moved[mode][L].append(pool.get("loaded_bytes") or 0)
 
     lengths = [str(L) for L in cfg["lengths"]]
     pool_modes = [m for m in modes if m not in ("save", "recompute")]
@@ -349,6 +366,11 @@ def summarize(cfg: dict[str, Any], modes: list[str], records: dict[str, list[dic
         "layered_vs_local": {m: ratio(local[m][top], local["recompute"][top]) for m in pool_modes},
         "load_layerwise_vs_bulk": {str(d): ratio(load[f"layerwise_d{d}"][top], load["bulk"][top]) for d in cfg["depths"]},
     }
+    loaded_bytes = {m: {L: statistics.median_low(moved[m][L]) if moved[m][L] else None for L in lengths}
+                    for m in pool_modes}
+    if HMA_OFF in pool_modes:
+        ratios["loaded_bytes_vs_hma_off"] = {
+            m: ratio(loaded_bytes[m][top], loaded_bytes[HMA_OFF][top]) for m in pool_modes if m != HMA_OFF}
     hd = cfg["headline_depth"]
     headline = {
         "length": int(top),
@@ -364,6 +386,7 @@ def summarize(cfg: dict[str, Any], modes: list[str], records: dict[str, list[dic
         "local_ttft_s": local,
         "pool_hit_tokens": {m: {L: statistics.median_low(hits[m][L]) if hits[m][L] else None for L in lengths} for m in modes},
         "pool_load_s": load,
+        "pool_loaded_bytes": loaded_bytes,
         "samples": samples,
         "ratios": ratios,
         "headline": headline,
@@ -373,6 +396,10 @@ def summarize(cfg: dict[str, Any], modes: list[str], records: dict[str, list[dic
 
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}" if x >= 1 else f"{x * 1e3:.1f}"
+
+
+def _mib(x: int | None) -> str:
+    return "-" if x is None else f"{x / (1 << 20):.1f}"
 
 
 def print_table(r: dict[str, Any]) -> None:
@@ -399,6 +426,10 @@ def print_table(r: dict[str, Any]) -> None:
     print("  prefix " + "".join(f"{m:>{w}}" for m in r["pool_load_s"]))
     for L in lengths:
         print(f"  {L:>6} " + "".join(f"{_ms(r['pool_load_s'][m][L]):>{w}}" for m in r["pool_load_s"]))
+    print("bytes read from the pool per hit (MiB)")
+    print("  prefix " + "".join(f"{m:>{w}}" for m in r["pool_loaded_bytes"]))
+    for L in lengths:
+        print(f"  {L:>6} " + "".join(f"{_mib(r['pool_loaded_bytes'][m][L]):>{w}}" for m in r["pool_loaded_bytes"]))
     h = r["headline"]
 
     def fmt(x: float | None) -> str:

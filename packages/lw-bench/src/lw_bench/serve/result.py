@@ -20,7 +20,7 @@ ByLength = dict[str, float | None]  # prefix length -> figure (None: no sample)
 
 
 class ServeBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model: Literal["bench", "tiny"]
+    model: Literal["bench", "tiny", "swa"]
     layers: Positive
     hidden: Positive
     dtype: Literal["float32", "bfloat16"]
@@ -51,6 +51,8 @@ class Ratios(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     layerwise_vs_bulk: dict[str, float | None]  # depth -> ttft[layerwise_d] / ttft[bulk]
     layered_vs_local: dict[str, float | None]  # pool mode -> local_ttft[mode] / local_ttft[recompute]
     load_layerwise_vs_bulk: dict[str, float | None]  # depth -> pool_load[layerwise_d] / pool_load[bulk]
+    # --model swa: pool mode -> bytes read per hit / bytes read per hit with HMA off
+    loaded_bytes_vs_hma_off: dict[str, float | None] = msgspec.field(default_factory=dict)
 
 
 class Headline(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -80,6 +82,7 @@ class ServeBenchResult(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     local_ttft_s: dict[str, ByLength]  # mode -> median TTFT of second requests (not for save)
     pool_hit_tokens: dict[str, dict[str, Annotated[int, Meta(ge=0)] | None]]
     pool_load_s: dict[str, ByLength]  # pool mode -> median (first - second); may be negative
+    pool_loaded_bytes: dict[str, dict[str, Annotated[int, Meta(ge=0)] | None]]  # pool mode -> median bytes read per hit
     samples: dict[str, dict[str, Samples]]  # mode -> length -> every measured request
     ratios: Ratios
     headline: Headline

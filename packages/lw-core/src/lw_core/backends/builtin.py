@@ -90,11 +90,16 @@ def default_embedded_path() -> str:
 
 
 CapacityBytes = Annotated[int, Meta(ge=MIB, le=MAX_CAPACITY_BYTES)]
+DISK_MIN_BYTES = 64 * MIB
+DiskCapacityBytes = Annotated[int, Meta(ge=DISK_MIN_BYTES, le=MAX_CAPACITY_BYTES)]
 
 
 class EmbeddedKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     embedded_path: str = msgspec.field(default_factory=default_embedded_path)
     embedded_capacity_bytes: CapacityBytes = DEFAULT_CAPACITY_BYTES
+    # The opt-in disk tier (embedded/disk_tier.py): unset, objects evicted from DRAM are dropped.
+    embedded_disk_path: str | None = None
+    embedded_disk_capacity_bytes: DiskCapacityBytes = 16 << 30
 
 
 def _check_embedded(keys: EmbeddedKeys) -> str | None:
@@ -103,6 +108,11 @@ def _check_embedded(keys: EmbeddedKeys) -> str | None:
             f"embedded_path={keys.embedded_path!r} must be a directory path "
             "(empty or missing, or an existing lw-pool directory)"
         )
+    d = keys.embedded_disk_path
+    if d is not None and (not d or "\0" in d):
+        return f"embedded_disk_path={d!r} must be a directory path (new, empty, or an lw-pool disk tier), or unset for no disk tier"
+    if d is not None and os.path.abspath(d) == os.path.abspath(keys.embedded_path):
+        return f"embedded_disk_path={d!r} must not be embedded_path: give the disk tier its own directory (on a local disk)"
     return None
 
 
@@ -139,7 +149,7 @@ EMBEDDED = BackendPlugin(
     open=_open_embedded,
     keys=EmbeddedKeys,
     check=_check_embedded,
-    notes={"embedded_capacity_bytes": "1 MiB to 16 TiB"},
+    notes={"embedded_capacity_bytes": "1 MiB to 16 TiB", "embedded_disk_capacity_bytes": "64 MiB to 16 TiB"},
     bench_pool=_embedded_bench_pool,
 )
 

@@ -20,6 +20,10 @@ with explicit arguments, and holds only its settings, its own counters and the r
 * ``sweep``    -- ``Sweeper``: reclaiming dead writers' reservations, eviction (CLOCK over the LRU order).
 * ``stream``   -- ``StreamIndex``: the streaming extension (publish a prefix before commit, wait for it).
 * ``verify``   -- ``Verifier``: the shared counters and the full-index consistency check.
+* ``disk_tier`` -- ``DiskTier``: the opt-in local-disk tier (``embedded_disk_path``): evicted objects
+  are demoted to files by a writer thread, found again by lookup/open, read with ``pread``.
+* ``disk_format`` -- the disk tier's directory (its ``LW_DISK_TIER`` marker) and file format.
+* ``tiered``   -- ``TieredReads``: lookup, open, read, view, intact, release over DRAM then disk.
 * ``txn``      -- ``Tx``, one write transaction plus the counter record.
 * ``records``  -- record formats (LMDB values), counters, ``EmbeddedHandle``, key encoding, constants.
 * ``leases``   -- ``LeaseTable``: per-process lease rows and per-page object generations (no pool-wide lock).

@@ -12,20 +12,25 @@ import msgspec
 from msgspec import Meta
 
 from lw_core.backend import BackendError, Buffer
-from lw_core.backends.builtin import CapacityBytes
+from lw_core.backends.builtin import CapacityBytes, DiskCapacityBytes
 from lw_core.backends.embedded import fences
+from lw_core.backends.embedded.disk_tier import DISK_STATS, DiskTier
 from lw_core.backends.embedded.object_reader import ObjectReader
 from lw_core.backends.embedded.object_writer import ObjectWriter
 from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.records import PAGE, POOL_CHECK_S, EmbeddedHandle, T, encode_keys, log
 from lw_core.backends.embedded.stream import StreamIndex
 from lw_core.backends.embedded.sweep import Sweeper
+from lw_core.backends.embedded.tiered import TieredReads
 from lw_core.backends.embedded.txn import Tx
 from lw_core.backends.embedded.verify import Verifier
 from lw_core.backends.embedded.writer_lock import WriterLock
 from lw_core.config import Seconds
 from lw_core.procs import current_owner
 from lw_core.validation import convert_strict
+
+DISK_CAPACITY_DEFAULT = 16 << 30  # as EmbeddedKeys.embedded_disk_capacity_bytes
+DISK_QUEUE_BYTES = 256 << 20  # evicted objects waiting to be written to disk, at most
 
 
 class EmbeddedSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,6 +41,8 @@ class EmbeddedSettings(msgspec.Struct, frozen=True, kw_only=True):
     lease_ttl_s: Seconds
     reservation_timeout_s: Seconds
     lock_timeout_s: Seconds
+    disk_path: Annotated[str, Meta(min_length=1)] | None
+    disk_capacity_bytes: DiskCapacityBytes
 
 
 class EmbeddedBackend:
@@ -52,10 +59,13 @@ class EmbeddedBackend:
         reservation_timeout_s: float = 600.0,
         lock_timeout_s: float = 10.0,
         populate: bool = True,
+        disk_path: str | None = None,
+        disk_capacity_bytes: int = DISK_CAPACITY_DEFAULT,
     ) -> None:
         st = convert_strict(
             {"path": path, "capacity_bytes": capacity_bytes, "lease_ttl_s": lease_ttl_s,
-             "reservation_timeout_s": reservation_timeout_s, "lock_timeout_s": lock_timeout_s},
+             "reservation_timeout_s": reservation_timeout_s, "lock_timeout_s": lock_timeout_s,
+             "disk_path": disk_path, "disk_capacity_bytes": disk_capacity_bytes},
             EmbeddedSettings, prefix="EmbeddedBackend: ",
         )
         self.path = os.path.abspath(st.path)
@@ -70,7 +80,12 @@ class EmbeddedBackend:
         self._closed = False
         self._pool = PoolFiles(self.path, self.capacity, populate=populate)
         self._verifier = Verifier(self._pool)
-        self._sweeper = Sweeper(self._pool, self._me, reservation_timeout_s=self.reservation_timeout_s)
+        self._disk: DiskTier | None = None  # the opt-in disk tier (disk_tier.py), opened once attached
+        self._tiered: TieredReads | None = None  # reads over DRAM then disk, while the tier is on
+        self._sweeper = Sweeper(
+            self._pool, self._me, reservation_timeout_s=self.reservation_timeout_s,
+            on_evict=None if st.disk_path is None else self._demote,
+        )
         self._local = {
             "open_hits": 0,
             "open_misses": 0,
@@ -92,18 +107,42 @@ class EmbeddedBackend:
             reservation_timeout_s=self.reservation_timeout_s, usable=self._usable, local=self._local,
         )
         self._attach()
+        if st.disk_path is not None:
+            dpath = os.path.abspath(st.disk_path)
+            if dpath == self.path:
+                self._teardown()
+                raise BackendError(f"embedded pool: embedded_disk_path={dpath!r} is embedded_path itself: give the disk tier its own directory")
+            try:
+                self._disk = DiskTier(dpath, st.disk_capacity_bytes, queue_bytes=min(DISK_QUEUE_BYTES, st.disk_capacity_bytes))
+            except BaseException:
+                self._teardown()
+                raise
+            self._tiered = TieredReads(
+                self._disk, self._reader, self._writer, read_dram=self._read_dram, usable=self._usable, local=self._local,
+            )
 
     @classmethod
     def from_keys(cls, keys: Any, **kwargs: Any) -> EmbeddedBackend:
         """Open the pool a parsed config's ``EmbeddedKeys`` (``lw_core.backends.builtin``) names."""
-        return cls(keys.embedded_path, capacity_bytes=keys.embedded_capacity_bytes, **kwargs)
+        return cls(
+            keys.embedded_path, capacity_bytes=keys.embedded_capacity_bytes, disk_path=keys.embedded_disk_path,
+            disk_capacity_bytes=keys.embedded_disk_capacity_bytes, **kwargs,
+        )
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
         if os.getpid() == self._pid:
+            if self._disk is not None:
+                self._disk.close()
             self._teardown()
+
+    def _demote(self, bkey: bytes, off: int, nbytes: int) -> None:
+        """The sweeper evicts an object: its bytes, still in the arena, go to the disk tier's queue."""
+        mv, disk = self._pool.mv, self._disk
+        if mv is not None and disk is not None:
+            disk.offer(bkey, mv[off : off + nbytes])
 
     def _attach(self) -> None:
         self._pool.attach(self._lock, self._me, lambda: self._pool.write(self._sweeper.sweep))
@@ -138,25 +177,31 @@ class EmbeddedBackend:
     # ----------------------------------------------------------------- the protocol (ObjectReader, ObjectWriter)
 
     def lookup(self, keys: Sequence[str]) -> int:
-        return self._reader.lookup(keys)
+        return self._reader.lookup(keys) if self._tiered is None else self._tiered.lookup(keys)
 
     def reserve(self, keys: Sequence[str], nbytes: int) -> list[EmbeddedHandle | None]:
-        return self._writer.reserve(keys, nbytes)
+        return self._writer.reserve(keys, nbytes) if self._tiered is None else self._tiered.reserve(keys, nbytes)
 
     def write(self, handles: Sequence[EmbeddedHandle], offsets: Sequence[int], srcs: Sequence[Buffer]) -> None:
         self._writer.write(handles, offsets, srcs)
 
     def read(self, handles: Sequence[EmbeddedHandle], offsets: Sequence[int], dsts: Sequence[Buffer]) -> None:
+        if self._tiered is not None:
+            self._tiered.read(handles, offsets, dsts)
+        else:
+            self._read_dram(handles, offsets, dsts)
+
+    def _read_dram(self, handles: Sequence[EmbeddedHandle], offsets: Sequence[int], dsts: Sequence[Buffer]) -> None:
         if handles and getattr(handles[0], "_stream", False):
             self._streams.read(handles, offsets, dsts)
         else:
             self._reader.read(handles, offsets, dsts)
 
     def view(self, handle: EmbeddedHandle, offset: int, nbytes: int) -> memoryview | None:
-        return self._reader.view(handle, offset, nbytes)
+        return self._reader.view(handle, offset, nbytes) if self._tiered is None else self._tiered.view(handle, offset, nbytes)
 
     def intact(self, handles: Sequence[EmbeddedHandle]) -> list[bool]:
-        return self._reader.intact(handles)
+        return self._reader.intact(handles) if self._tiered is None else self._tiered.intact(handles)
 
     def commit(self, handles: Sequence[EmbeddedHandle]) -> None:
         self._writer.commit(handles)
@@ -165,10 +210,13 @@ class EmbeddedBackend:
         self._writer.abort(handles)
 
     def open(self, keys: Sequence[str]) -> list[EmbeddedHandle | None]:
-        return self._reader.open(keys)
+        return self._reader.open(keys) if self._tiered is None else self._tiered.open(keys)
 
     def release(self, handles: Sequence[EmbeddedHandle]) -> None:
-        self._reader.release(handles)
+        if self._tiered is None:
+            self._reader.release(handles)
+        else:
+            self._tiered.release(handles)
 
     # ----------------------------------------------------------------- streaming (StreamIndex)
 
@@ -190,6 +238,7 @@ class EmbeddedBackend:
         self._usable()
         out = self._verifier.counters()
         out.update(self._local)  # this process's own counters
+        out.update(self._disk.stats() if self._disk is not None else dict.fromkeys(DISK_STATS, 0))
         return out
 
     def open_reservations(self) -> dict[int, tuple[str, int, int]]:

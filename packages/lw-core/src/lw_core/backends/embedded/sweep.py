@@ -8,6 +8,8 @@ commits or aborts."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from lw_core.backends.embedded.leases import FREE, LEASED
 from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.records import (
@@ -33,10 +35,20 @@ from lw_core.procs import Owner, owner_alive
 class Sweeper:
     """Reclaims reservations and makes room in the pool ``pool`` for the backend owned by ``me``."""
 
-    def __init__(self, pool: PoolFiles, me: Owner, *, reservation_timeout_s: float) -> None:
+    def __init__(
+        self,
+        pool: PoolFiles,
+        me: Owner,
+        *,
+        reservation_timeout_s: float,
+        on_evict: Callable[[bytes, int, int], None] | None = None,
+    ) -> None:
         self.pool = pool
         self.me = me
         self.reservation_timeout_s = reservation_timeout_s
+        # Called with (key, arena offset, bytes) of each object evicted, while its bytes are still
+        # in place (the disk tier copies them out: disk_tier.py); must not block on I/O.
+        self.on_evict = on_evict
         self.last_sweep = 0.0
 
     def due(self, t: Tx) -> bool:
@@ -127,6 +139,8 @@ class Sweeper:
                 if not cur.key():  # it was the last entry: the cursor fell off; resume at its new place
                     cur.set_key(BE_U64.pack(o[STAMP]))
                 continue
+            if self.on_evict is not None:
+                self.on_evict(bytes(bkey), o[OFF], o[NBYTES])
             cur.delete()
             t.txn.delete(bkey, db=self.pool.obj)
             t.c[CIDX["objects"]] -= 1

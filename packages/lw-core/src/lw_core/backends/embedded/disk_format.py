@@ -1,0 +1,175 @@
+"""The disk tier's directory and file format (``disk_tier``): one file per object, named by a hash of its key.
+
+A file is a fixed ``HEADER_BYTES`` header, then the object's bytes (so the payload starts on a
+4 KiB boundary, as ``O_DIRECT`` wants). The header: magic, format version, the key's length, the
+object's size, a random generation (nonce) written per demotion, the payload's checksum
+(BLAKE2b-256), the header's own checksum, then the key. A file is written under a temporary name
+(``TMP_PREFIX``), fsync'd, then renamed: a reader never sees a partial one, and one that is short,
+foreign or damaged anyway fails ``parse_header`` or ``check_payload`` and is treated as a miss.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import struct
+
+from lw_core.backend import BackendError
+from lw_core.backends.embedded import files
+
+MAGIC = b"LWDISK\x00\x01"
+VERSION = 1
+HEADER_BYTES = 4096
+SUFFIX = ".obj"
+TMP_PREFIX = ".tmp-"
+MARKER = "LW_DISK_TIER"
+MARKER_TEXT = b"lw-pool disk tier 1\n"
+# magic, version, key length, payload bytes, generation, payload checksum, header checksum
+_HEAD = struct.Struct("<8sIIQQ32s16s")
+MAX_KEY = HEADER_BYTES - _HEAD.size
+STALE_TMP_S = 600.0  # a temporary file this old is a dead demotion's, whoever made it
+CHUNK = 8 << 20  # checksum reads, so verifying a big object never allocates its size twice
+
+
+class BadFile(Exception):
+    """A file that is not a whole, intact object of the disk tier (or not the key asked for)."""
+
+
+def file_name(bkey: bytes) -> str:
+    """The object's file name: a hash of its key (keys may hold any characters)."""
+    return hashlib.blake2b(bkey, digest_size=20).hexdigest() + SUFFIX
+
+
+def payload_digest(data: memoryview | bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=32).digest()
+
+
+def _head_sum(fields: bytes, bkey: bytes) -> bytes:
+    return hashlib.blake2b(fields + bkey, digest_size=16).digest()
+
+
+def build_header(bkey: bytes, nbytes: int, generation: int, digest: bytes) -> bytes:
+    """The header block (``HEADER_BYTES``, zero-padded) of an object of ``nbytes`` under ``bkey``."""
+    if len(bkey) > MAX_KEY:
+        raise ValueError(f"disk tier: key of {len(bkey)} bytes is longer than {MAX_KEY}")
+    fields = _HEAD.pack(MAGIC, VERSION, len(bkey), nbytes, generation, digest, b"")[: _HEAD.size - 16]
+    head = fields + _head_sum(fields, bkey) + bkey
+    return head + bytes(HEADER_BYTES - len(head))
+
+
+class Header:
+    """A parsed, checked header."""
+
+    __slots__ = ("bkey", "nbytes", "generation", "digest")
+
+    def __init__(self, bkey: bytes, nbytes: int, generation: int, digest: bytes) -> None:
+        self.bkey = bkey
+        self.nbytes = nbytes
+        self.generation = generation
+        self.digest = digest
+
+
+def parse_header(raw: bytes, file_size: int, bkey: bytes | None = None) -> Header:
+    """Check a header against its file's size (and the key expected, when given)."""
+    if len(raw) < _HEAD.size:
+        raise BadFile(f"header is {len(raw)} bytes (torn)")
+    magic, version, klen, nbytes, gen, digest, hsum = _HEAD.unpack_from(raw)
+    if magic != MAGIC:
+        raise BadFile("bad magic (not a disk-tier object)")
+    if version != VERSION:
+        raise BadFile(f"format version {version} (expected {VERSION})")
+    if klen > MAX_KEY or _HEAD.size + klen > len(raw):
+        raise BadFile(f"key length {klen} out of range")
+    key = bytes(raw[_HEAD.size : _HEAD.size + klen])
+    if _head_sum(bytes(raw[: _HEAD.size - 16]), key) != hsum:
+        raise BadFile("header checksum mismatch")
+    if bkey is not None and key != bkey:
+        raise BadFile("key mismatch (another key's file, or a hash collision)")
+    if file_size != HEADER_BYTES + nbytes:
+        raise BadFile(f"file has {file_size} bytes, header says {HEADER_BYTES + nbytes} (torn)")
+    return Header(key, nbytes, gen, digest)
+
+
+def read_header(fd: int, bkey: bytes | None = None) -> Header:
+    """Read and check the header of the open file ``fd``."""
+    return parse_header(os.pread(fd, HEADER_BYTES, 0), os.fstat(fd).st_size, bkey)
+
+
+def check_payload(fd: int, head: Header) -> None:
+    """Read the whole payload once and compare its checksum with the header's."""
+    h = hashlib.blake2b(digest_size=32)
+    pos, end = HEADER_BYTES, HEADER_BYTES + head.nbytes
+    while pos < end:
+        chunk = os.pread(fd, min(CHUNK, end - pos), pos)
+        if not chunk:
+            raise BadFile("payload is short (torn)")
+        h.update(chunk)
+        pos += len(chunk)
+    if h.digest() != head.digest:
+        raise BadFile("payload checksum mismatch")
+
+
+def unlink(p: str) -> None:
+    try:
+        os.unlink(p)
+    except OSError:
+        pass
+
+
+def stale_tmp(name: str, p: str, now: float) -> bool:
+    """A temporary file whose writer is dead (its pid is gone) or that is older than STALE_TMP_S."""
+    try:
+        pid = int(name[len(TMP_PREFIX) :].split("-", 1)[0])
+        os.kill(pid, 0)
+    except (ValueError, ProcessLookupError):
+        return True
+    except PermissionError:
+        pass
+    try:
+        return now - os.stat(p, follow_symlinks=False).st_mtime > STALE_TMP_S
+    except OSError:
+        return False
+
+
+def prepare_dir(path: str) -> None:
+    """Create the tier directory (0700), or check that an existing one is ours and is a disk tier."""
+    try:
+        os.makedirs(path, 0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as e:
+        raise BackendError(f"embedded disk tier: cannot create embedded_disk_path={path!r}: {e}") from e
+    if not stat.S_ISDIR(st.st_mode):
+        raise BackendError(f"embedded disk tier: embedded_disk_path={path!r} is not a directory (or is a symbolic link)")
+    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise BackendError(
+            f"embedded disk tier: embedded_disk_path={path!r} is owned by uid {st.st_uid} or writable by group or "
+            f"others (mode {st.st_mode & 0o7777:04o}); this process runs as uid {os.geteuid()}: use a directory of your own"
+        )
+    names = os.listdir(path)
+    marker = os.path.join(path, MARKER)
+    if MARKER in names:
+        fd = files.open_file(marker, os.O_RDONLY, what="disk tier marker")
+        try:
+            head = os.read(fd, 64)
+        finally:
+            os.close(fd)
+        if head and not head.startswith(b"lw-pool disk tier "):
+            raise BackendError(f"embedded disk tier: {marker!r} is not an lw-pool disk tier marker (embedded_disk_path)")
+        return
+    if names:
+        shown = ", ".join(map(repr, sorted(names)[:5])) + (" ..." if len(names) > 5 else "")
+        raise BackendError(
+            f"embedded disk tier: embedded_disk_path={path!r} is neither empty nor an lw-pool disk tier (no {MARKER} "
+            f"file; it holds {shown}); refusing to write there: set embedded_disk_path to a new or empty directory"
+        )
+    try:
+        fd = files.open_file(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what="disk tier marker")
+    except BackendError as e:
+        if isinstance(e.__cause__, FileExistsError):
+            return
+        raise
+    try:
+        os.write(fd, MARKER_TEXT)
+    finally:
+        os.close(fd)

@@ -1,0 +1,321 @@
+"""``DiskTier``: the embedded pool's opt-in local-disk tier (``embedded_disk_path``).
+
+Objects the DRAM pool evicts are demoted here instead of dropped: ``offer`` (called by the
+``Sweeper`` inside its write transaction) copies the bytes into a bounded queue and returns; a
+writer thread writes each one to a temporary file, fsyncs it and renames it into place
+(``disk_format``), so a process killed mid-demotion leaves no visible object. A full queue, a full
+disk (``ENOSPC``) or any write error drops the demotion (counted, logged once), never raising.
+
+State: the index (file name -> file bytes, in LRU order; rebuilt by scanning headers at open, so
+objects survive restarts), the queue, the counters, and which files' payloads were verified. A
+file is verified (its checksum) on its first open in this process; a torn, foreign or damaged
+file is removed and is a miss. Files are evicted, least recently used first, to stay under
+``capacity``. Hits are served from the file (``pread`` of the range asked for); they are not
+promoted back into DRAM. Other processes' demotions are found by name on a miss.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import os
+import secrets
+import stat
+import threading
+import time
+
+from lw_core.backend import BackendError, Buffer, ObjectMissing
+from lw_core.backends.embedded import disk_format as fmt
+from lw_core.backends.embedded import files
+from lw_core.backends.embedded.records import bytes_view, log
+
+COUNTERS = ("disk_hits", "disk_bytes_read", "demotions", "demotion_drops", "disk_evictions", "disk_corrupt")
+DISK_STATS = (*COUNTERS, "disk_objects", "disk_bytes")  # what ``stats`` reports
+
+
+class DiskHandle:
+    """A read handle on one object of the disk tier: the open file (kept until ``release``)."""
+
+    __slots__ = ("key", "nbytes", "_fd")
+
+    def __init__(self, key: str, nbytes: int, fd: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self._fd = fd
+
+    def __repr__(self) -> str:
+        return f"DiskHandle({self.key!r}, nbytes={self.nbytes}, {'open' if self._fd >= 0 else 'closed'})"
+
+
+def write_all(fd: int, data: bytes | memoryview) -> None:
+    """Write all of ``data`` (tests replace this to simulate a full disk or a kill mid-write)."""
+    m = memoryview(data)
+    while m:
+        m = m[os.write(fd, m) :]
+
+
+class DiskTier:
+    """The disk tier in directory ``path``, at most ``capacity`` bytes of files; demotions wait in
+    a queue of at most ``queue_bytes``. ``fsync``: sync each file before it becomes visible."""
+
+    def __init__(self, path: str, capacity: int, *, queue_bytes: int, fsync: bool = True) -> None:
+        self.path = os.path.abspath(path)
+        self.capacity = capacity
+        self.queue_bytes = queue_bytes
+        self.fsync = fsync
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._index: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._bytes = 0
+        self._verified: dict[str, tuple[int, int]] = {}  # name -> (inode, generation) checked
+        self._queue: collections.deque[tuple[bytes, bytes]] = collections.deque()
+        self._queued: set[str] = set()
+        self._queued_bytes = 0
+        self._busy = False
+        self._logged: set[str] = set()
+        self._cv = threading.Condition()
+        self._closed = False
+        fmt.prepare_dir(self.path)
+        self._scan()
+        self._thread = threading.Thread(target=self._run, name="lw-disk-tier", daemon=True)
+        self._thread.start()
+
+    # ----------------------------------------------------------------- demotion (any thread; writer thread)
+
+    def offer(self, bkey: bytes, data: memoryview) -> None:
+        """Queue a copy of an evicted object's bytes; drop it (counted) when the queue is full."""
+        name, n = fmt.file_name(bkey), data.nbytes
+        with self._cv:
+            if self._closed or name in self._index or name in self._queued:
+                return
+            if self._queued_bytes + n > self.queue_bytes or fmt.HEADER_BYTES + n > self.capacity:
+                self.counters["demotion_drops"] += 1
+                return
+            self._queued.add(name)
+            self._queued_bytes += n
+        payload = bytes(data)  # the one copy the evicting call pays for
+        with self._cv:
+            self._queue.append((bkey, payload))
+            self._cv.notify()
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every queued demotion is written (or dropped); False at the deadline."""
+        end = time.monotonic() + timeout_s
+        with self._cv:
+            while self._queue or self._busy:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                bkey, payload = self._queue.popleft()
+                self._busy = True
+            try:
+                self._demote(bkey, payload)
+            except Exception as e:  # never let the writer thread die: the demotion is dropped
+                self._drop(e, "unexpected error")
+            finally:
+                with self._cv:
+                    self._queued.discard(fmt.file_name(bkey))
+                    self._queued_bytes -= len(payload)
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _demote(self, bkey: bytes, payload: bytes) -> None:
+        name = fmt.file_name(bkey)
+        size = fmt.HEADER_BYTES + len(payload)
+        self._make_room(size)
+        tmp = os.path.join(self.path, f"{fmt.TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
+        head = fmt.build_header(bkey, len(payload), secrets.randbits(63), fmt.payload_digest(payload))
+        try:
+            fd = files.open_file(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what="disk tier file")
+        except BackendError as e:
+            self._drop(e.__cause__ or e, "cannot create a file")
+            return
+        try:
+            try:
+                write_all(fd, head)
+                write_all(fd, payload)
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, os.path.join(self.path, name))
+        except OSError as e:
+            fmt.unlink(tmp)
+            self._drop(e, "ENOSPC, disk full" if e.errno == errno.ENOSPC else "write failed")
+            return
+        with self._cv:
+            self._bytes -= self._index.pop(name, 0)
+            self._index[name] = size
+            self._bytes += size
+            self.counters["demotions"] += 1
+
+    def _drop(self, e: BaseException, why: str) -> None:
+        with self._cv:
+            self.counters["demotion_drops"] += 1
+            first = why not in self._logged
+            self._logged.add(why)
+        if first:  # one line per kind of failure, not one per object
+            log.warning("embedded disk tier %r: demotions are dropped (%s: %s)", self.path, why, e)
+
+    def _make_room(self, size: int) -> None:
+        while True:
+            with self._cv:
+                if self._bytes + size <= self.capacity or not self._index:
+                    return
+                name, n = self._index.popitem(last=False)
+                self._bytes -= n
+                self._verified.pop(name, None)
+                self.counters["disk_evictions"] += 1
+            fmt.unlink(os.path.join(self.path, name))
+
+    # ----------------------------------------------------------------- reading (caller threads)
+
+    def has(self, bkey: bytes) -> bool:
+        """Whether the tier holds ``bkey`` (a file another process demoted is adopted)."""
+        name = fmt.file_name(bkey)
+        with self._cv:
+            if name in self._index:
+                return True
+        try:
+            st = os.stat(os.path.join(self.path, name), follow_symlinks=False)
+        except OSError:
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        with self._cv:
+            if name not in self._index:
+                self._index[name] = st.st_size
+                self._bytes += st.st_size
+        return True
+
+    def known(self, bkey: bytes) -> bool:
+        """Whether this process's index holds ``bkey`` (no file system call)."""
+        return fmt.file_name(bkey) in self._index
+
+    def open(self, key: str, bkey: bytes) -> DiskHandle | None:
+        """A handle on ``key``'s file once its header (and, the first time, its payload) checks out."""
+        if not self.has(bkey):
+            return None
+        name = fmt.file_name(bkey)
+        p = os.path.join(self.path, name)
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:  # evicted meanwhile (by us or another process)
+            self._forget(name)
+            return None
+        try:
+            head = fmt.read_header(fd, bkey)
+            ident = (os.fstat(fd).st_ino, head.generation)
+            if self._verified.get(name) != ident:
+                fmt.check_payload(fd, head)
+                self._verified[name] = ident
+        except (fmt.BadFile, OSError) as e:
+            os.close(fd)
+            self._corrupt(name, p, e)
+            return None
+        with self._cv:
+            if name in self._index:
+                self._index.move_to_end(name)
+            self.counters["disk_hits"] += 1
+        try:
+            os.utime(fd)  # the LRU order survives restarts (scan sorts by mtime)
+        except OSError:
+            pass
+        return DiskHandle(key, head.nbytes, fd)
+
+    def read(self, handle: DiskHandle, offset: int, dst: Buffer) -> None:
+        m = bytes_view(dst, writable=True, what=f"read {handle.key!r}")
+        n = m.nbytes
+        if offset < 0 or offset + n > handle.nbytes:
+            raise ValueError(f"embedded disk tier: read of {n} bytes at offset {offset} is outside object {handle.key!r} of {handle.nbytes} bytes")
+        if handle._fd < 0:
+            raise ObjectMissing(f"embedded disk tier: {handle.key!r} was released")
+        if os.preadv(handle._fd, [m], fmt.HEADER_BYTES + offset) != n:
+            raise ObjectMissing(f"embedded disk tier {self.path!r}: {handle.key!r} is short (truncated under us)")
+        self.counters["disk_bytes_read"] += n
+
+    def view(self, handle: DiskHandle, offset: int, nbytes: int) -> memoryview:
+        """The range read into a new buffer (the file is not mapped: a truncated file must not SIGBUS)."""
+        buf = bytearray(nbytes)
+        self.read(handle, offset, buf)
+        return memoryview(buf).toreadonly()
+
+    def release(self, handle: DiskHandle) -> None:
+        if handle._fd >= 0:
+            os.close(handle._fd)
+            handle._fd = -1
+
+    def _forget(self, name: str) -> None:
+        with self._cv:
+            self._bytes -= self._index.pop(name, 0)
+            self._verified.pop(name, None)
+
+    def _corrupt(self, name: str, p: str, e: BaseException) -> None:
+        self._forget(name)
+        fmt.unlink(p)
+        with self._cv:
+            self.counters["disk_corrupt"] += 1
+        log.warning("embedded disk tier %r: removed %s, a miss: %s", self.path, name, e)
+
+    # ----------------------------------------------------------------- open, stats, close
+
+    def _scan(self) -> None:
+        """Rebuild the index from the files' headers; remove damaged files and dead demotions' temporaries."""
+        found: list[tuple[int, str, int]] = []
+        now = time.time()
+        for ent in os.scandir(self.path):
+            p = ent.path
+            if ent.name.startswith(fmt.TMP_PREFIX):
+                if fmt.stale_tmp(ent.name, p, now):
+                    fmt.unlink(p)
+                continue
+            if not ent.name.endswith(fmt.SUFFIX) or not ent.is_file(follow_symlinks=False):
+                continue
+            try:
+                fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue
+            try:
+                st = os.fstat(fd)
+                head = fmt.read_header(fd)
+                if fmt.file_name(head.bkey) != ent.name:
+                    raise fmt.BadFile("its name is not its key's")
+                found.append((st.st_mtime_ns, ent.name, st.st_size))
+            except (fmt.BadFile, OSError) as e:
+                self._corrupt(ent.name, p, e)
+            finally:
+                os.close(fd)
+        for _, name, size in sorted(found):
+            self._index[name] = size
+            self._bytes += size
+        self._make_room(0)
+
+    def stats(self) -> dict[str, int]:
+        with self._cv:
+            out = dict(self.counters)
+            out["disk_objects"] = len(self._index)
+            out["disk_bytes"] = self._bytes
+        return out
+
+    def close(self, flush_s: float = 10.0) -> None:
+        """Write what is queued (at most ``flush_s``), then stop the writer thread."""
+        if self._closed:
+            return
+        self.flush(flush_s)
+        with self._cv:
+            self._closed = True
+            dropped = len(self._queue)
+            self._queue.clear()
+            self.counters["demotion_drops"] += dropped
+            self._cv.notify_all()
+        self._thread.join(flush_s)
+

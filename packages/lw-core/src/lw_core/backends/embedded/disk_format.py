@@ -1,4 +1,5 @@
-"""The disk tier's directory and file format (``disk_tier``): one file per object, named by a hash of its key.
+"""The disk tier's directory, file format and read handle (``disk_tier``): one file per object,
+named by a hash of its key.
 
 A file is a fixed ``HEADER_BYTES`` header, then the object's bytes (so the payload starts on a
 4 KiB boundary, as ``O_DIRECT`` wants). The header: magic, format version, the key's length, the
@@ -6,6 +7,10 @@ object's size, a random generation (nonce) written per demotion, the payload's c
 (BLAKE2b-256), the header's own checksum, then the key. A file is written under a temporary name
 (``TMP_PREFIX``), fsync'd, then renamed: a reader never sees a partial one, and one that is short,
 foreign or damaged anyway fails ``parse_header`` or ``check_payload`` and is treated as a miss.
+
+The directory (``prepare_dir``) must be ours, not a symlink, not writable by group or others, and
+new, empty or marked as a disk tier (``MARKER``): anything else is refused, naming
+``embedded_disk_path``, so files there are never replaced or removed.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import hashlib
 import os
 import stat
 import struct
+import time
 
 from lw_core.backend import BackendError
 from lw_core.backends.embedded import files
@@ -34,6 +40,20 @@ CHUNK = 8 << 20  # checksum reads, so verifying a big object never allocates its
 
 class BadFile(Exception):
     """A file that is not a whole, intact object of the disk tier (or not the key asked for)."""
+
+
+class DiskHandle:
+    """A read handle on one object of the disk tier: the open file (kept until ``release``)."""
+
+    __slots__ = ("key", "nbytes", "_fd")
+
+    def __init__(self, key: str, nbytes: int, fd: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self._fd = fd
+
+    def __repr__(self) -> str:
+        return f"DiskHandle({self.key!r}, nbytes={self.nbytes}, {'open' if self._fd >= 0 else 'closed'})"
 
 
 def file_name(bkey: bytes) -> str:
@@ -108,6 +128,36 @@ def check_payload(fd: int, head: Header) -> None:
         pos += len(chunk)
     if h.digest() != head.digest:
         raise BadFile("payload checksum mismatch")
+
+
+def scan_dir(path: str, *, headers: bool) -> tuple[list[tuple[int, str, int]], list[tuple[str, Exception]]]:
+    """The tier's object files: (mtime ns, name, bytes) of each good one, (name, why) of each bad
+    one (its header checked when ``headers``); dead demotions' temporaries are removed."""
+    found: list[tuple[int, str, int]] = []
+    bad: list[tuple[str, Exception]] = []
+    now = time.time()
+    for ent in os.scandir(path):
+        p = ent.path
+        if ent.name.startswith(TMP_PREFIX):
+            if stale_tmp(ent.name, p, now):
+                unlink(p)
+            continue
+        if not ent.name.endswith(SUFFIX) or not ent.is_file(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue  # removed meanwhile
+        try:
+            st = os.fstat(fd)
+            if headers and file_name(read_header(fd).bkey) != ent.name:
+                raise BadFile("its name is not its key's")
+            found.append((st.st_mtime_ns, ent.name, st.st_size))
+        except (BadFile, OSError) as e:
+            bad.append((ent.name, e))
+        finally:
+            os.close(fd)
+    return found, bad
 
 
 def unlink(p: str) -> None:

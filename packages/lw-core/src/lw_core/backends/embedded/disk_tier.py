@@ -11,7 +11,9 @@ objects survive restarts), the queue, the counters, and which files' payloads we
 file is verified (its checksum) on its first open in this process; a torn, foreign or damaged
 file is removed and is a miss. Files are evicted, least recently used first, to stay under
 ``capacity``. Hits are served from the file (``pread`` of the range asked for); they are not
-promoted back into DRAM. Other processes' demotions are found by name on a miss.
+promoted back into DRAM (the page cache keeps hot files in memory). Other processes' demotions
+are found by name on a miss, and the writer thread lists the directory every ``RESCAN_S`` so the
+capacity holds for the whole directory.
 """
 
 from __future__ import annotations
@@ -27,24 +29,12 @@ import time
 from lw_core.backend import BackendError, Buffer, ObjectMissing
 from lw_core.backends.embedded import disk_format as fmt
 from lw_core.backends.embedded import files
+from lw_core.backends.embedded.disk_format import DiskHandle
 from lw_core.backends.embedded.records import bytes_view, log
 
 COUNTERS = ("disk_hits", "disk_bytes_read", "demotions", "demotion_drops", "disk_evictions", "disk_corrupt")
+RESCAN_S = 30.0  # how often the writer thread lists the directory (other processes' demotions)
 DISK_STATS = (*COUNTERS, "disk_objects", "disk_bytes")  # what ``stats`` reports
-
-
-class DiskHandle:
-    """A read handle on one object of the disk tier: the open file (kept until ``release``)."""
-
-    __slots__ = ("key", "nbytes", "_fd")
-
-    def __init__(self, key: str, nbytes: int, fd: int) -> None:
-        self.key = key
-        self.nbytes = nbytes
-        self._fd = fd
-
-    def __repr__(self) -> str:
-        return f"DiskHandle({self.key!r}, nbytes={self.nbytes}, {'open' if self._fd >= 0 else 'closed'})"
 
 
 def write_all(fd: int, data: bytes | memoryview) -> None:
@@ -74,6 +64,7 @@ class DiskTier:
         self._logged: set[str] = set()
         self._cv = threading.Condition()
         self._closed = False
+        self._next_rescan = 0.0
         fmt.prepare_dir(self.path)
         self._scan()
         self._thread = threading.Thread(target=self._run, name="lw-disk-tier", daemon=True)
@@ -131,6 +122,7 @@ class DiskTier:
     def _demote(self, bkey: bytes, payload: bytes) -> None:
         name = fmt.file_name(bkey)
         size = fmt.HEADER_BYTES + len(payload)
+        self._rescan()
         self._make_room(size)
         tmp = os.path.join(self.path, f"{fmt.TMP_PREFIX}{os.getpid()}-{secrets.token_hex(8)}")
         head = fmt.build_header(bkey, len(payload), secrets.randbits(63), fmt.payload_digest(payload))
@@ -239,9 +231,14 @@ class DiskTier:
             raise ValueError(f"embedded disk tier: read of {n} bytes at offset {offset} is outside object {handle.key!r} of {handle.nbytes} bytes")
         if handle._fd < 0:
             raise ObjectMissing(f"embedded disk tier: {handle.key!r} was released")
-        if os.preadv(handle._fd, [m], fmt.HEADER_BYTES + offset) != n:
+        try:
+            got = os.preadv(handle._fd, [m], fmt.HEADER_BYTES + offset)
+        except OSError as e:  # an I/O error is a failed read of this object, as for any store
+            raise ObjectMissing(f"embedded disk tier {self.path!r}: reading {handle.key!r} failed: {e}") from e
+        if got != n:
             raise ObjectMissing(f"embedded disk tier {self.path!r}: {handle.key!r} is short (truncated under us)")
-        self.counters["disk_bytes_read"] += n
+        with self._cv:
+            self.counters["disk_bytes_read"] += n
 
     def view(self, handle: DiskHandle, offset: int, nbytes: int) -> memoryview:
         """The range read into a new buffer (the file is not mapped: a truncated file must not SIGBUS)."""
@@ -269,35 +266,31 @@ class DiskTier:
     # ----------------------------------------------------------------- open, stats, close
 
     def _scan(self) -> None:
-        """Rebuild the index from the files' headers; remove damaged files and dead demotions' temporaries."""
-        found: list[tuple[int, str, int]] = []
-        now = time.time()
-        for ent in os.scandir(self.path):
-            p = ent.path
-            if ent.name.startswith(fmt.TMP_PREFIX):
-                if fmt.stale_tmp(ent.name, p, now):
-                    fmt.unlink(p)
-                continue
-            if not ent.name.endswith(fmt.SUFFIX) or not ent.is_file(follow_symlinks=False):
-                continue
-            try:
-                fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            except OSError:
-                continue
-            try:
-                st = os.fstat(fd)
-                head = fmt.read_header(fd)
-                if fmt.file_name(head.bkey) != ent.name:
-                    raise fmt.BadFile("its name is not its key's")
-                found.append((st.st_mtime_ns, ent.name, st.st_size))
-            except (fmt.BadFile, OSError) as e:
-                self._corrupt(ent.name, p, e)
-            finally:
-                os.close(fd)
+        """Rebuild the index from the files' headers (oldest first); remove damaged files."""
+        found, bad = fmt.scan_dir(self.path, headers=True)
+        for name, e in bad:
+            self._corrupt(name, os.path.join(self.path, name), e)
         for _, name, size in sorted(found):
             self._index[name] = size
             self._bytes += size
+        self._next_rescan = time.monotonic() + RESCAN_S
         self._make_room(0)
+
+    def _rescan(self) -> None:
+        """Every RESCAN_S (writer thread): other processes' files join the index (as just used), and
+        files gone drop out, so ``capacity`` holds for the directory, not only this process's files."""
+        if time.monotonic() < self._next_rescan:
+            return
+        self._next_rescan = time.monotonic() + RESCAN_S
+        found, _ = fmt.scan_dir(self.path, headers=False)
+        sizes = {name: size for _, name, size in found}
+        with self._cv:
+            for name in [n for n in self._index if n not in sizes]:
+                self._bytes -= self._index.pop(name)
+            for name, size in sizes.items():
+                if name not in self._index:
+                    self._index[name] = size
+                    self._bytes += size
 
     def stats(self) -> dict[str, int]:
         with self._cv:

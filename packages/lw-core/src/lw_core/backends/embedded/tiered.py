@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lw_core.backend import Buffer
-from lw_core.backends.embedded.disk_tier import DiskHandle, DiskTier
+from lw_core.backends.embedded.disk_format import DiskHandle
+from lw_core.backends.embedded.disk_tier import DiskTier
 from lw_core.backends.embedded.object_reader import ObjectReader
 from lw_core.backends.embedded.object_writer import ObjectWriter
 from lw_core.backends.embedded.records import encode_keys

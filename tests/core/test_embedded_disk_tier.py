@@ -9,6 +9,8 @@ import glob
 import multiprocessing as mp
 import os
 import signal
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -132,6 +134,56 @@ def test_a_full_queue_drops_demotions_and_counts_them(tmp_path):
         assert t.flush() and t.stats()["demotion_drops"] == 1 and not t.has(b"big")
     finally:
         t.close()
+
+
+def test_offer_never_waits_for_the_disk(tmp_path, monkeypatch):
+    """The evicting call only copies into the queue: with the disk stuck, offers return at once and
+    what does not fit the queue is dropped (counted); the queued ones are written once it moves."""
+    stuck = threading.Event()
+    real = disk_tier.write_all
+
+    def slow(fd: int, data) -> None:
+        assert stuck.wait(30)
+        real(fd, data)
+
+    monkeypatch.setattr(disk_tier, "write_all", slow)
+    t = DiskTier(str(tmp_path / "disk"), DISK, queue_bytes=3 * OBJ)
+    try:
+        t0 = time.monotonic()
+        for i in range(5):
+            t.offer(f"k{i}".encode(), memoryview(bytes(OBJ)))
+        assert time.monotonic() - t0 < 2.0
+        assert t.stats()["demotion_drops"] == 2
+        stuck.set()
+        assert t.flush()
+        assert t.stats()["demotions"] == 3 and [t.has(f"k{i}".encode()) for i in range(5)] == [True] * 3 + [False] * 2
+    finally:
+        stuck.set()
+        t.close()
+
+
+def test_another_process_files_are_found_and_counted_against_the_capacity(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "RESCAN_S", 0.0)
+    one_file = fmt.HEADER_BYTES + OBJ
+    a = DiskTier(str(tmp_path / "disk"), 3 * one_file, queue_bytes=8 << 20)
+    b = DiskTier(str(tmp_path / "disk"), 3 * one_file, queue_bytes=8 << 20)
+    try:
+        for i in range(2):
+            a.offer(f"a{i}".encode(), memoryview(bytes(OBJ)))
+        assert a.flush()
+        time.sleep(0.02)  # modification times order the files
+        h = b.open("a1", b"a1")  # b never wrote it: found by name
+        assert h is not None and b.stats()["disk_hits"] == 1
+        b.release(h)
+        for i in range(2):
+            b.offer(f"b{i}".encode(), memoryview(bytes(OBJ)))
+        assert b.flush()
+        # a0, the least recently used file (by any process), made room; a1 was hit, so it stays.
+        assert len(_files(tmp_path)) == 3 and b.stats()["disk_bytes"] <= b.capacity
+        assert [os.path.exists(os.path.join(str(tmp_path / "disk"), fmt.file_name(k))) for k in (b"a0", b"a1")] == [False, True]
+    finally:
+        a.close()
+        b.close()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garble_payload", "garble_header", "other_key"])

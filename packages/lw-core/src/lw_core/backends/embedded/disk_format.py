@@ -144,13 +144,20 @@ def scan_dir(path: str, *, headers: bool) -> tuple[list[tuple[int, str, int]], l
             continue
         if not ent.name.endswith(SUFFIX) or not ent.is_file(follow_symlinks=False):
             continue
+        if not headers:  # a listing only: stat, no open
+            try:
+                st = ent.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            found.append((st.st_mtime_ns, ent.name, st.st_size))
+            continue
         try:
             fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
             continue  # removed meanwhile
         try:
             st = os.fstat(fd)
-            if headers and file_name(read_header(fd).bkey) != ent.name:
+            if file_name(read_header(fd).bkey) != ent.name:
                 raise BadFile("its name is not its key's")
             found.append((st.st_mtime_ns, ent.name, st.st_size))
         except (BadFile, OSError) as e:

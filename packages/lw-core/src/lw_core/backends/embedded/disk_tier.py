@@ -277,20 +277,16 @@ class DiskTier:
         self._make_room(0)
 
     def _rescan(self) -> None:
-        """Every RESCAN_S (writer thread): other processes' files join the index (as just used), and
-        files gone drop out, so ``capacity`` holds for the directory, not only this process's files."""
+        """Every RESCAN_S (writer thread): rebuild the LRU order from the files' modification times
+        (set at demotion and on every hit, by any process), so other processes' files count against
+        ``capacity`` and their hits keep files alive; files gone drop out."""
         if time.monotonic() < self._next_rescan:
             return
         self._next_rescan = time.monotonic() + RESCAN_S
         found, _ = fmt.scan_dir(self.path, headers=False)
-        sizes = {name: size for _, name, size in found}
         with self._cv:
-            for name in [n for n in self._index if n not in sizes]:
-                self._bytes -= self._index.pop(name)
-            for name, size in sizes.items():
-                if name not in self._index:
-                    self._index[name] = size
-                    self._bytes += size
+            self._index = collections.OrderedDict((name, size) for _, name, size in sorted(found))
+            self._bytes = sum(self._index.values())
 
     def stats(self) -> dict[str, int]:
         with self._cv:

@@ -38,6 +38,14 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "save_errors": ("vllm:lw_pool_save_errors_total", "Steps whose saves reported at least one error"),
     "save_deadline_misses": ("vllm:lw_pool_save_deadline_misses_total", "Layers whose save missed save_timeout_s"),
     "evictions": ("vllm:lw_pool_evictions_total", "Pool evictions observed (pool-wide counter, seen from this worker)"),
+    # The embedded pool's disk tier (embedded_disk_path), as this worker's process counts it.
+    "disk_hits": ("vllm:lw_pool_disk_hits_total", "Pool objects opened from the disk tier"),
+    "disk_bytes_read": ("vllm:lw_pool_disk_read_bytes_total", "Bytes read from the disk tier"),
+    "demotions": ("vllm:lw_pool_demotions_total", "Objects evicted from DRAM and written to the disk tier"),
+    "demotion_drops": ("vllm:lw_pool_demotion_drops_total",
+                       "Objects evicted from DRAM that the disk tier dropped (queue full, disk full or failing)"),
+    "disk_evictions": ("vllm:lw_pool_disk_evictions_total", "Files the disk tier evicted to stay under its capacity"),
+    "disk_corrupt": ("vllm:lw_pool_disk_corrupt_total", "Disk-tier files found torn or corrupt (removed; misses)"),
     "pd_prefill_not_in_pool": ("vllm:lw_pool_pd_prefill_not_in_pool_total",
                                "Decoder requests whose prefill the metaserver reported committed while the pool held "
                                "none of it (another pool, model identity or KV layout; computed here instead)"),
@@ -106,6 +114,9 @@ class LayerwiseStats(KVConnectorStats):
                   "saved_objects", "saved_bytes", "save_failed_objects", "save_deadline_misses", "evictions",
                   "lookup_errors", "pd_prefill_not_in_pool"):
             out[k] = d.get(k, 0)
+        for k in POLLED[1:]:  # the disk tier's, when it is on
+            if d.get(k):
+                out[k] = d[k]
         w = d.get("layer_wait_s") or []
         if w:
             out["layer_wait_avg_ms"] = round(1e3 * sum(w) / len(w), 3)
@@ -143,28 +154,38 @@ class Collector:
         return None if st.is_empty() else st
 
 
-class EvictionWatch:
-    """Turns the pool-wide eviction counter (``backend.stats()['evictions']``) into increments,
-    polled at most every ``period_s`` (the embedded pool reads it from its index)."""
+# Counters the backend keeps itself (``backend.stats()``), turned into increments by ``PoolCounters``.
+POLLED = ("evictions", "disk_hits", "disk_bytes_read", "demotions", "demotion_drops", "disk_evictions", "disk_corrupt")
+
+
+class PoolCounters:
+    """Turns the backend's own counters (``POLLED`` in ``backend.stats()``: the pool-wide eviction
+    count, the disk tier's) into increments, polled at most every ``period_s``."""
 
     def __init__(self, backend: Any, period_s: float = 1.0) -> None:
         self.backend, self.period_s = backend, period_s
-        self._last: int | None = None
+        self._last: dict[str, int] = {}
         self._next = 0.0
 
-    def poll(self) -> int:
+    def poll(self) -> dict[str, int]:
         now = time.monotonic()
         if now < self._next or self.backend is None:
-            return 0
+            return {}
         self._next = now + self.period_s
         try:
-            cur = int(self.backend.stats().get("evictions", 0))
+            stats = self.backend.stats()
         except Exception:  # a pool that cannot answer shows up in load/save errors instead
-            return 0
-        last, self._last = self._last, cur
-        if last is None or cur < last:  # first look, or the pool was recreated: new baseline
-            return 0
-        return cur - last
+            return {}
+        out: dict[str, int] = {}
+        for k in POLLED:
+            if k not in stats:
+                continue
+            cur = int(stats[k])
+            last = self._last.get(k)
+            self._last[k] = cur
+            if last is not None and cur > last:  # first look, or the pool was recreated: new baseline
+                out[k] = cur - last
+        return out
 
 
 class LayerwisePromMetrics(KVConnectorPromMetrics):

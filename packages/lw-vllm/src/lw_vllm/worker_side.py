@@ -22,7 +22,7 @@ from lw_vllm import kv_layout, pool
 from lw_vllm.copier import TorchCopier, block_order
 from lw_vllm.group_copier import GroupCopier
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
-from lw_vllm.metrics import Collector, EvictionWatch
+from lw_vllm.metrics import Collector, PoolCounters
 from lw_vllm.pool_events import events_enabled
 from lw_vllm.stream_recv import IDLE_WAIT_S, StreamReceiver
 
@@ -43,7 +43,7 @@ class WorkerSide:
                  stats: Collector | None = None) -> None:
         self.vllm_config, self.kv_cache_config, self.cfg = vllm_config, kv_cache_config, cfg
         self.stats = stats if stats is not None else Collector()
-        self._evictions: EvictionWatch | None = None
+        self._pool_counters: PoolCounters | None = None
         self.tp_rank, self.tp_size = _tp()
         self.tag = pool.my_rank_tag(vllm_config, self.tp_rank)
         self.keyspace = pool.key_space(vllm_config, kv_cache_config, cfg)
@@ -107,7 +107,7 @@ class WorkerSide:
         layout = ObjectLayout(tuple(copier.block_nbytes(i) for i in range(len(names))))
         self.backend = pool.acquire_backend(self.cfg)
         pool.check_streaming(self.cfg, self.backend)
-        self._evictions = EvictionWatch(self.backend)
+        self._pool_counters = PoolCounters(self.backend)
         self.pipe = LayerPipeline(
             self.backend,
             copier,
@@ -348,10 +348,10 @@ class WorkerSide:
             log.warning("lw-vllm: pool errors during loads (no block affected): %s", "; ".join(res.errors[:3]))
 
     def poll_pool_stats(self) -> None:
-        if self._evictions is not None:
-            n = self._evictions.poll()
-            if n:
-                self.stats.add(evictions=n)
+        if self._pool_counters is not None:
+            counts = self._pool_counters.poll()
+            if counts:
+                self.stats.add(**counts)
 
     def take_load_errors(self) -> set[int]:
         out, self._failed_blocks = self._failed_blocks, set()

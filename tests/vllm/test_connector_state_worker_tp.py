@@ -34,14 +34,14 @@ def _worker(kv_heads: int | None = 2) -> WorkerSide:
 
 def test_own_tp_loads_its_own_objects() -> None:
     w = _worker()
-    ld = w._req_load(Xfer("r", [b"\x01" * 16], [3]))
+    ld = w.plan_load(Xfer("r", [b"\x01" * 16], [3]))
     assert ld is not None and ld.split is None and ld.keys == w.keyspace.keys(w.tag, [b"\x01" * 16])
 
 
 def test_saved_at_tp2_reads_both_saver_ranks_objects() -> None:
     w = _worker()
     hashes = [b"\x01" * 16, b"\x02" * 16]
-    ld = w._req_load(Xfer("r", hashes, [3, 4], src_tp=2))
+    ld = w.plan_load(Xfer("r", hashes, [3, 4], src_tp=2))
     ks2 = pool.key_space(w.vllm_config, w.kv_cache_config, w.cfg, 2)
     assert ks2 != w.keyspace
     assert ld is not None and ld.split == split_heads(2, 2, 1, 0, tokens=16)
@@ -52,7 +52,7 @@ def test_saved_at_tp2_reads_both_saver_ranks_objects() -> None:
 @pytest.mark.parametrize("kv_heads,src_tp", [(2, 4), (None, 2)], ids=["indivisible", "heads-unknown"])
 def test_a_split_that_cannot_work_fails_the_blocks(kv_heads, src_tp, caplog) -> None:
     w = _worker(kv_heads)
-    assert w._req_load(Xfer("r", [b"\x01" * 16], [7], src_tp=src_tp)) is None
+    assert w.plan_load(Xfer("r", [b"\x01" * 16], [7], src_tp=src_tp)) is None
     assert w.take_load_errors() == {7}
     rep = w.take_report()
     assert rep is not None and rep.failed == {"r": 1}

@@ -251,13 +251,13 @@ def test_the_key_space_of_another_tp_size_carries_that_sizes_order() -> None:
 def test_the_worker_splits_by_its_engines_order(layout: str, order: str) -> None:
     vc, kc = _configs(layout)
     w = WorkerSide(vc, kc, parse_config({"backend": "embedded"}), "kv_both")
-    ld = w._req_load(Xfer("r", [b"\x01" * 16], [3], src_tp=2))
+    ld = w.plan_load(Xfer("r", [b"\x01" * 16], [3], src_tp=2))
     assert ld is not None and ld.split == split_heads(2, 2, 1, 0, order=order, tokens=BS)
 
 
 def test_a_worker_whose_layout_is_unknown_does_not_split(caplog) -> None:
     vc, kc = _configs(None)
     w = WorkerSide(vc, kc, parse_config({"backend": "embedded"}), "kv_both")
-    assert w._req_load(Xfer("r", [b"\x01" * 16], [7], src_tp=2)) is None
+    assert w.plan_load(Xfer("r", [b"\x01" * 16], [7], src_tp=2)) is None
     assert w.take_load_errors() == {7}
     assert any("does not say how heads and tokens are ordered" in r.getMessage() for r in caplog.records)

@@ -14,13 +14,13 @@ import time
 from typing import Any
 
 from lw_core.config import PoolConfig
-from lw_core.keys import KeySpace, rank_tag
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
-from lw_core.tp_split import HeadSplit, TpSplitError, split_heads
+from lw_core.tp_split import TpSplitError
 from lw_vllm import kv_layout, pool
 from lw_vllm.copier import TorchCopier, block_order
 from lw_vllm.group_copier import GroupCopier
+from lw_vllm.load_sources import LoadSources
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector, PoolCounters
 from lw_vllm.pool_events import events_enabled
@@ -62,12 +62,12 @@ class WorkerSide:
         self._failed_blocks: set[int] = set()
         self._report = LayerwiseWorkerMeta()
         self._load_t0 = self._load_t1 = 0.0  # wall clock: this step's load start / last layer in
-        # Per saver TP size whose GQA KV this rank reads: its head split and that size's key space.
-        self._sources: dict[int, tuple[HeadSplit, KeySpace]] = {}
         # Heads and tokens' order in a block (in the keys; the split reads by it), checked against
         # the tensors in register_kv_caches.
         self.layout = kv_layout.layout_name(vllm_config, kv_cache_config)
         self.block_order = kv_layout.order_of(self.layout)
+        self.sources = LoadSources(vllm_config, kv_cache_config, cfg, self.keyspace, self.tag, self.tp_rank,
+                                   self.tp_size, self.block_order, self.layout)
         self.role = role
         self._recv: StreamReceiver | None = None  # streaming PD decoder (cfg.pd_streaming), or a hybrid's loads
         # Hybrid models (several KV cache groups): chunks are named by the anchor group's blocks and
@@ -89,6 +89,7 @@ class WorkerSide:
         copier: Any = torch_copier
         self.block_order = kv_layout.check_tensors(
             self.block_order, self.layout, {n: block_order(kv_caches[n], num_blocks) for n in names})
+        self.sources.block_order = self.block_order
         groups = self.kv_cache_config.kv_cache_groups
         layer_group = pool.layer_groups(self.kv_cache_config)
         anchor = pool.anchor_group(self.kv_cache_config)
@@ -146,7 +147,7 @@ class WorkerSide:
         for x in meta.loads:
             if self._groups is not None:
                 self._groups.add_rows(x.block_ids, x.more)
-            load = self._req_load(x)
+            load = self.plan_load(x)
             if load is None:
                 continue
             loads.append(load)
@@ -225,36 +226,16 @@ class WorkerSide:
         out, self._failed_recving = self._failed_recving, set()
         return out
 
-    def _req_load(self, x: Xfer) -> ReqLoad | None:
-        """The pipeline's load for ``x``: this rank's own objects, or (saved at another TP size,
-        GQA) ranged reads of the saver ranks' objects that hold this rank's heads."""
-        if not x.src_tp or x.src_tp == self.tp_size or pool.is_mla(self.vllm_config):
-            return ReqLoad(x.req_id, self.keyspace.keys(self.tag, x.hashes), list(x.block_ids))
+    def plan_load(self, x: Xfer) -> ReqLoad | None:
+        """The pipeline's load for ``x`` (``load_sources``); ``None``, with its blocks failed, when
+        this rank cannot read KV saved at ``x.src_tp``."""
         try:
-            split, ks = self._source(x.src_tp)
+            return self.sources.req_load(x)
         except TpSplitError as e:  # the scheduler only asks for sizes that split: a bug, not a hang
             log.error("lw-vllm: %s: cannot load KV saved at another TP size, recomputing: %s", x.req_id, e)
             self._failed_blocks |= set(x.block_ids)
             self._report.failed[x.req_id] = self._report.failed.get(x.req_id, 0) + len(x.block_ids)
             return None
-        keys = [ks.keys(rank_tag(tp_rank=p, tp_size=x.src_tp), x.hashes) for p in split.src_ranks]
-        return ReqLoad(x.req_id, keys[0], list(x.block_ids), split=split, more_keys=keys[1:])
-
-    def _source(self, src_tp: int) -> tuple[HeadSplit, KeySpace]:
-        if src_tp not in self._sources:
-            total = pool.total_kv_heads(self.vllm_config)
-            if total is None:
-                raise TpSplitError(f"the model's kv head count is unknown; KV saved at tensor_parallel_size={src_tp} "
-                                   f"is not read at tensor_parallel_size={self.tp_size}")
-            if self.block_order is None:
-                raise TpSplitError(f"the KV cache layout ({self.layout}) does not say how heads and tokens are "
-                                   f"ordered in a block; KV saved at tensor_parallel_size={src_tp} is not read at "
-                                   f"tensor_parallel_size={self.tp_size}")
-            split = split_heads(total, src_tp, self.tp_size, self.tp_rank, order=self.block_order,
-                                tokens=pool.block_size(self.kv_cache_config))
-            ks = pool.key_space(self.vllm_config, self.kv_cache_config, self.cfg, src_tp)
-            self._sources[src_tp] = (split, ks)
-        return self._sources[src_tp]
 
     def _start_save(self) -> None:
         meta, pipe = self._meta, self.pipe

@@ -4,6 +4,10 @@ and ``conftest`` is not a unique module name when several test directories are c
 from __future__ import annotations
 
 import importlib.util
+import signal
+import subprocess
+import time
+from pathlib import Path
 
 import pytest
 
@@ -27,3 +31,23 @@ def start_cluster(hosts: Hosts, *, port: int = 50051, segment: int = 128 * MiB, 
     c = LocalMooncake(host=hosts.addr("b"), segment_size=segment, port=port, metrics_port=port + 2,
                       popen=lambda argv, **k: hosts.popen("b", argv, **k), **kw)
     return c.start()
+
+
+def freeze(proc: subprocess.Popen, timeout_s: float = 5.0) -> None:
+    """SIGSTOP ``proc`` and wait until every one of its threads is stopped: the signal is only
+    queued when ``kill`` returns, and on a loaded machine the master may still answer a call or two
+    before it stops."""
+    proc.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for stat in Path(f"/proc/{proc.pid}/task").glob("*/stat"):
+            try:
+                states.append(stat.read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):
+                continue
+        if states and all(s in ("T", "t", "Z", "X") for s in states):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {proc.pid} did not stop within {timeout_s} s (thread states {states})")
+        time.sleep(0.001)

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mc_cluster import start_cluster
+from mc_cluster import freeze, start_cluster
 from mc_putter import content
 
 from lw_core.backend import BackendError, BackendUnavailable
@@ -98,7 +98,7 @@ def test_frozen_master_every_call_returns_by_its_deadline(hosts, make_client):
     try:
         a = make_client(c, call_timeout_s=1.0)
         put(a, "f1", b"f" * 4096)
-        c.master.send_signal(signal.SIGSTOP)  # `ip netns exec` execs: this pid is the master
+        freeze(c.master)  # `ip netns exec` execs: this pid is the master
         try:
             for call in (lambda: a.lookup(["f1"]), lambda: a.open(["f1"]), lambda: a.reserve(["f2"], 4096)):
                 t0 = time.monotonic()

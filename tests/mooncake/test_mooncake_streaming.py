@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mc_cluster import start_cluster
+from mc_cluster import freeze, start_cluster
 
 from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing, publish_layers, wait_layers
 from lw_dev.streaming_contract import LB, NB, NL, StreamingContract, layer_bytes, read_layer, write_layer
@@ -185,7 +185,7 @@ def test_a_frozen_master_costs_one_deadline_not_one_per_layer(hosts, make_client
     try:
         b = make_client(c, call_timeout_s=1.0, streaming=True)
         (w,) = b.reserve(["q"], NB)
-        c.master.send_signal(signal.SIGSTOP)  # `ip netns exec` execs: this pid is the master
+        freeze(c.master)  # `ip netns exec` execs: this pid is the master
         try:
             t0 = time.monotonic()
             for layer in range(NL):

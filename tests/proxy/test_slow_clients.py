@@ -137,13 +137,14 @@ def test_unauthenticated_metaserver_dribblers_cannot_hold_the_slots():
         async with harness(api_key="k", max_client_connections=1, metaserver_reserved_connections=5,
                            client_header_timeout=10) as h:
             dribblers = [asyncio.ensure_future(_dribble(h.url, "/v1/metaserver")) for _ in range(6)]
-            await asyncio.sleep(0.3)
+            # Refused on the header (401: no token; 503: no token, so no reserve), before the body:
+            # none holds a slot past that (waiting for the refusals, not a fixed pause, so a loaded
+            # machine's slower refusals cannot still hold the one client slot when the request comes).
+            got = await asyncio.gather(*dribblers)
+            assert all(g is not None and g[0] < 1 and g[1] in (401, 503, None) for g in got), got
             status, out = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 2}, headers=auth)
             assert status == 200 and out["choices"][0]["text"] == "".join(generate("p", 2))
             assert h.decoders[0].metaserver_results == [(200, {"status": "ok"})]
-            got = await asyncio.gather(*dribblers)
-            # refused on the header (401: no token; 503: no token, so no reserve), before the body
-            assert all(g is not None and g[0] < 1 and g[1] in (401, 503, None) for g in got), got
 
         async with harness(max_client_connections=1, metaserver_reserved_connections=5, client_header_timeout=10,
                            client_body_timeout=1.0) as h:

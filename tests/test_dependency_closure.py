@@ -176,7 +176,8 @@ NOT_IN_PLAIN_INSTALL: dict[str, dict[str, tuple[set[str], str]]] = {
         # a package that fails to import hides its modules (lw_core.pipeline's __init__ needs numpy)
         "lw_core.backends.embedded", "lw_core.pipeline")},
     "lw-vllm": {m: _VLLM for m in (
-        "lw_vllm.connector", "lw_vllm.copier", "lw_vllm.device_path", "lw_vllm.device_streams", "lw_vllm.meta",
+        "lw_vllm.connector", "lw_vllm.copier", "lw_vllm.device_path", "lw_vllm.device_streams", "lw_vllm.group_blocks",
+        "lw_vllm.load_sources", "lw_vllm.meta",
         "lw_vllm.metrics", "lw_vllm.pd_coordinator", "lw_vllm.pool_lookup", "lw_vllm.scheduler_side",
         "lw_vllm.staging", "lw_vllm.worker_side")},
 }

@@ -35,14 +35,17 @@ def _open(cfg: Any, **kwargs: Any) -> Backend[MemcacheHandle]:
 
 @contextmanager
 def _bench_pool(capacity: int, path: str | None, *, protocol: str = "host_shm",
-                host: str = "127.0.0.1") -> Iterator[dict[str, Any]]:
+                host: str = "127.0.0.1", holder: bool = False) -> Iterator[dict[str, Any]]:
     """A MetaService on ``host`` and this process's client lending ``capacity`` bytes (``path``
     is unused). With host_tcp on another address (``lw-bench backend --host-tcp-netns``) every
-    client's data port is its own host's address, so a reader on another host uses the same file."""
+    client's data port is its own host's address, so a reader on another host uses the same file.
+    ``holder``: a holder process lends the ``capacity`` bytes instead and the clients lend none, so
+    objects outlive the processes that saved them (``lw-bench serve``: one engine saves, a fresh
+    engine loads)."""
     from lw_memcache.local import LocalMemcache
 
     hcom = "0.0.0.0" if protocol in ("host_tcp", "host_rdma") and host != "127.0.0.1" else None
-    with LocalMemcache(dram_bytes=capacity, protocol=protocol, host=host, hcom_host=hcom) as extra:
+    with LocalMemcache(dram_bytes=capacity, protocol=protocol, host=host, hcom_host=hcom, holder=holder) as extra:
         yield dict(extra)
 
 

@@ -7,6 +7,7 @@ key and keeps working with this backend. Loading this module never imports ``moo
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -77,15 +78,30 @@ def _open(cfg: Any, **kwargs: Any) -> Backend[MooncakeHandle]:
 
 
 @contextmanager
-def _bench_pool(capacity: int, path: str | None, *, host: str = "127.0.0.1") -> Iterator[dict[str, Any]]:
+def _bench_pool(capacity: int, path: str | None, *, host: str = "127.0.0.1",
+                port: int | None = None) -> Iterator[dict[str, Any]]:
     """A master and a holder on ``host`` (``path`` is unused). The holder lends 3x ``capacity``:
     Mooncake evicts on its own schedule (at a watermark), so the bench's puts of fresh keys would
     otherwise fail on a full pool; its puts are measured on a pool with room. Mooncake's clients
-    listen on every address of their host: run the bench inside a network namespace."""
+    listen on every address of their host: run the bench inside a network namespace, or give
+    ``port=0``: the master's RPC and metrics ports are then free ones, chosen here, so the pool
+    does not collide with another master on the same host."""
     from lw_mooncake.local import LocalMooncake
 
-    with LocalMooncake(segment_size=3 * capacity, host=host) as pool:
+    rpc, metrics = (50051, 9003) if port is None else _free_ports(host, 2) if port == 0 else (port, port + 2)
+    with LocalMooncake(segment_size=3 * capacity, host=host, port=rpc, metrics_port=metrics) as pool:
         yield pool.extra_config()
+
+
+def _free_ports(host: str, n: int) -> tuple[int, ...]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return tuple(s.getsockname()[1] for s in socks)
+    finally:
+        for s in socks:
+            s.close()
 
 
 PLUGIN = BackendPlugin(name="mooncake", open=_open, keys=MooncakeKeys, check=_check, notes=NOTES,

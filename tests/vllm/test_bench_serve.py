@@ -57,7 +57,11 @@ def test_quick_json_run_reports_pool_hits_and_positive_times() -> None:
         (["--depths", "0"], "--depths"),
         (["--reps", "0"], "--reps"),
         (["--rounds", "0"], "--rounds"),
-        (["--lengths", "4096"], "4096"),
+        (["--lengths", "16384"], "16384"),
+        (["--backend", "redis"], "--backend"),
+        (["--backend", "embedded,embedded"], "--backend"),
+        (["--backend", "memcache", "--disk-dir", "/tmp"], "embedded"),
+        (["--disk-dir", "/nonexistent-dir-of-lw-bench"], "--disk-dir"),
     ],
 )
 def test_bad_arguments_fail_naming_the_flag(argv: list[str], needle: str) -> None:

@@ -5,13 +5,18 @@ hit can only come from the pool (never from an earlier engine's memory).
 
 Job keys: ``model`` (checkpoint directory), ``dtype``, ``block_size``, ``max_model_len``,
 ``kv_cache_memory_bytes``, ``prefix_caching``, ``extra`` (kv_connector_extra_config, or null for
-no connector), ``engine`` (more ``LLM(...)`` keyword arguments, optional) and ``items``: ``[{"id": str, "tokens": [int, ...]}, ...]`` run one at a time, in
+no connector), ``engine`` (more ``LLM(...)`` keyword arguments, optional), ``metrics`` (optional:
+report the connector's pool counters at the end), ``settle_dir`` (optional: before finishing, wait
+until the number of files in this directory -- the disk tier's -- stops changing, so demotions
+still queued are written before the process exits) and ``items``: ``[{"id": str, "tokens": [int, ...]}, ...]`` run one at a time, in
 order, each as its own ``generate`` call with ``max_tokens=1`` so the call's wall time is the
 request's time to first token.
 
 stdout: a line ``LW-SERVE-STARTED <seconds>`` once the engine is up, ``LW-SERVE-ITEM <json>`` per
 item (``id``, ``ttft_s``, ``cached_tokens`` as vLLM reports them, ``pool`` = the connector's
-per-request stats or null) and ``LW-SERVE-DONE`` at the end; everything else is vLLM's log.
+per-request stats or null), with ``metrics``: ``LW-SERVE-METRICS <json>`` (the engine's
+``vllm:lw_pool_*`` counters without that prefix, e.g. ``disk_hits``, ``disk_read_bytes``), and
+``LW-SERVE-DONE`` at the end; everything else is vLLM's log.
 """
 
 from __future__ import annotations
@@ -21,11 +26,13 @@ import os
 import time
 from typing import Any
 
-from lw_bench.engine_proc import emit, in_process_engine, main, read_stats, stats_for
+from lw_bench.engine_proc import emit, in_process_engine, main, settle, stats_for
 
 STARTED = "LW-SERVE-STARTED "
 ITEM = "LW-SERVE-ITEM "
 DONE = "LW-SERVE-DONE"
+METRICS = "LW-SERVE-METRICS "
+_PROM = "vllm:lw_pool_"
 
 
 def run(job: dict[str, Any]) -> None:
@@ -47,6 +54,8 @@ def run(job: dict[str, Any]) -> None:
         "seed": 0,
         **job.get("engine", {}),
     }
+    if job.get("metrics"):
+        kw["disable_log_stats"] = False  # the connector's counters reach llm.get_metrics()
     if job.get("extra") is not None:
         kw["kv_transfer_config"] = {
             "kv_connector": "LayerwiseStoreConnector",
@@ -57,6 +66,8 @@ def run(job: dict[str, Any]) -> None:
     llm = LLM(**kw)
     emit(STARTED + repr(time.perf_counter() - t0))
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    if job.get("metrics"):
+        _poll_step(llm, sp)  # the counters' baseline, before any measured request
     try:
         for item in job["items"]:
             open(stats_path, "w").close()
@@ -67,12 +78,47 @@ def run(job: dict[str, Any]) -> None:
                 "id": item["id"],
                 "ttft_s": ttft,
                 "cached_tokens": out.num_cached_tokens,
-                "pool": stats_for(read_stats(stats_path), out.request_id),
+                "pool": stats_for(settle(llm, stats_path, [out.request_id]), out.request_id),
             }
             emit(ITEM + json.dumps(rec))
+        if job.get("settle_dir"):
+            _settle(job["settle_dir"])
+        if job.get("metrics"):
+            emit(METRICS + json.dumps(_pool_counters(llm, sp)))
     finally:
         os.unlink(stats_path)
     emit(DONE)
+
+
+def _settle(path: str, quiet_s: float = 2.0, limit_s: float = 120.0) -> None:
+    """Wait until the file count in ``path`` has not changed for ``quiet_s`` (at most ``limit_s``)."""
+    last, since, end = -1, time.monotonic(), time.monotonic() + limit_s
+    while time.monotonic() < end:
+        n = len(os.listdir(path)) if os.path.isdir(path) else 0
+        if n != last:
+            last, since = n, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return
+        time.sleep(0.2)
+
+
+def _poll_step(llm: Any, sp: Any) -> None:
+    """One short step (4 tokens: no full chunk, no pool traffic) a second after the last one: the
+    connector polls the pool's own counters at most once a second, in a step, and its first poll is
+    the baseline. Run before the items it makes every item count; after them, every item seen."""
+    time.sleep(1.2)
+    llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], sp, use_tqdm=False)
+
+
+def _pool_counters(llm: Any, sp: Any) -> dict[str, float]:
+    """The connector's counters (``disk_hits``, ``disk_read_bytes``, ...), summed over labels."""
+    _poll_step(llm, sp)
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        if m.name.startswith(_PROM) and hasattr(m, "value"):  # counters (histograms have count, sum)
+            key = m.name[len(_PROM):].removesuffix("_total")
+            out[key] = out.get(key, 0.0) + float(m.value)
+    return out
 
 
 if __name__ == "__main__":

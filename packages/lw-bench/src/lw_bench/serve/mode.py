@@ -37,7 +37,8 @@ returns it as the JSON object, lengths as string keys, times in seconds):
 
 * ``config``: ``model``, ``layers``, ``hidden``, ``dtype``, ``block_size``, ``lengths``, ``reps``,
   ``rounds``, ``depths``, ``tail``, ``threads``, ``kv_bytes_per_token``, ``pool_path``,
-  ``pool_capacity_bytes``, ``headline_depth``, ``max_model_len``, ``kv_cache_memory_bytes``
+  ``pool_capacity_bytes``, ``headline_depth``, ``max_model_len``, ``kv_cache_memory_bytes``,
+  ``backends``; with ``--disk-dir``: ``disk_dir``, ``disk_dram_bytes``, ``disk_capacity_bytes``
 * ``modes``: engine names in first-run order (``save``, ``recompute``, ``bulk``, ``layerwise_d<d>``...)
 * ``ttft_s``: ``{mode: {L: median TTFT of first requests}}``
 * ``local_ttft_s``: ``{mode: {L: median TTFT of second requests}}`` (not for ``save``)
@@ -67,6 +68,14 @@ returns it as the JSON object, lengths as string keys, times in seconds):
 * ``engine_start_s``: ``{mode: median s over its rounds}``; ``runtime_s``; ``loadavg``: the machine's 1-minute load
   average before and after (other work on the machine makes every figure noisier)
 * ``plot``: the PNG path, when ``--plot`` was given (``--save`` writes this same object to a file)
+* ``backend_rows``: ``{backend: {save_mode, hit_mode, save_ttft_s, hit_ttft_s, save_vs_recompute,
+  hit_vs_recompute}}`` by length, for each backend of ``--backend`` (lw_bench.serve.backends: the
+  first backend runs every mode above, each other one ``<backend>/save`` and
+  ``<backend>/layerwise_d<headline_depth>``, on a memcache or Mooncake pool the bench starts)
+* ``disk`` (``--disk-dir``): the embedded pool's disk-hit row (lw_bench.serve.disk: engines
+  ``disk/save`` and ``disk/hit``): ``hit_ttft_s``, ``vs_dram_hit``, ``vs_recompute``,
+  ``read_gbps``, ``seq_read_gbps``, ``read_vs_seq`` (goal ``target`` 0.8), ``disk_hits`` and
+  ``disk_read_bytes`` per disk/hit engine (the connector's counters), ``disk_hits_ok``
 """
 
 from __future__ import annotations
@@ -84,6 +93,7 @@ from typing import Any
 
 import msgspec
 
+from lw_bench.serve import backends, disk
 from lw_bench.serve.result import checked
 from lw_bench.serve.run import EngineError, run_engine
 
@@ -95,6 +105,12 @@ HMA_OFF = "layerwise_hma_off"
 DTYPES = ("float32", "bfloat16")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 _TARGETS = {"hit_vs_recompute": 0.3, "layerwise_vs_bulk": 0.85, "layered_vs_local": 1.0}
+MAX_PROMPT = 16384  # the bench models are built with room for this many tokens when a length needs it
+
+
+def role(mode: str) -> str:
+    """What an engine does, whatever pool it runs on: ``memcache/save`` -> ``save``."""
+    return mode.rsplit("/", 1)[-1]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -106,6 +122,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", choices=MODELS, default="bench", help="bench: 12 layers, hidden 1024; tiny: the 4-layer test model; swa: the bench size with Gemma 3's sliding-window pattern, also run with HMA off (default bench)")
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="model and KV dtype (default float32)")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the engine's compute (default 1; see the module doc)")
+    p.add_argument("--backend", default="embedded", metavar="NAMES",
+                   help="comma-separated pool backends, all in one run: embedded, memcache, mooncake (default embedded). "
+                        "The first gets every mode; the others a save and a layerwise hit engine. memcache and Mooncake "
+                        "are started by the bench on 127.0.0.1 and stopped after (see lw_bench.serve.backends)")
+    p.add_argument("--disk-dir", default=None, metavar="DIR",
+                   help="also measure the embedded pool's disk tier, in a fresh directory under DIR (a local disk, "
+                        "not tmpfs): disk hits from a new, empty DRAM pool against DRAM hits, recompute and DIR's "
+                        "sequential read (see lw_bench.serve.disk); needs embedded in --backend")
     p.add_argument("--pool-path", default=None, help="embedded pool directory (default: a fresh one on /dev/shm, removed after)")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write TTFT vs prefix length per mode (needs matplotlib)")
     p.add_argument("--save", default=None, metavar="OUT.json", help="also write the JSON object to this file (the table is still printed)")
@@ -149,12 +173,15 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     if args.threads < 1:
         raise SystemExit(f"lw-bench serve: --threads={args.threads} must be >= 1")
     max_len = max(lengths) + args.tail
-    if max_len > 4096:
-        raise SystemExit(f"lw-bench serve: longest prompt {max_len} tokens (--lengths + --tail) exceeds the model's 4096")
+    if max_len > MAX_PROMPT:
+        raise SystemExit(f"lw-bench serve: longest prompt {max_len} tokens (--lengths + --tail) exceeds the bench's {MAX_PROMPT}")
+    names = backends.parse(getattr(args, "backend", "embedded"))
+    if getattr(args, "disk_dir", None) and "embedded" not in names:
+        raise SystemExit("lw-bench serve: --disk-dir measures the embedded pool's disk tier: add embedded to --backend")
     spec = _model_spec(args.model)
     kv_per_token = spec["num_hidden_layers"] * 2 * spec["num_key_value_heads"] * spec["head_dim"] * _DTYPE_BYTES[args.dtype]
     saved_tokens = (args.reps + 1) * sum(lengths)
-    return {
+    cfg = {
         "model": args.model,
         "layers": spec["num_hidden_layers"],
         "hidden": spec["hidden_size"],
@@ -173,7 +200,11 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         # Room for a whole sweep (one prefix per length) twice over: a second request needs its
         # first request's blocks still in vLLM's prefix cache.
         "kv_cache_memory_bytes": max(64 << 20, 2 * (sum(lengths) + len(lengths) * 2 * BLOCK_SIZE) * kv_per_token),
+        "backends": names,
     }
+    if getattr(args, "disk_dir", None):
+        disk.configure(cfg, args.disk_dir)
+    return cfg
 
 
 # --- prompts -------------------------------------------------------------------------------------
@@ -191,10 +222,13 @@ def _prompts(cfg: dict[str, Any]) -> dict[tuple[str, int, int], tuple[list[int],
             for i in range(n):
                 prefix = toks(L)
                 out[(kind, L, i)] = (prefix, toks(cfg["tail"]), toks(cfg["tail"]))
+    if cfg.get("disk_dir"):  # disk/save's flush prompts of the longest length: more than its DRAM pool holds
+        for i in range(disk.flush_count(cfg)):
+            out[("flush", max(cfg["lengths"]), i)] = (toks(max(cfg["lengths"])), toks(cfg["tail"]), [])
     return out
 
 
-def _items(cfg: dict[str, Any], prompts: dict, *, second: bool) -> list[dict[str, Any]]:
+def _items(cfg: dict[str, Any], prompts: dict, *, second: bool, flush: bool = False) -> list[dict[str, Any]]:
     # Warm-ups first, then the measured prefixes rep-major, so drifts in the machine's load spread
     # over every length instead of landing on one. Within a sweep, every first request runs before
     # the second requests, so that (but for one) a second request follows another light one, not
@@ -209,23 +243,27 @@ def _items(cfg: dict[str, Any], prompts: dict, *, second: bool) -> list[dict[str
         for kind, L, i in sweep if second else ():
             prefix, _, t1 = prompts[(kind, L, i)]
             items.append({"id": f"{kind}/{L}/{i}/second", "tokens": prefix + t1})
+    for kind, L, i in sorted(k for k in prompts if k[0] == "flush") if flush else ():
+        prefix, t0, _ = prompts[(kind, L, i)]
+        items.append({"id": f"{kind}/{L}/{i}/first", "tokens": prefix + t0})
     return items
 
 
 def _schedule(names: list[str], rounds: int) -> list[str]:
-    """Engine run order: ``save`` once, then every measured mode once per round, the order
+    """Engine run order: every save engine once, then every measured mode once per round, the order
     reversed on odd rounds, so a spell of load from other work on the machine is spread over
     the modes instead of landing on one of them."""
-    measured = [n for n in names if n != "save"]
-    order = ["save"]
+    order = [n for n in names if role(n) == "save"]
+    measured = [n for n in names if role(n) != "save"]
     for r in range(rounds):
         order += measured if r % 2 == 0 else measured[::-1]
     return order
 
 
-def _modes(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any] | None, bool]]:
-    """``(name, extra config or None, vLLM prefix cache on)`` in run order."""
-    base = {"embedded_path": cfg["pool_path"], "embedded_capacity_bytes": cfg["pool_capacity_bytes"]}
+def _modes(cfg: dict[str, Any], extras: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any] | None, bool]]:
+    """``(name, extra config or None, vLLM prefix cache on)`` in run order; ``extras``: each
+    backend's pool keys (lw_bench.serve.backends.stores)."""
+    base = extras[cfg["backends"][0]]
     modes = [
         ("save", {**base, "use_layerwise": True}, False),
         ("recompute", None, True),
@@ -234,6 +272,9 @@ def _modes(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any] | None, bool]]
     modes += [(f"layerwise_d{d}", {**base, "use_layerwise": True, "layerwise_prefetch_layers": d}, True) for d in cfg["depths"]]
     if cfg["model"] == "swa":
         modes.append((HMA_OFF, {**base, "use_layerwise": True, "layerwise_prefetch_layers": cfg["headline_depth"]}, True))
+    modes += backends.modes(cfg, extras)
+    if cfg.get("disk_dir"):
+        modes += disk.modes(cfg)
     return modes
 
 
@@ -244,52 +285,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = _config(args)
     if args.plot:
         _require_matplotlib()
-    from tqdm import tqdm
-
     from lw_bench import models
 
     t_start = time.perf_counter()
     load_before = os.getloadavg()[0]
-    model_dir = str(models.build_model(_model_spec(cfg["model"])))
+    # A model with room for the longest prompt (the usual 4096 unless a length needs more).
+    room = 4096 if cfg["max_model_len"] <= 4096 else MAX_PROMPT + 2 * BLOCK_SIZE
+    model_dir = str(models.build_model(_model_spec(cfg["model"]), max_len=room))
     own_pool = args.pool_path is None
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else os.environ.get("TMPDIR", "/tmp")
     cfg["pool_path"] = args.pool_path or os.path.join(base, f"lw-bench-serve-{uuid.uuid4().hex[:8]}")
-    prompts = _prompts(cfg)
-    modes = _modes(cfg)
-    jobs = {}
-    for name, extra, prefix_caching in modes:
-        items = _items(cfg, prompts, second=name != "save")
-        jobs[name] = {
-            "model": model_dir, "dtype": cfg["dtype"], "block_size": BLOCK_SIZE,
-            "max_model_len": cfg["max_model_len"], "kv_cache_memory_bytes": cfg["kv_cache_memory_bytes"],
-            "prefix_caching": prefix_caching, "extra": extra, "items": items,
-            "engine": {"disable_hybrid_kv_cache_manager": True} if name == HMA_OFF else {},
-        }
-    schedule = _schedule([m[0] for m in modes], cfg["rounds"])
-    env = {"OMP_NUM_THREADS": str(cfg["threads"])}
-    records: dict[str, list[dict[str, Any]]] = {}
-    starts: dict[str, list[float]] = {}
-    total = sum(len(jobs[name]["items"]) + 1 for name in schedule)
     try:
-        with tqdm(total=total, desc="lw-bench serve", unit="step", file=sys.stderr) as bar:
-            for name in schedule:
-                job = jobs[name]
-                bar.set_postfix_str(f"{name}: starting engine")
-
-                def on_event(kind: str, payload: Any, name: str = name) -> None:
-                    bar.update(1)
-                    bar.set_postfix_str(name)
-
-                try:
-                    start_s, recs = run_engine(job, env=env, timeout_s=args.engine_timeout_s, on_event=on_event)
-                except EngineError as e:
-                    raise SystemExit(f"lw-bench serve: engine '{name}' failed: {e}") from None
-                starts.setdefault(name, []).append(start_s)
-                records.setdefault(name, []).extend(recs)
+        with backends.stores(cfg) as extras:
+            modes = _modes(cfg, extras)
+            records, starts, counters, seq = _run_engines(args, cfg, model_dir, modes)
     finally:
         if own_pool:
             shutil.rmtree(cfg["pool_path"], ignore_errors=True)
+        disk.cleanup(cfg)
     result = summarize(cfg, [m[0] for m in modes], records)
+    result["backend_rows"] = backends.rows(cfg, result["ttft_s"])
+    if cfg.get("disk_dir"):
+        result["disk"] = disk.rows(cfg, result, backends.hit_mode(cfg, "embedded"), seq, counters.get(disk.HIT, []))
+        if not result["disk"]["disk_hits_ok"]:
+            result["checks"]["problems"] = (result["checks"]["problems"] + [
+                f"disk/hit engines counted disk_hits {result['disk']['disk_hits']}: a hit did not come from disk"])[:20]
     result["engine_start_s"] = {m: statistics.median(v) for m, v in starts.items()}
     result["runtime_s"] = time.perf_counter() - t_start
     result["loadavg"] = {"before": load_before, "after": os.getloadavg()[0]}
@@ -303,6 +323,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not getattr(args, "json", False):
         print_table(result)
     return result
+
+
+def _run_engines(args: argparse.Namespace, cfg: dict[str, Any], model_dir: str,
+                 modes: list[tuple[str, dict[str, Any] | None, bool]]) -> tuple[dict, dict, dict, list[float]]:
+    """Every engine in schedule order: (records, start times, pool counters by mode, the disk
+    tier directory's sequential reads)."""
+    from tqdm import tqdm
+
+    prompts = _prompts(cfg)
+    jobs = {}
+    for name, extra, prefix_caching in modes:
+        items = _items(cfg, prompts, second=role(name) != "save", flush=name == disk.SAVE)
+        jobs[name] = {
+            "model": model_dir, "dtype": cfg["dtype"], "block_size": BLOCK_SIZE,
+            "max_model_len": cfg["max_model_len"], "kv_cache_memory_bytes": cfg["kv_cache_memory_bytes"],
+            "prefix_caching": prefix_caching, "extra": extra, "items": items,
+            "engine": {"disable_hybrid_kv_cache_manager": True} if name == HMA_OFF else {},
+            **({"settle_dir": cfg["disk_dir"]} if name == disk.SAVE else {}),
+            **({"metrics": True} if name == disk.HIT else {}),
+        }
+    schedule = _schedule([m[0] for m in modes], cfg["rounds"])
+    env = {"OMP_NUM_THREADS": str(cfg["threads"])}
+    records: dict[str, list[dict[str, Any]]] = {}
+    starts: dict[str, list[float]] = {}
+    counters: dict[str, list[dict[str, float]]] = {}
+    seq: list[float] = []
+    total = sum(len(jobs[name]["items"]) + 1 for name in schedule)
+    with tqdm(total=total, desc="lw-bench serve", unit="step", file=sys.stderr) as bar:
+        for name in schedule:
+            job = jobs[name]
+            bar.set_postfix_str(f"{name}: starting engine")
+            if name == disk.HIT:  # a new, empty DRAM pool; the tier's files out of the page cache
+                job = disk.fresh_dram(job, cfg)
+                disk.drop_cache(cfg["disk_dir"])
+                seq.append(disk.sequential_read_gbps(os.path.dirname(cfg["disk_dir"]), max(cfg["lengths"]) * cfg["kv_bytes_per_token"]))
+
+            def on_event(kind: str, payload: Any, name: str = name) -> None:
+                bar.update(1)
+                bar.set_postfix_str(name)
+
+            try:
+                start_s, recs, pool = run_engine(job, env=env, timeout_s=args.engine_timeout_s, on_event=on_event)
+            except EngineError as e:
+                raise SystemExit(f"lw-bench serve: engine '{name}' failed: {e}") from None
+            starts.setdefault(name, []).append(start_s)
+            records.setdefault(name, []).extend(recs)
+            if job.get("metrics"):
+                counters.setdefault(name, []).append(pool)
+    return records, starts, counters, seq
 
 
 # --- figures -------------------------------------------------------------------------------------
@@ -326,7 +395,7 @@ def summarize(cfg: dict[str, Any], modes: list[str], records: dict[str, list[dic
         for rec in records.get(mode, []):
             kind, L, _, which = rec["id"].split("/")
             pool = rec["pool"] or {}
-            if mode == "save" and which == "first":
+            if role(mode) == "save" and which == "first":
                 if pool.get("saved_chunks") != int(L) // bs:
                     ok["saved_ok"] = False
                     problems.append(f"{mode} {rec['id']}: saved {pool.get('saved_chunks')} chunks, expected {int(L) // bs}")
@@ -342,15 +411,15 @@ def summarize(cfg: dict[str, Any], modes: list[str], records: dict[str, list[dic
                 continue
             samples[mode][L][which].append(rec["ttft_s"])
             if which == "first":
-                n = pool.get("saved_chunks", 0) * bs if mode == "save" else pool.get("loaded_tokens", 0)
+                n = pool.get("saved_chunks", 0) * bs if role(mode) == "save" else pool.get("loaded_tokens", 0)
                 hits[mode][L].append(n or 0)
-                if mode not in ("save", "recompute"):
+                if role(mode) not in ("save", "recompute"):
                     moved[mode][L].append(pool.get("loaded_bytes") or 0)
 
     lengths = [str(L) for L in cfg["lengths"]]
-    pool_modes = [m for m in modes if m not in ("save", "recompute")]
+    pool_modes = [m for m in modes if role(m) not in ("save", "recompute")]
     ttft = {m: {L: _median(samples[m][L]["first"]) for L in lengths} for m in modes}
-    local = {m: {L: _median(samples[m][L]["second"]) for L in lengths} for m in modes if m != "save"}
+    local = {m: {L: _median(samples[m][L]["second"]) for L in lengths} for m in modes if role(m) != "save"}
     load = {
         m: {L: _median([a - b for a, b in zip(samples[m][L]["first"], samples[m][L]["second"])]) for L in lengths}
         for m in pool_modes
@@ -417,7 +486,7 @@ def print_table(r: dict[str, Any]) -> None:
     for L in lengths:
         print(f"  {L:>6} " + "".join(f"{_ms(r['ttft_s'][m][L]):>{w}}" for m in modes))
     print("  pool hit tokens at the longest prefix: " + ", ".join(f"{m} {r['pool_hit_tokens'][m][lengths[-1]]}" for m in modes))
-    lm = [m for m in modes if m != "save"]
+    lm = [m for m in modes if role(m) != "save"]
     print("second request (vLLM prefix cache hit; recompute = the cache alone, others = pool layered over it)")
     print("  prefix " + "".join(f"{m:>{w}}" for m in lm))
     for L in lengths:
@@ -442,6 +511,9 @@ def print_table(r: dict[str, Any]) -> None:
     )
     for key, vals in r["ratios"].items():
         print(f"  {key}: " + ", ".join(f"{k} {fmt(v)}" for k, v in vals.items()))
+    backends.print_rows(r)
+    if r.get("disk"):
+        disk.print_rows(r["disk"], lengths)
     ck = r["checks"]
     print(
         f"checks: pool_hits_ok={ck['pool_hits_ok']} local_hits_ok={ck['local_hits_ok']} saved_ok={ck['saved_ok']}"
@@ -479,7 +551,7 @@ def _plot(r: dict[str, Any], out: str) -> None:
     a1.set_yscale("log")
     a1.set_title("first request of a prefix", fontsize=10)
     for m in r["modes"]:
-        if m in ("save", "recompute"):
+        if role(m) in ("save", "recompute"):
             continue
         color, _ = style.get(m, (None, "-"))
         a2.plot(xs, [(r["ttft_s"][m][L] or float("nan")) * 1e3 for L in lengths], marker="o", color=color, label=f"{m} (pool hit)")

@@ -25,7 +25,7 @@ class ServeBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     hidden: Positive
     dtype: Literal["float32", "bfloat16"]
     block_size: Positive
-    lengths: list[Annotated[int, Meta(ge=32, le=4096)]]  # shared-prefix lengths, multiples of block_size
+    lengths: list[Annotated[int, Meta(ge=32, le=16384)]]  # shared-prefix lengths, multiples of block_size
     reps: Positive
     rounds: Positive
     depths: list[Positive]  # layerwise prefetch depths
@@ -37,6 +37,11 @@ class ServeBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     max_model_len: Positive
     kv_cache_memory_bytes: Positive
     pool_path: str | None = None  # the embedded pool's directory (set by run)
+    backends: list[Literal["embedded", "memcache", "mooncake"]] = msgspec.field(default_factory=lambda: ["embedded"])
+    # --disk-dir: the disk tier's directory, the disk/save engine's DRAM pool and the tier's capacity
+    disk_dir: str | None = None
+    disk_dram_bytes: Positive | None = None
+    disk_capacity_bytes: Positive | None = None
 
 
 class Samples(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -70,6 +75,35 @@ class Checks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     problems: Annotated[list[str], Meta(max_length=20)]  # the first 20
 
 
+class BackendRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One backend's main-job rows (lw_bench.serve.backends)."""
+
+    save_mode: str  # the engine of its miss + save
+    hit_mode: str  # the engine of its pool hits (layerwise, headline depth)
+    save_ttft_s: ByLength
+    hit_ttft_s: ByLength
+    save_vs_recompute: ByLength  # save overhead: miss + save TTFT / no-pool TTFT
+    hit_vs_recompute: ByLength
+
+
+class DiskRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The embedded pool's disk-hit row (lw_bench.serve.disk)."""
+
+    path: str  # the tier's directory
+    dram_bytes: Positive  # the disk/save engine's DRAM pool
+    hit_ttft_s: ByLength  # disk hit, first request
+    vs_dram_hit: ByLength  # / the embedded DRAM hit at the same depth
+    vs_recompute: ByLength
+    read_gbps: ByLength  # bytes read per hit / (first - second TTFT), GB/s
+    seq_read_gbps: list[Annotated[float, Meta(gt=0)]]  # the directory's sequential read, one per disk/hit engine
+    read_vs_seq: ByLength  # read_gbps / median sequential read
+    disk_hits: list[Annotated[int, Meta(ge=0)]]  # the connector's disk_hits counter, per disk/hit engine
+    disk_read_bytes: list[Annotated[int, Meta(ge=0)]]
+    expected_hits: Annotated[int, Meta(ge=0)]  # chunks the first requests of one engine loaded (= disk_hits when all came from disk)
+    disk_hits_ok: bool  # every disk/hit engine counted disk hits
+    target: float  # goal for read_vs_seq
+
+
 class LoadAverage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     before: Seconds
     after: Seconds
@@ -91,6 +125,8 @@ class ServeBenchResult(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     runtime_s: Seconds
     loadavg: LoadAverage  # the machine's 1-minute load average
     plot: str | None = None  # --plot: the PNG written
+    backend_rows: dict[str, BackendRow] = msgspec.field(default_factory=dict)  # backend -> its rows
+    disk: DiskRow | None = None  # --disk-dir
 
 
 def checked(result: dict) -> ServeBenchResult:

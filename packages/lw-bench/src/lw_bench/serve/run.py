@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lw_bench.serve.engine import DONE, ITEM, STARTED
+from lw_bench.serve.engine import DONE, ITEM, METRICS, STARTED
 
 
 class EngineError(RuntimeError):
@@ -27,8 +27,9 @@ def run_engine(
     env: dict[str, str] | None = None,
     timeout_s: float,
     on_event: Callable[[str, Any], None] | None = None,
-) -> tuple[float, list[dict[str, Any]]]:
-    """Start the engine, feed it ``job``; returns (engine start seconds, item records).
+) -> tuple[float, list[dict[str, Any]], dict[str, float]]:
+    """Start the engine, feed it ``job``; returns (engine start seconds, item records, pool counters
+    (empty unless the job asked for ``metrics``)).
 
     ``on_event("started" | "item", payload)`` is called as results arrive (for a progress bar).
     Raises EngineError with the tail of the engine's output when it fails or runs past the deadline.
@@ -56,6 +57,7 @@ def run_engine(
     threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + timeout_s
     started, items, done = None, [], False
+    metrics: dict[str, float] = {}
     try:
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(job))
@@ -79,6 +81,8 @@ def run_engine(
                 items.append(rec)
                 if on_event:
                     on_event("item", rec)
+            elif line.startswith(METRICS):
+                metrics = json.loads(line[len(METRICS):])
             elif line.startswith(DONE):
                 done = True
             else:
@@ -89,7 +93,7 @@ def run_engine(
             except subprocess.TimeoutExpired:
                 rc = "no exit status"
             raise EngineError(f"engine stopped with {rc} before finishing; last output:\n" + "".join(tail))
-        return started, items
+        return started, items, metrics
     finally:
         # A finished engine exits on its own (os._exit); anything else is killed, never waited on.
         try:

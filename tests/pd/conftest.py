@@ -49,6 +49,11 @@ def mla_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
+def swa_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from _stack("swa", GQA_METASERVER_TIMEOUT_S, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def meta() -> Iterator[FakeMetaserver]:
     s = FakeMetaserver()
     yield s

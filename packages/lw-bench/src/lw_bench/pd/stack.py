@@ -257,7 +257,8 @@ def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout
     from lw_bench import models
 
     mla = model == "mla"
-    model_dir = str(models.mla_model() if mla else models.gqa_model())
+    # swa: the sliding-window hybrid, run with vLLM's hybrid KV cache manager (its blocks are 32).
+    model_dir = str({"mla": models.mla_model, "swa": models.swa_model}.get(model, models.gqa_model)())
     block = 16 if mla else (block_size or 32)  # vLLM's CPU MLA backend forces 16
     extra = {"embedded_path": pool_path, "embedded_capacity_bytes": 64 << 20, "use_layerwise": True,
              "metaserver_timeout_s": metaserver_timeout_s, **(extra or {})}

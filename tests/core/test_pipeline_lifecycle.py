@@ -20,11 +20,15 @@ def test_close_is_idempotent_and_leaves_no_threads():
     before = set(threading.enumerate())
     layout = make_layout(2, 16)
     pipe = make(layout, load_threads=2, save_threads=2)
-    assert len(pipe.threads()) == 4 and all(t.daemon for t in pipe.threads())
+    assert len(pipe.threads()) == 5 and all(t.daemon for t in pipe.threads())  # + the reserve thread
     pipe.start_save([ReqSave("r", ["a"], [0])])
     for layer in range(2):
         pipe.save_layer(layer)
     assert pipe.finish_save().ok
+    pipe.start_save([ReqSave("r", ["b"], [1])])
+    for layer in range(2):
+        pipe.save_layer(layer)
+    pipe.finish_save_in_background(None)  # its finisher thread ends with the pipeline too
     pipe.close()
     pipe.close()
     assert pipe.threads() == []

@@ -4,6 +4,7 @@
 * ``context`` — ``PipelineLimits`` (its checked arguments) and ``StepContext``, the frozen state a
   step gets (never the pipeline itself);
 * ``load`` / ``save`` — ``LoadStep`` and ``SaveStep``, one step's loads and saves;
+* ``save_finisher`` — ``SaveFinisher``, save steps waited for and committed in the background;
 * ``pool`` — worker threads, deadline-bounded calls, staging buffers, the bounded error log;
 * ``results`` — ``LoadResult`` / ``SaveResult``, what a step reports back;
 * ``copier`` — the ``Copier`` protocol (KV cache <-> host bytes) the pipeline moves blocks with;

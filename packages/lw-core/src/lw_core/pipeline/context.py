@@ -93,6 +93,9 @@ class StepContext:
     limits: PipelineLimits
     load_pool: WorkerPool
     save_pool: WorkerPool
+    # Reservations run apart from the save workers: a step's reserve (on the forward thread's path)
+    # must not queue behind earlier steps' writes still running in the background.
+    reserve_pool: WorkerPool
     staging: StagingPool
     sleep: Callable[[float], None]  # the stagger's clock (tests record it)
     views: ViewFlags = field(default_factory=ViewFlags)

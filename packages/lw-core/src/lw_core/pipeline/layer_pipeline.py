@@ -10,6 +10,7 @@ The vLLM connector drives it from the forward thread::
         pipe.save_layer(L)               # save_kv_layer
     load = pipe.finish_load()            # failed blocks -> kv_load_failure_policy
     save = pipe.finish_save()            # wait_for_save: commit complete objects
+    # or pipe.finish_save_in_background(tag), then later pipe.take_background_saves()
 
 Nothing here raises for pool failures or blocks past a deadline: errors, stuck stores and missed
 deadlines come back in ``LoadResult`` / ``SaveResult``. Programming errors (a layer out of range,
@@ -32,6 +33,7 @@ from lw_core.pipeline.load import LoadStep
 from lw_core.pipeline.pool import StagingPool, WorkerPool, describe, log
 from lw_core.pipeline.results import LoadResult, SaveResult
 from lw_core.pipeline.save import SaveStep
+from lw_core.pipeline.save_finisher import SaveFinisher
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_core.validation import convert_strict
 
@@ -71,11 +73,13 @@ class LayerPipeline:
             limits=lim,
             load_pool=WorkerPool("lw-load", lim.load_threads, lim.max_stuck_threads),
             save_pool=WorkerPool("lw-save", lim.save_threads, lim.max_stuck_threads),
+            reserve_pool=WorkerPool("lw-reserve", 1, lim.max_stuck_threads),
             staging=StagingPool(copier.wait, alloc=getattr(copier, "host_buffer", None)),
             sleep=sleep,
         )
         self._load: LoadStep | None = None
         self._save: SaveStep | None = None
+        self._finisher = SaveFinisher()
         self._closed = False
 
     @property
@@ -195,6 +199,30 @@ class LayerPipeline:
         res.errors += self.ctx.background.take()
         return res
 
+    def finish_save_in_background(self, tag: Any) -> None:
+        """Like ``finish_save``, but the wait and the commit run on a background thread; the
+        result comes back with ``tag`` from ``take_background_saves``. The caller must leave the
+        step's KV blocks alone until then. Bulk mode queues every layer's copy here."""
+        step, self._save = self._save, None
+        if step is None:
+            return
+        if not self.layerwise and step.n:
+            for layer in range(self.layout.num_layers):
+                self._submit_save(step, layer)
+        self._finisher.submit(step, tag)
+
+    def take_background_saves(self) -> list[tuple[SaveResult, Any]]:
+        """Results of the background saves finished since the last call, with their tags."""
+        return self._finisher.take()
+
+    def pending_background_saves(self) -> list[Any]:
+        """Tags of the background saves not finished yet."""
+        return self._finisher.pending_tags()
+
+    def wait_background_saves(self, timeout_s: float) -> bool:
+        """Block until every background save finished (``True``) or ``timeout_s`` passed."""
+        return self._finisher.wait_idle(timeout_s)
+
     # --- lifecycle ---
     def close(self, timeout_s: float = 2.0) -> None:
         """Finish open steps (no late copies; leases released, reservations aborted) and stop the
@@ -203,6 +231,9 @@ class LayerPipeline:
             return
         load, self._load = self._load, None
         save, self._save = self._save, None
+        # Background saves end first: they hold their own deadlines (save_timeout_s per wait).
+        if not self._finisher.close(max(timeout_s, 3 * self.limits.save_timeout_s)):
+            log.warning("close: background saves still running after the deadline; their objects stay uncommitted")
         for finish in (lambda: load and load.finish(self.layerwise), lambda: save and save.finish()):
             try:
                 res = finish()
@@ -211,13 +242,15 @@ class LayerPipeline:
             except Exception:
                 log.exception("close: finishing an open step failed")
         self._closed = True
-        stuck = self.ctx.load_pool.close(timeout_s) + self.ctx.save_pool.close(timeout_s)
+        stuck = (self.ctx.load_pool.close(timeout_s) + self.ctx.save_pool.close(timeout_s)
+                 + self.ctx.reserve_pool.close(timeout_s))
         if stuck:
             log.warning("close: %d worker threads are stuck in backend calls: %s", len(stuck), [t.name for t in stuck])
 
     def threads(self) -> list[threading.Thread]:
         """Live worker threads (for tests and metrics)."""
-        return [t for t in self.ctx.load_pool.threads() + self.ctx.save_pool.threads() if t.is_alive()]
+        pools = (self.ctx.load_pool, self.ctx.save_pool, self.ctx.reserve_pool)
+        return [t for p in pools for t in p.threads() if t.is_alive()]
 
     def __enter__(self) -> LayerPipeline:
         return self

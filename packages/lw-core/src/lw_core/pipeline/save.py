@@ -64,8 +64,9 @@ class SaveStep:
         if not self.all_keys:
             return
         ctx, keys = self.ctx, self.all_keys
-        call = ctx.call(ctx.save_pool, lambda: ctx.backend.reserve(keys, ctx.layout.nbytes), on_late=self._abort_late)
+        call = ctx.call(ctx.reserve_pool, lambda: ctx.backend.reserve(keys, ctx.layout.nbytes), on_late=self._abort_late)
         if not call.wait(ctx.limits.save_timeout_s):
+            ctx.reserve_pool.unstick()  # the next step's reserve gets a fresh thread
             self.failed_early = list(keys)
             self.errors.add(f"backend.reserve of {len(keys)} objects missed its {ctx.limits.save_timeout_s}s deadline")
             return

@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,25 @@ def read_stats(path: str) -> dict[str, Any]:
                 rec = json.loads(line)
                 out[rec["req_id"]] = rec
     return out
+
+
+def settle(llm: Any, stats_path: str, request_ids: list[str], timeout_s: float = 60.0) -> dict[str, Any]:
+    """The stats records of ``request_ids`` once the engine has ended them. ``LLM.generate`` returns
+    when the last token is out, but a request whose KV blocks vLLM frees late (the connector's
+    background saves) ends, and gets its stats line, in a later step: an in-process engine is
+    stepped until its scheduler holds no finished request; a multi-process engine core steps on
+    its own, so its lines are awaited (while some request has one at all: a connector runs)."""
+    deadline = time.monotonic() + timeout_s
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
+    sched = getattr(core, "scheduler", None)
+    if sched is not None:
+        while sched.has_requests() and time.monotonic() < deadline:
+            llm.llm_engine.step()
+    stats = read_stats(stats_path)
+    while stats and any(stats_for(stats, r) is None for r in request_ids) and time.monotonic() < deadline:
+        time.sleep(0.02)
+        stats = read_stats(stats_path)
+    return stats
 
 
 def stats_for(stats: dict[str, Any], request_id: str) -> Any:

@@ -79,6 +79,10 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     layer_wait_timeout_s: Seconds = 5.0
     lookup_timeout_s: Seconds = 1.0
     save_timeout_s: Seconds = 10.0
+    # kv_both: a step's saves finish (wait for the layers, commit) on a background thread while the
+    # engine goes on; the request's blocks stay allocated until they are done (vLLM's delayed
+    # freeing). False: each step waits for its saves, as PD prefillers always do.
+    save_in_background: bool = True
     metaserver_timeout_s: Seconds = 30.0
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     # Streaming PD (docs/guide/streaming-pd.md): the prefiller publishes each layer of its reservations

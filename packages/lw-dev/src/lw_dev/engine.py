@@ -32,7 +32,7 @@ import shutil
 import time
 from typing import Any
 
-from lw_bench.engine_proc import emit, in_process_engine, main, read_stats, stats_for
+from lw_bench.engine_proc import emit, in_process_engine, main, settle, stats_for
 
 RESULT_MARK = "LW-ENGINE-RESULT "
 
@@ -177,7 +177,7 @@ def generate_phase(llm: Any, prompts: list[Any], sp: Any, stats_path: str,
     t = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False, lora_request=lora)
     wall = time.perf_counter() - t
-    stats = read_stats(stats_path)
+    stats = settle(llm, stats_path, [o.request_id for o in outs])
     res = []
     for o in outs:
         c = o.outputs[0]

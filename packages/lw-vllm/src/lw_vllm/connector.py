@@ -101,14 +101,22 @@ class LayerwiseStoreConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        # Loads and saves complete inside their step, except streaming PD receives (pd_streaming).
-        recving = self._worker.get_finished(finished_req_ids) if self._worker is not None else None
-        return None, recving
+        # Sending: requests freed late whose background saves are done (save_in_background).
+        # Receiving: streaming PD receives and hybrid models' loads; other loads end in their step.
+        if self._worker is None:
+            return None, None
+        recving = self._worker.get_finished(finished_req_ids)
+        return self._worker.take_finished_sending(), recving
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        _, recving = self.get_finished(finished_req_ids)
+        sending, recving = self.get_finished(finished_req_ids)
         failed = self._worker.take_failed_recving() if self._worker is not None else set()
-        return KVConnectorTransferResults(finished_recving=set(recving or ()), failed_recving=failed)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()), finished_recving=set(recving or ()),
+                                          failed_recving=failed)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if self._worker is not None:
+            self._worker.handle_preemptions(kv_connector_metadata)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -46,6 +46,11 @@ class LayerwiseMeta(KVConnectorMetadata):
         # Layerwise mode, but this step's forward computes next to nothing (e.g. a PD decoder's last
         # prompt token): no compute to overlap, so every layer loads at once before the forward.
         self.bulk_load = bulk_load
+        # Background saves (pool.saves_in_background): requests vLLM now frees only once this worker
+        # lists them in finished_sending, i.e. once no save of theirs is running; and this step's
+        # preempted requests, whose blocks vLLM frees at once (handle_preemptions waits for their saves).
+        self.free_late: list[str] = []
+        self.preempted: list[str] = []
 
     def __repr__(self) -> str:
         return (f"LayerwiseMeta(loads={len(self.loads)}, saves={len(self.saves)}, bulk_load={self.bulk_load}, "

@@ -55,6 +55,9 @@ _WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0
 HISTOGRAMS: dict[str, tuple[str, str, tuple[float, ...]]] = {
     "layer_wait_s": ("vllm:lw_pool_layer_wait_seconds",
                      "Time the forward pass waited for one layer's pool load", _WAIT_BUCKETS),
+    "save_wait_s": ("vllm:lw_pool_save_wait_seconds",
+                    "Time a step waited for pool saves (the step's own, or a preempted request's background ones)",
+                    _WAIT_BUCKETS),
     "metaserver_wait_s": ("vllm:lw_pool_metaserver_wait_seconds",
                           "Time a decoder waited for its remote prefill (metaserver answer)",
                           _WAIT_BUCKETS + (30.0, 60.0, 120.0)),

@@ -131,6 +131,15 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
         )
 
 
+def saves_in_background(cfg: PoolConfig, kv_role: str, kv_cache_config: Any) -> bool:
+    """Whether a step's saves finish in the background (``save_in_background``): kv_both only (a PD
+    decoder depends on the prefiller's commit), not streaming PD, and one KV cache group (vLLM frees
+    a sliding window's blocks while the request runs, so a late save could read reused blocks).
+    The scheduler and every worker decide it alike: it says which finished requests free late."""
+    return (cfg.save_in_background and kv_role == "kv_both" and not cfg.pd_streaming
+            and len(kv_cache_config.kv_cache_groups) == 1)
+
+
 def block_size(kv_cache_config: Any) -> int:
     return kv_cache_config.kv_cache_groups[anchor_group(kv_cache_config)].kv_cache_spec.block_size
 

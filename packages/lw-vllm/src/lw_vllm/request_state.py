@@ -102,6 +102,7 @@ class ReqState:
     loaded_bytes: int = 0
     failed_blocks: int = 0
     saved_chunks: int = 0
+    save_planned: bool = False  # a save of this request was sent to the workers (background saves)
     prompt_len: int = 0
     remote: RemotePrefill | None = None  # PD decoder: None until known to be a remote prefill
     last_xfer_build: int = -1  # build_connector_meta index of this request's latest load/save

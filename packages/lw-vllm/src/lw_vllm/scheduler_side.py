@@ -113,6 +113,11 @@ class SchedulerSide:
         self.can_load = (role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load)
                          or (role == "kv_producer" and cfg.producer_is_to_load))
         self.can_save = role in ("kv_both", "kv_producer") or (role == "kv_consumer" and cfg.consumer_is_to_put)
+        # Background saves (pool.saves_in_background): a finished request that had saves planned keeps
+        # its blocks until every worker reports them done (finished_sending); ``sending`` holds it.
+        self.background = pool.saves_in_background(cfg, role, kv_cache_config)
+        self.sending: dict[str, ReqState] = {}
+        self._free_late: list[str] = []
         if self.inert:
             self.can_load = self.can_save = False
         self.backend = pool.acquire_backend(cfg)
@@ -260,6 +265,9 @@ class SchedulerSide:
         self.pd.begin_step(self._builds, empty)
         self.stats.flush(older_than=self._builds - 1 - self._lag)
         meta = LayerwiseMeta()
+        meta.free_late, self._free_late = self._free_late, []
+        if self.background:
+            meta.preempted = list(getattr(so, "preempted_req_ids", None) or ())
         bs = self.block_size
         scheduled: list[tuple[ReqState, int]] = []
         for nr in so.scheduled_new_reqs:
@@ -309,6 +317,7 @@ class SchedulerSide:
                 if full > st.saved_upto:
                     for a, b in self.groups.savable_runs(st, st.saved_upto, full):
                         meta.saves.append(self.groups.xfer(st, hashes, a, b))
+                        st.save_planned = True
                     st.saved_upto = full
                     st.last_xfer_build = self._builds
             partial = self.pd.partial_save(st, computed_after)
@@ -331,12 +340,15 @@ class SchedulerSide:
         wm = getattr(out, "kv_connector_worker_meta", None)
         if isinstance(wm, LayerwiseWorkerMeta):
             self._apply_report(wm)
+        for rid in getattr(out, "finished_sending", None) or ():  # background saves done: vLLM frees now
+            if rid in self.sending:
+                self.stats.finished(self.sending.pop(rid), self._builds)
         # vLLM finishes requests before it hands the connector the step's report (same call).
         self.stats.flush()
 
     def _apply_report(self, wm: LayerwiseWorkerMeta) -> None:
         def get(rid: str) -> ReqState | None:
-            return self.reqs.get(rid) or self.stats.finishing(rid)
+            return self.reqs.get(rid) or self.sending.get(rid) or self.stats.finishing(rid)
 
         for rid, n in wm.loaded.items():
             if (st := get(rid)) is not None:
@@ -364,15 +376,24 @@ class SchedulerSide:
         if st is not None:
             st.t["finished"] = time.time()
         self.pd.request_finished(req.request_id, st)
+        if st is not None and self.background and st.save_planned:
+            # Its saves may still read these blocks: vLLM frees them when every worker lists the
+            # request in finished_sending (workers learn of it from the next step's free_late).
+            self.sending[req.request_id] = st
+            self._free_late.append(req.request_id)
+            return True, None
         if st is not None:
             self.stats.finished(st, self._builds)
-        # Saves complete inside their step: nothing still reads these blocks.
+        # Its saves (if any) completed inside their step: nothing still reads these blocks.
         return False, None
 
     def request_finished_all_groups(self, req: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         return self.request_finished(req, list(block_ids[self.groups.anchor]) if block_ids else [])
 
     def shutdown(self) -> None:
+        for st in self.sending.values():
+            self.stats.finished(st, self._builds)
+        self.sending.clear()
         self.stats.close()
         self.pd.close()
         self.lookup.close()

@@ -3,8 +3,11 @@
 Hooks per step (vLLM's order): ``start_load_kv`` (before the forward when the step loads, after it
 otherwise), per attention layer ``wait_for_layer_load`` then ``save_kv_layer``, then
 ``wait_for_save``. Saves therefore start lazily at the first ``save_kv_layer`` of a step (or in
-``wait_for_save`` in bulk mode), and loads and saves both finish in ``wait_for_save``, so nothing
-outlives its step: ``get_finished`` has nothing to report and blocks are never freed late.
+``wait_for_save`` in bulk mode). Loads finish in ``wait_for_save``; saves too, except with
+background saves (``pool.saves_in_background``: kv_both, dense models), where ``wait_for_save``
+hands the step's saves to the pipeline's background finisher and the requests the scheduler frees
+late are reported in ``finished_sending`` once none of their saves is running; a preempted
+request's saves are waited for in ``handle_preemptions``, before vLLM reuses its blocks.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 from typing import Any
 
 from lw_core.config import PoolConfig
-from lw_core.pipeline import LayerPipeline
+from lw_core.pipeline import LayerPipeline, SaveResult
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_core.tp_split import TpSplitError
 from lw_vllm import kv_layout, pool
@@ -24,6 +27,7 @@ from lw_vllm.load_sources import LoadSources
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector, PoolCounters
 from lw_vllm.pool_events import events_enabled
+from lw_vllm.save_book import SaveBook
 from lw_vllm.stream_recv import IDLE_WAIT_S, StreamReceiver
 
 log = logging.getLogger(__name__)
@@ -56,8 +60,9 @@ class WorkerSide:
         self._loading = False
         self._saving = False
         self._load_blocks: dict[str, list[int]] = {}
-        self._save_owner: dict[str, str] = {}
-        self._save_hash: dict[str, bytes] = {}  # key -> chunk hash, for KV events (pool_events)
+        self._book = SaveBook()  # this step's saves (background ones come back with theirs)
+        self.background = pool.saves_in_background(cfg, role, kv_cache_config)
+        self._free_late: set[str] = set()  # finished requests vLLM frees once we report them
         self._events = events_enabled(vllm_config)
         self._failed_blocks: set[int] = set()
         self._report = LayerwiseWorkerMeta()
@@ -221,6 +226,48 @@ class WorkerSide:
         self.stats.add(load_failed_blocks=sum(len(d.failed_blocks) for d in done))
         return {d.req_id for d in done} | empty
 
+    def take_finished_sending(self) -> set[str] | None:
+        """Background saves: the requests vLLM frees late (``meta.free_late``) with no save running
+        any more; their saves' results go into this same pass's report. On an idle step a running
+        save is waited for a little instead of letting vLLM spin through empty steps."""
+        pipe, meta = self.pipe, self._meta
+        if not self.background or pipe is None:
+            return None
+        if meta is not None and meta.free_late:
+            self._free_late |= set(meta.free_late)
+            meta.free_late = []
+        if not self._free_late:
+            self._collect_background_saves()
+            return None
+        busy = self._busy_requests()
+        if busy & self._free_late and meta is not None and meta.idle:
+            pipe.wait_background_saves(IDLE_WAIT_S)
+            busy = self._busy_requests()
+        done = self._free_late - busy
+        self._free_late -= done
+        self._collect_background_saves()  # after the busy check: every save of ``done`` is in
+        return done or None
+
+    def _busy_requests(self) -> set[str]:
+        assert self.pipe is not None
+        busy: set[str] = set()
+        for book in self.pipe.pending_background_saves():
+            busy |= book.reqs
+        return busy
+
+    def handle_preemptions(self, meta: Any) -> None:
+        """vLLM frees a preempted request's blocks at once: wait for its background saves before
+        this step's forward may reuse them (their deadlines bound the wait)."""
+        preempted = set(getattr(meta, "preempted", None) or ())
+        if not preempted or self.pipe is None or not self.background:
+            return
+        if self._busy_requests() & preempted:
+            t0 = time.monotonic()
+            if not self.pipe.wait_background_saves(3 * self.cfg.save_timeout_s + 1.0):
+                log.error("lw-vllm: background saves of preempted requests %s still running after their deadlines",
+                          sorted(preempted))
+            self.stats.observe("save_wait_s", [time.monotonic() - t0])
+
     def take_failed_recving(self) -> set[str]:
         """Hybrid models: requests whose load failed (any block): vLLM recomputes them whole."""
         out, self._failed_recving = self._failed_recving, set()
@@ -245,15 +292,14 @@ class WorkerSide:
         if not meta.saves or not self.saves_here:
             return
         saves = []
+        book = self._book = SaveBook()
         for x in meta.saves:
             if self._groups is not None:
                 self._groups.add_rows(x.block_ids, x.more)
             keys = self.keyspace.keys(self.tag, x.hashes)
             saves.append(ReqSave(x.req_id, keys, list(x.block_ids)))
             for k, h in zip(keys, x.hashes):
-                self._save_owner.setdefault(k, x.req_id)
-                if self._events:
-                    self._save_hash[k] = h
+                book.add(k, x.req_id, h if self._events else None)
         pipe.start_save(saves)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -279,17 +325,24 @@ class WorkerSide:
         if self._loading:
             self._finish_load(pipe)
         self._start_save()
-        res = pipe.finish_save()
-        for k in res.committed_keys:
-            rid = self._save_owner.pop(k, None)
-            h = self._save_hash.pop(k, None)
-            if rid is not None:
-                self._report.saved[rid] = self._report.saved.get(rid, 0) + 1
-                if h is not None:
-                    self._report.stored.setdefault(rid, []).append(h)
-        for k in res.failed_keys + res.skipped_keys:
-            self._save_owner.pop(k, None)
-            self._save_hash.pop(k, None)
+        if self.background:
+            pipe.finish_save_in_background(self._book)
+        else:
+            t0 = time.monotonic()
+            res = pipe.finish_save()
+            if res.committed_keys or res.failed_keys:
+                self.stats.observe("save_wait_s", [time.monotonic() - t0])
+            self._book_save(res, self._book)
+        self._book = SaveBook()
+        self._collect_background_saves()
+
+    def _collect_background_saves(self) -> None:
+        if self.pipe is not None and self.background:
+            for res, book in self.pipe.take_background_saves():
+                self._book_save(res, book)
+
+    def _book_save(self, res: SaveResult, book: SaveBook) -> None:
+        book.credit(res, self._report)
         self.stats.add(saved_objects=len(res.committed_keys), saved_bytes=res.saved_bytes,
                        save_failed_objects=len(res.failed_keys), save_errors=1 if res.errors else 0,
                        save_deadline_misses=len(res.deadline_misses))

@@ -540,10 +540,14 @@ def _plot(r: dict[str, Any], out: str) -> None:
     xs = c["lengths"]
     lengths = [str(L) for L in xs]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    style = {"save": ("#999", ":"), "recompute": ("#c44", "-"), "bulk": ("#e90", "-")}
+    style: dict[str, tuple[str | None, str]] = {"save": ("#999", ":"), "recompute": ("#c44", "-"), "bulk": ("#e90", "-")}
     blues = ["#7ab8e8", "#2f7cc0", "#1b3f73", "#0b1d38"]
     for i, d in enumerate(c["depths"]):
         style[f"layerwise_d{d}"] = (blues[min(i, len(blues) - 1)], "-")
+    # Other backends' and the disk tier's engines: one color each, dotted for their saves.
+    for m, shade in zip([m for m in r["modes"] if "/" in m and role(m) != "save"], ["#2a9d3a", "#8e44ad", "#8b5a2b", "#444"]):
+        style[m] = (shade, "-")
+        style[m.rsplit("/", 1)[0] + "/save"] = (shade, ":")
     for m in r["modes"]:
         color, ls = style.get(m, (None, "-"))
         ys = [r["ttft_s"][m][L] for L in lengths]
@@ -560,6 +564,7 @@ def _plot(r: dict[str, Any], out: str) -> None:
     hd = f"layerwise_d{c['headline_depth']}"
     a2.plot(xs, [(r["local_ttft_s"][hd][L] or float("nan")) * 1e3 for L in lengths], marker="s", ls=":", color="#444",
             label=f"prefix cache hit, pool layered ({hd})")
+    a2.set_yscale("log")
     a2.set_title("hits only (pool vs vLLM's own prefix cache)", fontsize=10)
     for a in (a1, a2):
         a.set_xscale("log", base=2)

@@ -91,6 +91,24 @@ def test_scheduler_frees_a_saving_request_late_and_writes_its_stats_when_sending
         side.shutdown()
 
 
+def test_a_pd_prefill_on_a_kv_both_engine_saves_in_its_step(tmp_path) -> None:
+    """A kv_both engine behind the proxy may prefill for a decoder: that step's saves end in the
+    step, so its answer still comes after the commit."""
+    cfg = parse_config({"embedded_path": str(tmp_path / "pool"), "embedded_capacity_bytes": 4 << 20})
+    vc, kc = _configs()
+    side = SchedulerSide(vc, kc, cfg, "kv_both")
+    try:
+        plain, prefill = _req("r-plain", 2 * BLOCK + 1), _req("r-pd", 2 * BLOCK + 1)
+        prefill.kv_transfer_params = {"do_remote_decode": True, "do_remote_prefill": False}
+        for r in (plain, prefill):
+            assert side.get_num_new_matched_tokens(r, 0)[0] == 0
+            side.update_state_after_alloc(r, None, 0)
+        assert not side.build_connector_meta(_step([("r-plain", [1, 2, 3], 2 * BLOCK + 1)])).saves_in_step
+        assert side.build_connector_meta(_step([("r-pd", [4, 5, 6], 2 * BLOCK + 1)])).saves_in_step
+    finally:
+        side.shutdown()
+
+
 def test_hybrid_models_and_prefillers_wait_for_their_saves(tmp_path) -> None:
     cfg = parse_config({"embedded_path": str(tmp_path / "pool"), "embedded_capacity_bytes": 4 << 20})
     vc, kc = _configs()
@@ -220,5 +238,27 @@ def test_real_pipeline_commits_after_the_step_returns(tmp_path) -> None:
         assert w.backend.lookup(keys) == 2
         rep = w.take_report()
         assert rep is not None and rep.saved == {"r": 2}
+    finally:
+        w.shutdown()
+
+
+def test_a_step_with_a_pd_prefill_commits_before_wait_for_save_returns(tmp_path) -> None:
+    import torch
+
+    from lw_vllm.meta import Xfer
+
+    vc, kc = _configs()
+    cfg = parse_config({"embedded_path": str(tmp_path / "pool"), "embedded_capacity_bytes": 4 << 20,
+                        "use_layerwise": True})
+    w = WorkerSide(vc, kc, cfg, "kv_both")
+    w.register_kv_caches({"l0": torch.randn(8, 2, BLOCK, 32)})
+    try:
+        meta = LayerwiseMeta(saves=[Xfer("r", [b"\x03" * 16], [1])])
+        meta.saves_in_step = True
+        w.bind(meta)
+        w.save_kv_layer("l0")
+        w.wait_for_save()
+        assert w.backend.lookup(w.keyspace.keys(w.tag, [b"\x03" * 16])) == 1  # committed in the step
+        assert w.pipe is not None and w.pipe.pending_background_saves() == []
     finally:
         w.shutdown()

@@ -51,6 +51,8 @@ class LayerwiseMeta(KVConnectorMetadata):
         # preempted requests, whose blocks vLLM frees at once (handle_preemptions waits for their saves).
         self.free_late: list[str] = []
         self.preempted: list[str] = []
+        # This step saves a PD prefill: its saves end in the step even with background saves.
+        self.saves_in_step = False
 
     def __repr__(self) -> str:
         return (f"LayerwiseMeta(loads={len(self.loads)}, saves={len(self.saves)}, bulk_load={self.bulk_load}, "

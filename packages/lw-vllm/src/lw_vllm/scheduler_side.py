@@ -318,6 +318,9 @@ class SchedulerSide:
                     for a, b in self.groups.savable_runs(st, st.saved_upto, full):
                         meta.saves.append(self.groups.xfer(st, hashes, a, b))
                         st.save_planned = True
+                        # A PD prefill (even on a kv_both engine behind the proxy) answers after
+                        # its commit: a decoder loads it next. Such a step's saves end in the step.
+                        meta.saves_in_step |= bool((st.req.kv_transfer_params or {}).get("do_remote_decode"))
                     st.saved_upto = full
                     st.last_xfer_build = self._builds
             partial = self.pd.partial_save(st, computed_after)
@@ -326,6 +329,7 @@ class SchedulerSide:
                 if self.groups.savable_runs(st, i, i + 1):
                     meta.saves.append(Xfer(st.req.request_id, [partial[0]], [partial[1]], 0,
                                            [[m[i]] for m in st.more_blocks]))
+                    meta.saves_in_step = True
                 st.last_xfer_build = self._builds
         if meta.loads and getattr(so, "total_num_scheduled_tokens", 0) <= BULK_LOAD_TOKENS_PER_REQ * len(scheduled):
             meta.bulk_load = True  # nothing worth overlapping: layer pipelining would only add waits

@@ -325,7 +325,7 @@ class WorkerSide:
         if self._loading:
             self._finish_load(pipe)
         self._start_save()
-        if self.background:
+        if self.background and not self._meta.saves_in_step:
             pipe.finish_save_in_background(self._book)
         else:
             t0 = time.monotonic()

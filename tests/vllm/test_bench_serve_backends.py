@@ -1,11 +1,15 @@
-"""``lw-bench serve --backend a,b,c --disk-dir DIR`` without an engine: which engines run on which
+"""``lw-bench serve --backend a,b,c --disk-dir DIR``: without an engine, which engines run on which
 pool, the per-backend rows and the disk row computed from hand-made engine records, the report's
-struct, and the disk tier's helpers (page-cache drop, sequential read) on a real directory."""
+struct, and the disk tier's helpers (page-cache drop, sequential read) on a real directory; then one
+quick run on real vLLM whose disk hits are counted by the connector as read from disk."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -144,3 +148,21 @@ def test_cleanup_removes_the_tier_and_the_disk_engines_dram_pools(tmp_path) -> N
         os.makedirs(p)
     disk.cleanup(cfg)
     assert sorted(os.listdir(tmp_path)) == ["pool"]  # the main pool is run()'s to remove
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # six fresh engines of the tiny model (~70 s on an idle 2-core machine)
+def test_quick_run_serves_the_disk_row_from_disk(tmp_path) -> None:
+    p = subprocess.run([sys.executable, "-m", "lw_bench.cli", "serve", "--quick", "--disk-dir", str(tmp_path), "--json"],
+                       capture_output=True, text=True, timeout=900, check=False)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads(p.stdout.strip().splitlines()[-1])
+    ck, d = r["checks"], r["disk"]
+    assert ck["pool_hits_ok"] and ck["saved_ok"] and ck["local_hits_ok"], ck["problems"]
+    assert r["modes"][-2:] == [disk.SAVE, disk.HIT] and r["pool_hit_tokens"][disk.HIT]["128"] == 128
+    # Every chunk the disk/hit engine loaded was opened from disk: its DRAM pool was new and empty.
+    assert d["disk_hits_ok"] and d["disk_hits"] == [d["expected_hits"]], d
+    assert d["disk_read_bytes"][0] >= d["expected_hits"] * 32 * r["config"]["kv_bytes_per_token"]
+    assert d["read_gbps"]["128"] is None or d["read_gbps"]["128"] > 0
+    assert d["seq_read_gbps"][0] > 0 and d["hit_ttft_s"]["128"] > 0
+    assert os.listdir(tmp_path) == []  # the tier's directory and the read's file are gone

@@ -5,7 +5,8 @@ so every engine is a fresh process (as a second instance would be).
 
 Job keys: ``model`` ("gqa" | "mla" | "swa" | "gdn" | a path; swa and gdn are the hybrids), ``phases``, ``max_tokens``, ``extra``
 (kv_connector_extra_config, or null for no connector), ``kv_role``, ``connector``, ``engine``
-(extra ``LLM(...)`` keyword arguments), ``max_model_len``, ``kv_cache_memory_bytes``.
+(extra ``LLM(...)`` keyword arguments), ``max_model_len``, ``kv_cache_memory_bytes``, ``metrics``
+(true: each phase also reports the connector's metrics and vLLM's preemptions so far).
 A phase is a list of prompts run on the same engine one phase after another; a prompt is a list of
 token ids or ``{"ids": [...], "salt": "tenant"}`` (vLLM's ``cache_salt``), ``{"ids": [...], "lora":
 {"name": ..., "id": 1, "path": ...}}`` (a LoRA adapter; the engine needs ``enable_lora``) or
@@ -77,10 +78,11 @@ def _lora(p: Any) -> Any:
 
 
 def _metrics(llm: Any) -> dict[str, float]:
-    """Our connector metrics, summed over labels (histograms: their sample count and sum)."""
+    """Our connector metrics and vLLM's preemption count, summed over labels (histograms: their
+    sample count and sum)."""
     out: dict[str, float] = {}
     for m in llm.get_metrics():
-        if not m.name.startswith("vllm:lw_pool_"):
+        if not m.name.startswith("vllm:lw_pool_") and m.name != "vllm:num_preemptions":
             continue
         if hasattr(m, "count"):
             out[m.name + ":count"] = out.get(m.name + ":count", 0) + m.count
@@ -112,6 +114,7 @@ def _faulty_pool(extra: Any) -> tuple[dict[str, Any], list[Any], Any]:
 def run(job: dict[str, Any]) -> dict[str, Any]:
     stats_path = in_process_engine("lw-stats-", force=False)
     faults = bool(job.get("faults"))
+    metrics = faults or bool(job.get("metrics"))  # each phase reports _metrics (cumulative)
     extra: Any = job.get("extra")
     wrappers: list[Any] = []
     real: Any = None
@@ -129,7 +132,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         seed=0,
     )
     kw.update(model_kw)
-    if faults:
+    if metrics:
         kw["disable_log_stats"] = False  # the connector's metrics reach llm.get_metrics()
     if extra is not None:
         kw["kv_transfer_config"] = {
@@ -161,8 +164,10 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
         res, wall = generate_phase(llm, [_prompt(p, hidden) for p in ph["prompts"]], sp, stats_path,
                                    lora=loras if any(loras) else None)
         phase: dict[str, Any] = {"outputs": res, "wall_s": wall}
+        if metrics:
+            phase["metrics"] = _metrics(llm)
         if faults:
-            phase.update(rule_hits=list(fb.hits), metrics=_metrics(llm), pool_objects=fb.inner.stats().get("objects"))
+            phase.update(rule_hits=list(fb.hits), pool_objects=fb.inner.stats().get("objects"))
         phases.append(phase)
     os.unlink(stats_path)
     return {"start_s": start_s, "phases": phases}

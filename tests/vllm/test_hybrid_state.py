@@ -9,7 +9,9 @@ and 1280 of a 1300-token prompt), one loader engine:
 * the saved prompt hits up to its last boundary (1280 tokens) with the saver's greedy output;
 * a prompt sharing 900 tokens finds three attention chunks (768 tokens) but no state at 768: its
   hit is shorter (512, the last boundary with a state), with the output it gets without the pool;
-* a prompt sharing 300 tokens finds one chunk and no state at 256: no hit, computed whole.
+* a prompt sharing 300 tokens finds one chunk and no state at 256: no hit, computed whole;
+* a state that fails to load (the pool's ``open`` fails once) fails the request's load: vLLM
+  recomputes it whole, with the saver's output.
 
 The references for the other prompts run in the saver under another ``cache_salt`` (their keys,
 and vLLM's own prefix cache, are apart from the unsalted ones the loader uses).
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 
-from lw_dev.harness import assert_same_greedy, random_tokens, run_engine
+from lw_dev.harness import assert_same_greedy, random_tokens, run_engine, run_faulty
 
 pytestmark = pytest.mark.slow
 
@@ -27,6 +29,7 @@ BLOCK = 256  # vLLM raises the attention block to 256 tokens so a page holds a G
 P = random_tokens(51, 1300)
 Q = P[:900] + random_tokens(52, 400)
 R = P[:300] + random_tokens(53, 700)
+S = random_tokens(54, 600)  # one state, at 512
 
 
 def _job(pool_path: str, phases: list) -> dict:
@@ -39,11 +42,16 @@ def _job(pool_path: str, phases: list) -> dict:
 
 
 def test_gdn_state_saved_and_restored_by_a_fresh_engine(pool_path: str) -> None:
-    saver = run_engine(_job(pool_path, [[P, {"ids": Q, "salt": "ref"}, {"ids": R, "salt": "ref"}]]))
+    saver = run_engine(_job(pool_path, [[P, {"ids": Q, "salt": "ref"}, {"ids": R, "salt": "ref"}, S]]))
     ref = saver["phases"][0]["outputs"]
     assert ref[0]["stats"]["saved_chunks"] == 1300 // BLOCK, ref[0]["stats"]
 
-    got = run_engine(_job(pool_path, [[P, Q, R]]))["phases"][0]["outputs"]
+    # Only a state load calls the pool's open (chunks stream in through open_streaming).
+    res, log = run_faulty(_job(pool_path, [
+        {"prompts": [P, Q, R]},
+        {"prompts": [S], "rules": [{"op": "open", "action": "fail", "times": 1}]},
+    ]))
+    got = res["phases"][0]["outputs"]
     for o, hit in zip(got, (1280, 512, 0)):
         st = o["stats"]
         assert st["promised_tokens"] == hit and st["loaded_tokens"] == hit and st["failed_blocks"] == 0, st
@@ -52,3 +60,10 @@ def test_gdn_state_saved_and_restored_by_a_fresh_engine(pool_path: str) -> None:
     # the saver's log-probs bit for bit here (same kernels, same chunk ends).
     for r, o in zip(ref, got):
         assert_same_greedy(r, o, lp_tol=1e-4)
+
+    failed = res["phases"][1]["outputs"][0]
+    assert res["phases"][1]["rule_hits"] == [1]
+    assert failed["stats"]["promised_tokens"] == 2 * BLOCK and failed["stats"]["loaded_tokens"] == 0, failed["stats"]
+    assert failed["stats"]["failed_blocks"] > 0, failed["stats"]
+    assert_same_greedy(ref[3], failed, lp_tol=1e-4)
+    assert "Traceback" not in log

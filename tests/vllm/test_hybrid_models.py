@@ -7,9 +7,10 @@
   blocks inside the window at the hit boundary from the pool (the rest are vLLM's null blocks). Then a
   read that fails on one layer makes vLLM recompute the request whole, with the same output.
 * Gated delta-net + full attention (Qwen3-Next style, bf16): used to fail at start-up with the
-  connector ("Failed to promote local KV cache specs to one unified type"); it now runs with the
-  pool inert (its recurrent state is not saved yet): same output when sent again, nothing saved or
-  loaded.
+  connector ("Failed to promote local KV cache specs to one unified type"). With prefix caching off
+  vLLM keeps no block-aligned states, so the pool is inert for it: same output when sent again,
+  nothing saved or loaded. With prefix caching on its states are saved and restored
+  (test_hybrid_state).
 """
 
 from __future__ import annotations

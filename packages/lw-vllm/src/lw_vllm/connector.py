@@ -40,8 +40,9 @@ if TYPE_CHECKING:
 
 class LayerwiseStoreConnector(KVConnectorBase_V1, SupportsHMA):
     """Supports vLLM's hybrid KV cache manager (``SupportsHMA``): full-attention and sliding-window
-    groups share each chunk's object (``group_copier``); a model with recurrent-state groups runs
-    with the pool inert (``scheduler_side``)."""
+    groups share each chunk's object (``group_copier``); a model with recurrent-state groups also saves
+    the state vLLM hands off at chunk boundaries and restores it with a hit (``state_plan``), with
+    prefix caching on; otherwise the pool is inert for it (``scheduler_side``)."""
 
     _cache_hit_source = getattr(CacheHitSource, "HOST", CacheHitSource.EXTERNAL_UNSPECIFIED)
 

@@ -22,6 +22,18 @@ class Xfer(msgspec.Struct, frozen=True, array_like=True):
     block_ids: list[int]
     src_tp: int = 0
     more: list[list[int]] = msgspec.field(default_factory=list)
+    # Recurrent-state models (loads): per state group, the block the state after the last chunk
+    # goes to (``state_store``); empty: no state.
+    state: list[int] = msgspec.field(default_factory=list)
+
+
+class StateXfer(msgspec.Struct, frozen=True, array_like=True):
+    """Save the recurrent state in ``blocks`` (one per state group) as the state after the chunk
+    whose hash is ``chunk_hash`` (``state_store``)."""
+
+    req_id: str
+    chunk_hash: bytes
+    blocks: list[int]
 
 
 class LayerwiseMeta(KVConnectorMetadata):
@@ -53,10 +65,12 @@ class LayerwiseMeta(KVConnectorMetadata):
         self.preempted: list[str] = []
         # This step saves a PD prefill: its saves end in the step even with background saves.
         self.saves_in_step = False
+        # Recurrent-state models: boundary states vLLM handed off this step (``state_plan``).
+        self.state_saves: list[StateXfer] = []
 
     def __repr__(self) -> str:
         return (f"LayerwiseMeta(loads={len(self.loads)}, saves={len(self.saves)}, bulk_load={self.bulk_load}, "
-                f"stream_loads={len(self.stream_loads)})")
+                f"stream_loads={len(self.stream_loads)}, state_saves={len(self.state_saves)})")
 
 
 class LayerwiseWorkerMeta(KVConnectorWorkerMetadata):

@@ -107,7 +107,7 @@ def check_supported(vllm_config: Any, kv_cache_config: Any) -> None:
                 f"LayerwiseStoreConnector: KV cache group kinds {sorted(set(odd))} are not supported in a hybrid "
                 "model; supported: full attention (GQA, MLA), sliding window, Mamba/linear-attention state")
         anchor_group(kv_cache_config)
-        # State groups (the pool is inert for them, see scheduler_side) may size their blocks apart.
+        # State groups may size their blocks apart (the pool then leaves them alone: state_layout).
         attn = [g for g in groups if not is_state_spec(g.kv_cache_spec)]
         sizes = {g.kv_cache_spec.block_size for g in attn}
         pages = {g.kv_cache_spec.page_size_bytes for g in attn}

@@ -44,7 +44,7 @@ from typing import Any
 
 from lw_core.config import PoolConfig
 from lw_core.keys import chunk_hashes
-from lw_vllm import pool
+from lw_vllm import pool, state_layout
 from lw_vllm.group_blocks import GroupBlocks
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector
@@ -54,6 +54,7 @@ from lw_vllm.pool_events import PoolEvents, events_enabled
 from lw_vllm.pool_lookup import PoolLookup
 from lw_vllm.request_state import RemotePhase, ReqState
 from lw_vllm.request_stats import StatsLog
+from lw_vllm.state_plan import StatePlan
 
 log = logging.getLogger(__name__)
 
@@ -78,13 +79,16 @@ class SchedulerSide:
         # Hybrid models (several KV cache groups): a chunk is a block of every attention group, named
         # by the anchor group's block; loads are asynchronous (vLLM takes a hybrid's load failures
         # per request only, through failed_recving). Models with state groups (Mamba2, gated
-        # delta-net) run with the pool inert: their state is not saved yet, so no hit is restorable.
+        # delta-net) also save and restore the state at chunk boundaries (state_plan) when vLLM keeps
+        # block-aligned states ("align" mode); otherwise they run with the pool inert.
         n_groups = len(kv_cache_config.kv_cache_groups)
         state = pool.state_groups(kv_cache_config)
         anchor = pool.anchor_group(kv_cache_config)
         self.groups = GroupBlocks(anchor, [g for g in range(n_groups) if g != anchor and g not in state])
         self.hybrid = n_groups > 1
-        self.inert = bool(state)
+        why = state_layout.why_not_restorable(kv_cache_config) if state else None
+        self.inert = why is not None
+        self.states: StatePlan | None = None
         self._async_loads: list[ReqState] = []
         if self.hybrid and cfg.pd_streaming:
             raise NotImplementedError(
@@ -92,15 +96,16 @@ class SchedulerSide:
                 "groups) yet; set pd_streaming to false")
         if self.inert:
             log.warning("lw-vllm: this model has recurrent-state layers (KV cache groups %s: Mamba / linear "
-                        "attention); the pool does not save or restore their state yet, so it neither saves nor "
-                        "loads for this model and every request computes its prompt", state)
+                        "attention) and the pool cannot restore their state here (%s), so it neither saves nor "
+                        "loads for this model and every request computes its prompt", state, why)
         self.keyspace = pool.key_space(vllm_config, kv_cache_config, cfg)
         self.tags = pool.rank_tags(vllm_config)
         # Key spaces of this model at other TP sizes (GQA: MLA's keys carry no TP size).
         self.other_tp = {} if pool.is_mla(vllm_config) else {
             tp: (pool.key_space(vllm_config, kv_cache_config, cfg, tp), pool.rank_tags(vllm_config, tp))
             for tp in OTHER_TP_SIZES if tp != vllm_config.parallel_config.tensor_parallel_size}
-        self.readable_tp = pool.readable_tp_sizes(vllm_config, tuple(self.other_tp))
+        # A state is saved per rank at this TP size only: no reads across TP sizes for such models.
+        self.readable_tp = [] if state else pool.readable_tp_sizes(vllm_config, tuple(self.other_tp))
         # What engines must agree on to share objects (compare across hosts when nothing hits).
         ident = pool.identity(vllm_config, cfg)
         log.info("lw-vllm: pool keys %s (block_size %d, rank tags %s); model fingerprint %s: %s",
@@ -121,6 +126,10 @@ class SchedulerSide:
         if self.inert:
             self.can_load = self.can_save = False
         self.backend = pool.acquire_backend(cfg)
+        if state and not self.inert:
+            layout = state_layout.state_layout(kv_cache_config)
+            self.states = StatePlan(self.backend, state_layout.state_keyspace(self.keyspace, layout), self.tags,
+                                    layout, self.block_size)
         self.lookup = PoolLookup(self.backend, self.keyspace, self.tags, self.other_tp, self.readable_tp,
                                  cfg.lookup_timeout_s, self.metrics)
         self.reqs: dict[str, ReqState] = {}
@@ -207,6 +216,9 @@ class SchedulerSide:
             src_tp = 0
             if hit == local and self.readable_tp:
                 hit, src_tp = self.lookup.at_other_tp(hashes, local, limit)
+            attn_hit = hit
+            if self.states is not None and hit > local:  # the hit ends where a saved state is
+                hit = self.states.longest(hashes, local, hit)
         except Exception as e:  # a pool that cannot answer is a miss, never a failed request
             log.warning("lw-vllm: lookup failed for %s, treating as a miss: %s", req.request_id, e)
             return 0, False
@@ -214,7 +226,7 @@ class SchedulerSide:
             self.pd.check_prefill_visible(st, hashes, local, limit, hit)
         st.load_hashes = hashes
         st.load_src_tp = src_tp
-        full = min(hit, st.prompt_len // self.block_size)
+        full = min(attn_hit, st.prompt_len // self.block_size)
         st.pool_chunks = max(st.pool_chunks, full)
         st.saved_upto = max(st.saved_upto, full)
         tokens = min(hit * self.block_size, n_tokens - 1)
@@ -234,6 +246,8 @@ class SchedulerSide:
         st.promised += num_external_tokens
         if self.hybrid:  # asynchronous: vLLM parks the request until the workers report the load
             self.groups.set(st, blocks.get_block_ids())
+            if self.states is not None:
+                self.states.allocated(st, blocks.get_block_ids())
             self._async_loads.append(st)
             return
         self.pd.park(st, blocks)
@@ -254,7 +268,8 @@ class SchedulerSide:
                 log.error("lw-vllm: %s: %d chunks to load but %d hashes and %d blocks; recomputing", rid,
                           first + n, len(hashes), len(st.block_ids))
                 end = first
-            meta.stream_loads.append(self.groups.xfer(st, hashes, first, end, st.load_src_tp))
+            x = self.groups.xfer(st, hashes, first, end, st.load_src_tp)
+            meta.stream_loads.append(self.states.with_state(x) if self.states is not None else x)
             meta.stream_prefilled.append(rid)  # committed objects: a missing one will not appear
             st.saved_upto = max(st.saved_upto, min(end, st.prompt_len // self.block_size))
             st.last_xfer_build = self._builds
@@ -293,6 +308,8 @@ class SchedulerSide:
 
         self.pd.plan_streams(meta)
         self._plan_async_loads(meta)
+        if self.states is not None and self.can_save:
+            meta.state_saves = self.states.saves(so, self.reqs, self._hashes)
         meta.idle = empty
         now = time.time()
         for st, computed_after in scheduled:
@@ -379,6 +396,8 @@ class SchedulerSide:
         st = self.reqs.pop(req.request_id, None)
         if st is not None:
             st.t["finished"] = time.time()
+        if self.states is not None:
+            self.states.forget(req.request_id)
         self.pd.request_finished(req.request_id, st)
         if st is not None and self.background and st.save_planned:
             # Its saves may still read these blocks: vLLM frees them when every worker lists the

@@ -20,7 +20,7 @@ from lw_core.config import PoolConfig
 from lw_core.pipeline import LayerPipeline, SaveResult
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_core.tp_split import TpSplitError
-from lw_vllm import kv_layout, pool
+from lw_vllm import kv_layout, pool, state_layout
 from lw_vllm.copier import TorchCopier, block_order
 from lw_vllm.group_copier import GroupCopier
 from lw_vllm.load_sources import LoadSources
@@ -28,6 +28,7 @@ from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector, PoolCounters
 from lw_vllm.pool_events import events_enabled
 from lw_vllm.save_book import SaveBook
+from lw_vllm.state_store import StateStore
 from lw_vllm.stream_recv import IDLE_WAIT_S, StreamReceiver
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,8 @@ class WorkerSide:
         self._groups: GroupCopier | None = None
         self._failed_recving: set[str] = set()
         self._empty_done: set[str] = set()
+        # Recurrent-state models whose states the pool restores (state_layout): built with the caches.
+        self._states: StateStore | None = None
 
     # --- set-up ---
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -114,6 +117,10 @@ class WorkerSide:
         self.backend = pool.acquire_backend(self.cfg)
         pool.check_streaming(self.cfg, self.backend)
         self._pool_counters = PoolCounters(self.backend)
+        if pool.state_groups(self.kv_cache_config) and state_layout.why_not_restorable(self.kv_cache_config) is None:
+            sl = state_layout.state_layout(self.kv_cache_config)
+            self._states = StateStore(self.backend, state_layout.state_keyspace(self.keyspace, sl), self.tag, sl,
+                                      kv_caches, num_blocks)
         self.pipe = LayerPipeline(
             self.backend,
             copier,
@@ -191,10 +198,35 @@ class WorkerSide:
                     self._empty_done.add(x.req_id)
                     continue
                 self._groups.add_rows(x.block_ids, x.more)
+            if x.state and not self._load_state(x):
+                continue
             recv.start(x.req_id, self.keyspace.keys(self.tag, x.hashes), x.block_ids)
         if meta.stream_prefilled and recv is not None:  # after the starts: the answer may come in their step
             recv.prefilled(set(meta.stream_prefilled))
             meta.stream_prefilled = []
+
+    def _load_state(self, x: Xfer) -> bool:
+        """The state after ``x``'s last chunk, into ``x.state``'s blocks, before its chunks are
+        received; a state that does not land fails the request's load (vLLM recomputes it)."""
+        err = "this worker keeps no states" if self._states is None else self._states.load(x.hashes[-1], x.state)
+        if err is None:
+            return True
+        log.warning("lw-vllm: %s: recurrent state of its %d-chunk hit not loaded (%s); vLLM recomputes it",
+                    x.req_id, len(x.hashes), err)
+        self._failed_recving.add(x.req_id)
+        self._empty_done.add(x.req_id)
+        self._report.failed[x.req_id] = self._report.failed.get(x.req_id, 0) + len(x.block_ids)
+        return False
+
+    def _save_states(self, meta: LayerwiseMeta) -> None:
+        saves, meta.state_saves = meta.state_saves, []
+        if self._states is None or not self.saves_here:
+            return
+        done = [self._states.save(sx.chunk_hash, sx.blocks) for sx in saves]
+        log.debug("lw-vllm: boundary states %s", list(zip((sx.req_id for sx in saves), done)))
+        saved = done.count("saved")
+        self.stats.add(saved_objects=saved, saved_bytes=saved * self._states.layout.nbytes,
+                       save_failed_objects=done.count("failed"))
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Streaming receives that ended (``finished_recving``); their failed blocks go out in
@@ -324,6 +356,8 @@ class WorkerSide:
             return
         if self._loading:
             self._finish_load(pipe)
+        if self._meta.state_saves:
+            self._save_states(self._meta)
         self._start_save()
         if self.background and not self._meta.saves_in_step:
             pipe.finish_save_in_background(self._book)

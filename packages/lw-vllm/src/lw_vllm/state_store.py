@@ -1,0 +1,112 @@
+"""Worker side of recurrent-state objects (``state_layout``): copy one request's state (every state
+layer, one block each) to the pool after a chunk boundary, and back into the block vLLM allocated
+for a restored state.
+
+State layers have no per-layer connector hooks (vLLM calls ``save_kv_layer`` and
+``wait_for_layer_load`` from attention layers only), so a state is copied whole: saved in
+``wait_for_save`` of the step whose forward wrote it (vLLM hands the boundary off in that step's
+scheduler output), loaded before the request's first forward (its load is asynchronous: vLLM
+parks the request until the workers report it). Both are synchronous and small (one object of
+``StateLayout.nbytes`` per boundary).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from lw_core.backend import BackendError
+from lw_core.keys import KeySpace
+from lw_vllm.state_layout import StateLayout
+
+log = logging.getLogger(__name__)
+
+
+class StateStore:
+    """``kv_caches``: vLLM's per-layer caches; a state layer's entry is its list of state tensors,
+    each ``[num_blocks, ...]`` (one row per block), or one tensor whose row is a block's whole state
+    (vLLM's CPU build: ``[num_blocks, 1, 1, state bytes]``)."""
+
+    def __init__(self, backend: Any, keyspace: KeySpace, tag: str, layout: StateLayout,
+                 kv_caches: dict[str, Any], num_blocks: int) -> None:
+        self.backend, self.keyspace, self.tag, self.layout = backend, keyspace, tag, layout
+        self.tensors: list[list[Any]] = []
+        for name, want in zip(layout.layers, layout.tensor_nbytes):
+            entry = kv_caches.get(name)
+            if entry is None:
+                raise NotImplementedError(f"LayerwiseStoreConnector: no state tensors for layer {name}")
+            ts = list(entry) if isinstance(entry, (list, tuple)) else [entry]
+            got = tuple(int(t[0].numel()) * t.element_size() for t in ts)
+            # One tensor per state (conv, ssm, ...), or one tensor of each block's state bytes.
+            if (got != want and got != (sum(want),)) or any(t.shape[0] < num_blocks for t in ts):
+                raise NotImplementedError(
+                    f"LayerwiseStoreConnector: layer {name}'s state tensors hold {got} bytes per block "
+                    f"({[tuple(t.shape) for t in ts]}), the KV cache spec says {want}; this state layout is not "
+                    "supported")
+            self.tensors.append(ts)
+        self.offsets: list[int] = []
+        off = 0
+        for ts in self.tensors:
+            for t in ts:
+                self.offsets.append(off)
+                off += int(t[0].numel()) * t.element_size()
+
+    def _rows(self, blocks: Sequence[int]) -> list[Any]:
+        """Per state tensor (in object order), its row for this request's block."""
+        by_group = dict(zip(self.layout.group_ids, blocks))
+        return [t[by_group[g]] for g, ts in zip(self.layout.groups, self.tensors) for t in ts]
+
+    def save(self, chunk_hash: bytes, blocks: Sequence[int]) -> str:
+        """Write the state in ``blocks`` (one per state group) under the boundary chunk's hash:
+        "saved", "present" (the pool has it), or "failed" (logged; a later request misses it)."""
+        import torch
+
+        key = self.keyspace.key(self.tag, chunk_hash)
+        try:
+            (h,) = self.backend.reserve([key], self.layout.nbytes)
+        except BackendError as e:
+            log.warning("lw-vllm: state save %s not reserved: %s", key, e)
+            return "failed"
+        if h is None:
+            return "present"
+        try:
+            srcs = [r.contiguous().view(torch.uint8).reshape(-1).cpu().numpy() for r in self._rows(blocks)]
+            self.backend.write([h] * len(srcs), self.offsets, srcs)
+            self.backend.commit([h])
+        except Exception as e:
+            log.warning("lw-vllm: state save %s failed (not published): %s", key, e)
+            try:
+                self.backend.abort([h])
+            except BackendError:
+                pass
+            return "failed"
+        return "saved"
+
+    def load(self, chunk_hash: bytes, blocks: Sequence[int]) -> str | None:
+        """Read the boundary's state into ``blocks``; ``None`` when it landed, else why not."""
+        import torch
+
+        key = self.keyspace.key(self.tag, chunk_hash)
+        try:
+            (h,) = self.backend.open([key])
+        except BackendError as e:
+            return f"open failed: {e}"
+        if h is None:
+            return "state object missing"
+        try:
+            rows = self._rows(blocks)
+            bufs = [np.empty(int(r.numel()) * r.element_size(), dtype=np.uint8) for r in rows]
+            self.backend.read([h] * len(bufs), self.offsets, bufs)
+            for r, b in zip(rows, bufs):
+                r.copy_(torch.from_numpy(b).view(r.dtype).reshape(r.shape))
+        except Exception as e:
+            return f"read failed: {e}"
+        finally:
+            try:
+                self.backend.release([h])
+            except BackendError:
+                pass
+        return None

@@ -5,7 +5,8 @@ The checks are lw_dev.backend_contract's, which tests/core runs on the memory an
 backends. Not run here: the LRU-eviction and lease-expiry checks of tests/core (Mooncake evicts on
 the master at a watermark, on its own schedule). Every test runs in both load modes
 (``mooncake_load``): "per_layer" (``view`` of a read handle is None, which the protocol allows: the
-pipeline reads) and "whole" (open fetches; views serve the loads).
+pipeline reads) and "whole" (open fetches; views serve the loads); writes go through put sessions
+(the installed client has them) and, in one more run, as whole objects (``put_sessions=False``).
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ from lw_mooncake.errors import NO_AVAILABLE_HANDLE
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=["per_layer", "whole"])
+@pytest.fixture(scope="module", params=[("per_layer", True), ("whole", True), ("per_layer", False)],
+                ids=["per_layer-sessions", "whole-sessions", "per_layer-whole_puts"])
 def client_a(cluster, hosts, request):
     from lw_mooncake.backend import MooncakeBackend
 
+    load, sessions = request.param
     with hosts.entered("a"):
-        b = MooncakeBackend(cluster.address, local_hostname=hosts.addr("a"), load=request.param)
+        b = MooncakeBackend(cluster.address, local_hostname=hosts.addr("a"), load=load, put_sessions=sessions)
+    assert (b.writer.sessions is not None) == sessions
     yield b
     b.close(timeout_s=5)
 
@@ -53,7 +57,12 @@ class TestBackendContract(BackendContract):
 
 def test_views_writable_when_reserved_and_read_handles_by_load_mode(backend):
     (h,) = backend.reserve(["v"], 64)
-    backend.view(h, 8, 4)[:] = b"abcd"
+    v = backend.view(h, 8, 4)
+    if backend.writer.sessions is not None:
+        assert v is None  # a put session: the bytes go out as they are written
+        backend.write([h], [8], [b"abcd"])
+    else:
+        v[:] = b"abcd"
     backend.commit([h])
     (r,) = backend.open(["v"])
     v = backend.view(r, 8, 4)
@@ -94,14 +103,23 @@ def test_reserved_but_uncommitted_is_never_visible(cluster, backend, make_client
     (h,) = a.reserve(["half"], 1 << 16)
     a.write([h], [0], [np.ones(1 << 15, np.uint8)])
     assert b.lookup(["half"]) == 0 and b.open(["half"]) == [None]
-    assert b.reserve(["half"], 1 << 16)[0] is not None  # nobody else sees a claim either
+    (hb,) = b.reserve(["half"], 1 << 16)
+    if a.writer.sessions is not None:
+        assert hb is None  # a put session is a claim on the master: another writer skips the key
+    else:
+        assert hb is not None  # a local buffer: nobody else sees a claim
+        b.abort([hb])
     a.abort([h])
     assert a.lookup(["half"]) == 0
+    (hb,) = b.reserve(["half"], 1 << 16)  # aborted (revoked): free at once
+    assert hb is not None
+    b.abort([hb])
 
 
 class _OnePutFails:
-    """The client, but ``batch_put_from`` fails ``key`` alone with NO_AVAILABLE_HANDLE (as Mooncake
-    does per object, e.g. when no segment has room for it) and puts the rest."""
+    """The client, but ``batch_put_from`` (and ``batch_put_session_end``) fails ``key`` alone with
+    NO_AVAILABLE_HANDLE (as Mooncake does per object, e.g. when no segment has room for it) and puts
+    (ends) the rest."""
 
     def __init__(self, store, key: str) -> None:
         self._store, self._key = store, key
@@ -112,6 +130,10 @@ class _OnePutFails:
     def batch_put_from(self, keys, ptrs, sizes):
         keep = [i for i, k in enumerate(keys) if k != self._key]
         res = iter(self._store.batch_put_from([keys[i] for i in keep], [ptrs[i] for i in keep], [sizes[i] for i in keep]))
+        return [next(res) if k != self._key else NO_AVAILABLE_HANDLE for k in keys]
+
+    def batch_put_session_end(self, keys):
+        res = iter(self._store.batch_put_session_end([k for k in keys if k != self._key]))
         return [next(res) if k != self._key else NO_AVAILABLE_HANDLE for k in keys]
 
 

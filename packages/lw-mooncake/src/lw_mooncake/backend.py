@@ -1,6 +1,10 @@
 """``MooncakeBackend``: lw-core's Backend protocol over Mooncake Store's Python client.
 
-Mooncake has no reserve/commit, so one pool object is one Mooncake object put whole at commit:
+One pool object is one Mooncake object. Writes use Mooncake's put sessions when the client has them
+(``put_sessions``: None detects, False never; ``lw_mooncake.session_writer``): ``reserve`` starts a
+session per key (the master allocates; nothing is visible), each ``write`` is a ranged put of that
+layer's bytes (overlapping compute in the layer pipeline), ``commit`` ends the sessions (the objects
+become readable), ``abort`` revokes. Without sessions, objects are put whole at commit:
 
 * ``reserve``: ``batch_is_exist`` skips keys already stored; the rest get a local buffer in this
   process (nothing is sent yet). ``write`` / ``view`` fill it, layer by layer.
@@ -23,6 +27,7 @@ protocol's calls to them:
   deadline (``mooncake_call_timeout_s``; past it ``BackendUnavailable``), and whether it is closed;
 * ``puts.StagedPuts`` / ``gets.StagedGets`` -- registered put and get staging, one batch at a time;
 * ``reservations.Reservations`` -- this process's open reservations (their local objects);
+* ``put_sessions.PutSessions`` / ``session_writer.SessionWriter`` -- put sessions, when used;
 * ``object_writer.ObjectWriter`` / ``object_reader.ObjectReader`` -- the protocol's two halves;
 * the optional streaming extension (``streaming=True``, from ``pd_streaming``; design in
   ``lw_mooncake.streaming``): ``stream_write.StreamWriter`` (None without streaming) and
@@ -34,6 +39,7 @@ object when its master dies (the master holds the only index).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,8 +50,10 @@ from lw_mooncake.gets import StagedGets
 from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
 from lw_mooncake.object_reader import ObjectReader
 from lw_mooncake.object_writer import ObjectWriter
+from lw_mooncake.put_sessions import PutSessions, have_put_sessions
 from lw_mooncake.puts import StagedPuts
 from lw_mooncake.reservations import Reservations
+from lw_mooncake.session_writer import SessionWriter
 from lw_mooncake.stream_read import StreamReader
 from lw_mooncake.stream_write import StreamWriter
 
@@ -58,7 +66,8 @@ class MooncakeBackend:
     def __init__(self, master: str, *, metadata_server: str = "P2PHANDSHAKE", protocol: str = "tcp", rdma_devices: str = "",
                  local_hostname: str = "", global_segment_size: int = 0, local_buffer_size: int = 16 << 20,
                  staging_size: int = 64 << 20, call_timeout_s: float = 5.0, setup_timeout_s: float = 30.0,
-                 load: str = "per_layer", restore_signals: bool = True, streaming: bool = False) -> None:
+                 load: str = "per_layer", restore_signals: bool = True, streaming: bool = False,
+                 put_sessions: bool | None = None) -> None:
         if load not in ("per_layer", "whole"):
             raise ValueError(f"mooncake_load={load!r}: expected 'per_layer' or 'whole'")
         self.load = load
@@ -75,8 +84,11 @@ class MooncakeBackend:
         self.reservations = Reservations()
         self.stream_writer = StreamWriter(self.client, self.puts, self.reservations) if streaming else None
         self.stream_reader = StreamReader(self.client, self.gets)
+        use_sessions = have_put_sessions(self.client.store) if put_sessions is None else put_sessions
+        sessions = (SessionWriter(PutSessions(self.client), self.puts, self.reservations, Counter())
+                    if use_sessions else None)
         self.writer = ObjectWriter(self.client, self.puts, self.reservations, staging_size=staging_size,
-                                   streams=self.stream_writer)
+                                   streams=self.stream_writer, sessions=sessions)
         self.reader = ObjectReader(self.client, self.gets, load=load, staging_size=staging_size)
 
     @classmethod
@@ -161,7 +173,7 @@ class MooncakeBackend:
             return
         if self.stream_writer is not None:
             self.stream_writer.close()
-        self.reservations.clear()
+        self.writer.close()
         self.client.close(timeout_s)
 
     def __enter__(self) -> MooncakeBackend:

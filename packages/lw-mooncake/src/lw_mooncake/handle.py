@@ -20,6 +20,8 @@ class MooncakeHandle:
     committed: bool = False  # its put succeeded: committing it again is a no-op
     failed: BackendError | None = None  # its put failed with this: committing it again raises it again
     reserved: bool = False  # made by reserve (a writer's handle), not by open
+    session: bool = False  # reserved as a Mooncake put session (lw_mooncake.session_writer)
+    sent: list[tuple[int, int]] = field(default_factory=list, repr=False)  # ranges written into the session
 
 
 @dataclass(eq=False, slots=True)

@@ -1,13 +1,21 @@
 """``ObjectWriter``: the writing half of the ``Backend`` protocol on Mooncake (reserve, write, view
 of a reservation, commit, abort).
 
-Mooncake has no reserve/commit, so a reservation is a local buffer (``Reservations``) filled
-layer by layer, and ``commit`` puts it whole (``StagedPuts``).
+Two ways, chosen per reservation:
+
+* put sessions (``sessions``, when the client has them; ``lw_mooncake.session_writer``): reserve
+  starts a session, each ``write`` puts its range at once (the layer pipeline writes each layer as
+  its attention ends, so the transfer overlaps compute), commit ends the session, abort revokes
+  it. ``view`` of such a reservation is None (the pipeline then calls ``write``).
+* whole objects (clients without sessions, ``put_sessions=False``, and 0-byte objects): a
+  reservation is a local buffer (``Reservations``) filled layer by layer, and ``commit`` puts it
+  whole (``StagedPuts``).
 
 Invariants:
 
-* Nothing of a reservation is visible in Mooncake before its put completes; a failed put leaves
-  nothing visible, and ``abort`` only drops the local buffer.
+* Nothing of a reservation is visible in Mooncake before its put (or session end) completes; a
+  failed put or session end leaves nothing visible (a failed session is revoked), and ``abort``
+  drops the local buffer and revokes the session.
 * After ``commit`` returns or raises, none of its handles is held: a handle whose put succeeded
   (here or before) counts as committed (committing it again is a no-op), one whose put failed
   raises that put's error again.
@@ -31,21 +39,24 @@ from lw_mooncake.errors import to_error
 from lw_mooncake.handle import MooncakeHandle
 from lw_mooncake.puts import StagedPuts
 from lw_mooncake.reservations import Reservations
+from lw_mooncake.session_writer import SessionWriter
 from lw_mooncake.stream_write import StreamWriter
 
 
 class ObjectWriter:
     """Reservations in ``reservations``, put through ``puts``; ``streams``: the stream writer, or
-    None without streaming. Objects larger than ``staging_size`` are refused."""
+    None without streaming; ``sessions``: put sessions (``SessionWriter``), or None for whole puts.
+    Objects larger than ``staging_size`` are refused."""
 
     def __init__(self, client: StoreClient, puts: StagedPuts, reservations: Reservations, *, staging_size: int,
-                 streams: StreamWriter | None) -> None:
+                 streams: StreamWriter | None, sessions: SessionWriter | None = None) -> None:
         self.client = client
         self.puts = puts
         self.reservations = reservations
         self.staging_size = staging_size
         self.streams = streams
-        self.counts: Counter[str] = Counter()
+        self.sessions = sessions
+        self.counts: Counter[str] = sessions.counts if sessions is not None else Counter()
 
     def reserve(self, keys: Sequence[str], nbytes: int) -> list[MooncakeHandle | None]:
         if nbytes < 0:
@@ -54,7 +65,10 @@ class ObjectWriter:
             raise BackendError(f"reserve: an object of {nbytes} bytes exceeds mooncake_staging_size={self.staging_size}")
         if not keys:
             return []
-        out = self.reservations.reserve(keys, self.client.exist(list(keys)), nbytes)
+        if self.sessions is not None and nbytes > 0:
+            out = self.sessions.reserve(keys, nbytes)  # the session start answers for stored keys
+        else:
+            out = self.reservations.reserve(keys, self.client.exist(list(keys)), nbytes)
         if self.streams is not None:
             self.streams.start(out)
         return out
@@ -71,15 +85,21 @@ class ObjectWriter:
 
     def write(self, handles: Sequence[MooncakeHandle], offsets: Sequence[int], srcs: Sequence[Any]) -> None:
         n = 0
+        sess: list[tuple[MooncakeHandle, int, int]] = []
         for h, off, src in zip(handles, offsets, srcs, strict=True):
             data = byte_view(src, writable=False, what="write")
             self._local(h, off, data.nbytes, "write")[:] = data
             n += data.nbytes
+            if h.session:
+                sess.append((h, off, data.nbytes))
         self.counts["bytes_written"] += n
+        if sess and self.sessions is not None:
+            self.sessions.write([h for h, _, _ in sess], [o for _, o, _ in sess], [k for _, _, k in sess])
 
     def view(self, handle: MooncakeHandle, offset: int, nbytes: int) -> memoryview | None:
-        """A writable view of a reservation's local object; None once it ended."""
-        if handle.buf is None:
+        """A writable view of a reservation's local object; None once it ended, and for a put
+        session (its bytes go out as they are written: callers ``write``)."""
+        if handle.buf is None or handle.session:
             return None
         return self._local(handle, offset, nbytes, "view").data
 
@@ -95,7 +115,10 @@ class ObjectWriter:
         live = [h for h in todo if h.key not in missing]
         errors: list[BackendError] = [type(e)(str(e)) for e in again]
         try:
-            for batch in self._batches(live):
+            sess = [h for h in live if h.session]
+            if sess and self.sessions is not None:
+                errors += self.sessions.commit(sess)
+            for batch in self._batches([h for h in live if not h.session]):
                 errors += self._put(batch)
         except BackendError as e:  # e.g. a put past its deadline: this and any later batch failed
             for h in live:
@@ -103,6 +126,9 @@ class ObjectWriter:
                     h.failed = e
             if isinstance(e, BackendUnavailable) and self.streams is not None:
                 self.streams.go_quiet()  # no streaming clean-up calls into a store that does not answer
+            if self.sessions is not None:  # nothing of a failed session stays (revoked unless quiet)
+                self.sessions.abort([h for h in live if h.session and not h.committed],
+                                    quiet=isinstance(e, BackendUnavailable))
             raise
         finally:
             self.reservations.end(live)
@@ -146,4 +172,13 @@ class ObjectWriter:
     def abort(self, handles: Sequence[MooncakeHandle]) -> None:
         if self.streams is not None:
             self.streams.end(handles, aborted=True)
+        if self.sessions is not None:
+            self.sessions.abort(handles, quiet=self.streams is not None and self.streams.quiet())
         self.reservations.end(handles)
+
+    def close(self) -> None:
+        """At the backend's close: open reservations end (their sessions revoked, best effort)."""
+        open_ = self.reservations.handles()
+        if self.sessions is not None and open_ and not self.client.closed:
+            self.sessions.abort(open_)
+        self.reservations.clear()

@@ -9,6 +9,8 @@ Invariants:
   may still read it, so it is never reused.
 * Mooncake's put allocates, transfers, then marks the object complete: none of a failed put is
   visible. The status per object is returned as Mooncake gave it (0: stored).
+* ``put_ranges`` (put sessions, ``lw_mooncake.put_sessions``) writes byte ranges into objects
+  whose sessions this client started; a range is written only from this staging (registered).
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ import numpy as np
 from lw_core.backend import BackendError, BackendUnavailable
 from lw_mooncake.buffers import Staging
 from lw_mooncake.client import StoreClient
+from lw_mooncake.put_sessions import PutSessions
 
 # An object to put: its key, and its bytes as parts (concatenated in staging).
 Item = tuple[str, list[np.ndarray]]
+# A range to write into a put session's object: its key, its offset there, its bytes.
+Range = tuple[str, int, np.ndarray]
+SHORT_WRITE = -1  # a ranged put that reported fewer bytes than sent (not a Mooncake code)
 
 
 class StagedPuts:
@@ -66,3 +72,47 @@ class StagedPuts:
         if batch:
             res += self.put_parts(batch)
         return res
+
+    def put_ranges(self, sessions: PutSessions, ranges: list[Range]) -> list[int]:
+        """Writes ``ranges`` into their session objects: one ``batch_put_from_multi_buffer_ranges``
+        per staging-full (a key's ranges in one batch go as one entry of several buffers). Status
+        per range: 0 when its key's entry landed whole, else Mooncake's code (``SHORT_WRITE`` when
+        it reported fewer bytes)."""
+        out: list[int] = []
+        batch: list[Range] = []
+        size = 0
+        for r in ranges:
+            if r[2].nbytes > self.staging_size:
+                raise BackendError(f"ranged put into {r[0]!r}: {r[2].nbytes} bytes exceed mooncake_staging_size="
+                                   f"{self.staging_size}")
+            if batch and size + r[2].nbytes > self.staging_size:
+                out += self._ranges(sessions, batch)
+                batch, size = [], 0
+            batch.append(r)
+            size += r[2].nbytes
+        if batch:
+            out += self._ranges(sessions, batch)
+        return out
+
+    def _ranges(self, sessions: PutSessions, batch: list[Range]) -> list[int]:
+        self.client.check_open()
+        entries: dict[str, tuple[list[int], list[int], list[int]]] = {}
+        with self._staging.lock:
+            buf = self._staging.get()
+            base, off = int(buf.ctypes.data), 0
+            for key, dst, data in batch:
+                buf[off : off + data.nbytes] = data
+                ptrs, sizes, dsts = entries.setdefault(key, ([], [], []))
+                ptrs.append(base + off)
+                sizes.append(data.nbytes)
+                dsts.append(dst)
+                off += data.nbytes
+            keys = list(entries)
+            try:
+                res = sessions.ranges(keys, [entries[k][0] for k in keys], [entries[k][1] for k in keys],
+                                      [entries[k][2] for k in keys])
+            except BackendUnavailable:
+                self._staging.retire()
+                raise
+        status = {k: (r if r < 0 else 0 if r == sum(entries[k][1]) else SHORT_WRITE) for k, r in zip(keys, res)}
+        return [status[k] for k, _, _ in batch]

@@ -43,6 +43,11 @@ class Reservations:
                 out.append(h)
         return out
 
+    def is_open(self, key: str) -> bool:
+        """``key`` has an open reservation here."""
+        with self._lock:
+            return key in self._open
+
     def holds(self, h: MooncakeHandle) -> bool:
         """``h`` is an open reservation here (not committed, aborted or dropped at close)."""
         return h.buf is not None and self._open.get(h.key) is h

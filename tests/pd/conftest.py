@@ -54,6 +54,11 @@ def swa_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
+def gdn_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from _stack("gdn", GQA_METASERVER_TIMEOUT_S, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def meta() -> Iterator[FakeMetaserver]:
     s = FakeMetaserver()
     yield s

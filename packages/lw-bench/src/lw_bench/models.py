@@ -167,7 +167,8 @@ def _hf_config(spec: dict[str, Any], max_len: int):
             num_key_value_heads=spec["num_key_value_heads"], head_dim=spec["head_dim"],
             linear_num_key_heads=spec["linear_num_key_heads"], linear_num_value_heads=spec["linear_num_value_heads"],
             linear_key_head_dim=spec["linear_key_head_dim"], linear_value_head_dim=spec["linear_value_head_dim"],
-            layer_types=["linear_attention" if i % 2 == 0 else "full_attention" for i in range(n)],
+            layer_types=["full_attention" if (i + 1) % spec.get("full_every", 2) == 0 else "linear_attention"
+                         for i in range(n)],
             # Dense MLPs but in the last layer: vLLM's Qwen3-Next needs one MoE layer to start.
             mlp_only_layers=list(range(n - 1)), num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=spec["intermediate_size"], shared_expert_intermediate_size=spec["intermediate_size"],
@@ -255,6 +256,25 @@ BENCH_SWA_SPEC: dict[str, Any] = {
     "head_dim": 64,
     "sliding_window": 512,
     "full_every": 6,
+}
+
+
+# ``lw-bench serve --model gdn``: the bench model's size with Qwen3-Next's pattern (three gated
+# delta-net layers to one full-attention layer), bf16 (vLLM's CPU GDN kernels need it).
+BENCH_GDN_SPEC: dict[str, Any] = {
+    "arch": "qwen3_next",
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "linear_num_key_heads": 8,
+    "linear_num_value_heads": 16,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "dtype": "bfloat16",
+    "full_every": 4,
 }
 
 

@@ -174,10 +174,12 @@ class VllmServer:
 def start_vllm(name: str, model_dir: str, *, kv_role: str, extra: dict[str, Any], cpu: str, log_dir: Path,
                block_size: int, mla: bool, max_model_len: int = 1024, kv_cache_bytes: int = 32 << 20,
                host: str = "127.0.0.1", launcher: Sequence[str] = (), port: int | None = None,
-               env_extra: dict[str, str] | None = None) -> VllmServer:
+               env_extra: dict[str, str] | None = None, dtype: str = "float32",
+               prefix_caching: bool = False) -> VllmServer:
     """``host``/``launcher``/``port``: bind another address, started through ``launcher`` (another
     host's network namespace, where this process cannot pick a free port: pass one). ``env_extra``:
-    more environment for the server (e.g. ``PYTHONPATH``)."""
+    more environment for the server (e.g. ``PYTHONPATH``). ``prefix_caching``: vLLM's prefix cache
+    (a gated delta-net hybrid saves its states only with it on)."""
     port = port or free_port()
     stats = log_dir / f"{name}-stats.jsonl"
     template = log_dir / "chat_template.jinja"
@@ -185,8 +187,8 @@ def start_vllm(name: str, model_dir: str, *, kv_role: str, extra: dict[str, Any]
     argv = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--host", host, "--port", str(port), "--model", model_dir, "--served-model-name", "tiny",
-        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(max_model_len),
-        "--kv-cache-memory-bytes", str(kv_cache_bytes), "--no-enable-prefix-caching", "--seed", "0",
+        "--dtype", dtype, "--enforce-eager", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes",
+        str(kv_cache_bytes), "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching", "--seed", "0",
         "--chat-template", str(template),
         "--kv-transfer-config", json.dumps({"kv_connector": "LayerwiseStoreConnector", "kv_role": kv_role,
                                             "kv_connector_extra_config": extra}),
@@ -258,17 +260,23 @@ def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout
 
     mla = model == "mla"
     # swa: the sliding-window hybrid, run with vLLM's hybrid KV cache manager (its blocks are 32).
-    model_dir = str({"mla": models.mla_model, "swa": models.swa_model}.get(model, models.gqa_model)())
-    block = 16 if mla else (block_size or 32)  # vLLM's CPU MLA backend forces 16
+    # gdn: the gated delta-net hybrid, bf16 (vLLM's CPU GDN kernels), prefix caching on so vLLM hands
+    # its states off at block boundaries ("align" mode); vLLM raises its block to 256 tokens.
+    model_dir = str({"mla": models.mla_model, "swa": models.swa_model, "gdn": models.gdn_model}
+                    .get(model, models.gqa_model)())
+    block = 16 if mla else (block_size or (256 if model == "gdn" else 32))  # vLLM's CPU MLA backend forces 16
+    dtype, prefix_caching = ("bfloat16", True) if model == "gdn" else ("float32", False)
     extra = {"embedded_path": pool_path, "embedded_capacity_bytes": 64 << 20, "use_layerwise": True,
              "metaserver_timeout_s": metaserver_timeout_s, **(extra or {})}
     c0, c1 = cpu_ids()
     prefill = start_vllm("prefill", model_dir, kv_role="kv_producer", extra=extra, cpu=c0, log_dir=log_dir,
-                         block_size=block, mla=mla, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes)
+                         block_size=block, mla=mla, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                         dtype=dtype, prefix_caching=prefix_caching)
     decode = proxy = None
     try:
         decode = start_vllm("decode", model_dir, kv_role="kv_consumer", extra=extra, cpu=c1, log_dir=log_dir,
-                            block_size=block, mla=mla, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes)
+                            block_size=block, mla=mla, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                            dtype=dtype, prefix_caching=prefix_caching)
         wait_ready([prefill.proc, decode.proc], "/health", SERVER_START_TIMEOUT_S)
         for s in (prefill, decode):
             for path, body in (("/v1/completions", {"prompt": "warm up", "logprobs": 2}),

@@ -4,8 +4,11 @@ embedded pool -- recompute vs pool hits in bulk and layerwise mode -- at several
 Set-up: a Llama-style model built locally with random weights (``lw_bench.models``:
 12 layers, hidden 1024, GQA 16/4 heads of 64, float32 by default; ``--quick``: the 4-layer test
 model; ``--model swa``: the same size with Gemma 3's pattern, five 512-token sliding-window layers to
-one full-attention layer, also run as ``layerwise_hma_off`` with vLLM's hybrid KV cache manager off),
-vLLM's CPU build, block size 32. Each prompt is a *shared prefix* of ``L`` tokens (the
+one full-attention layer, also run as ``layerwise_hma_off`` with vLLM's hybrid KV cache manager off;
+``--model gdn``: the same size with Qwen3-Next's pattern, three gated delta-net layers to one
+full-attention layer, bf16, block 512, vLLM's prefix cache on in every engine, ``save`` too, so vLLM
+hands off the recurrent state at the prompt's last block boundary, which is the prefix's end),
+vLLM's CPU build, block size 32 (gdn 512). Each prompt is a *shared prefix* of ``L`` tokens (the
 length in the table) followed by a short unique tail (``--tail`` tokens, less than a block, so the
 tail is never a full chunk and nothing new is saved by the measured engines). Every prefix is
 used by two requests: ``first`` (prefix + tail 0) and ``second`` (prefix + tail 1).
@@ -62,6 +65,9 @@ returns it as the JSON object, lengths as string keys, times in seconds):
   on (windowed layers read their window) against off (every layer reads every chunk)
 * ``headline``: ``hit_vs_recompute`` (layerwise at ``headline_depth``), ``layerwise_vs_bulk``
   (same depth), ``layered_vs_local`` (same depth), ``targets`` (0.3, 0.85, 1.0), ``length``
+* ``states`` (``--model gdn``): ``chunk_objects``, ``objects`` (state objects the save engine
+  committed besides its chunks, from its pool counters), ``per_prefix``, ``bytes_per_object``,
+  ``save_failed_objects``; a hit loads one state object, which ``pool_loaded_bytes`` leaves out
 * ``checks``: ``pool_hits_ok`` (every first request of a pool mode loaded exactly ``L`` tokens,
   none failed), ``local_hits_ok`` (every second request was a vLLM prefix-cache hit of ``L``),
   ``saved_ok`` (the save engine saved ``L / block_size`` chunks per prefix), ``problems``
@@ -98,7 +104,11 @@ from lw_bench.serve.result import checked
 from lw_bench.serve.run import EngineError, run_engine
 
 BLOCK_SIZE = 32
-MODELS = ("bench", "tiny", "swa")
+# ``--model gdn``: vLLM raises a GDN hybrid's attention block until a page holds a layer's recurrent
+# state (268 KiB here: a float32 16 x 64 x 64 state and a bf16 convolution state); asked for 512
+# tokens (512 KiB pages) it keeps them.
+GDN_BLOCK_SIZE = 512
+MODELS = ("bench", "tiny", "swa", "gdn")
 # ``--model swa``: the same layerwise mode with vLLM's hybrid KV cache manager off, so the
 # sliding-window layers keep and move every chunk like full ones (bytes moved per hit compared).
 HMA_OFF = "layerwise_hma_off"
@@ -114,13 +124,13 @@ def role(mode: str) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--lengths", default="256,512,1024,2048", help="shared-prefix lengths in tokens, multiples of 32 (default 256,512,1024,2048)")
+    p.add_argument("--lengths", default=None, help="shared-prefix lengths in tokens, multiples of the block size: 32, gdn 512 (default 256,512,1024,2048; gdn 1024,2048,3584)")
     p.add_argument("--reps", type=int, default=3, help="prefixes per length; medians are reported (default 3)")
     p.add_argument("--rounds", type=int, default=2, help="engines per measured mode, run in alternating order; samples are pooled (default 2)")
     p.add_argument("--depths", default="1,2,4", help="layerwise prefetch depths, comma-separated (default 1,2,4)")
     p.add_argument("--tail", type=int, default=16, help="unique tokens after the shared prefix, 1..31 (default 16)")
-    p.add_argument("--model", choices=MODELS, default="bench", help="bench: 12 layers, hidden 1024; tiny: the 4-layer test model; swa: the bench size with Gemma 3's sliding-window pattern, also run with HMA off (default bench)")
-    p.add_argument("--dtype", choices=DTYPES, default="float32", help="model and KV dtype (default float32)")
+    p.add_argument("--model", choices=MODELS, default="bench", help="bench: 12 layers, hidden 1024; tiny: the 4-layer test model; swa: the bench size with Gemma 3's sliding-window pattern, also run with HMA off; gdn: the bench size with Qwen3-Next's gated delta-net pattern, bf16, block 512, prefix caching on in every engine (default bench)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="model and KV dtype (default float32; gdn: bfloat16, the only one it runs)")
     p.add_argument("--threads", type=int, default=1, help="OpenMP threads of the engine's compute (default 1; see the module doc)")
     p.add_argument("--backend", default="embedded", metavar="NAMES",
                    help="comma-separated pool backends, all in one run: embedded, memcache, mooncake (default embedded). "
@@ -153,16 +163,29 @@ def _int_list(name: str, text: str, *, lo: int) -> list[int]:
 def _model_spec(name: str) -> dict[str, Any]:
     from lw_bench import models
 
-    return {"bench": models.BENCH_SPEC, "swa": models.BENCH_SWA_SPEC}.get(name, models.GQA_SPEC)
+    return {"bench": models.BENCH_SPEC, "swa": models.BENCH_SWA_SPEC, "gdn": models.BENCH_GDN_SPEC}.get(name, models.GQA_SPEC)
+
+
+def _attention_layers(spec: dict[str, Any]) -> int:
+    """Layers that keep KV per token (a GDN hybrid's full-attention layers; every layer otherwise)."""
+    n = int(spec["num_hidden_layers"])
+    return n // int(spec.get("full_every", 2)) if spec["arch"] == "qwen3_next" else n
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     if args.quick:
         args.model, args.lengths, args.reps, args.depths, args.rounds = "tiny", "128", 1, "2", 1
-    lengths = _int_list("lengths", args.lengths, lo=BLOCK_SIZE)
-    bad = [n for n in lengths if n % BLOCK_SIZE]
+    if args.lengths is None:
+        args.lengths = "1024,2048,3584" if args.model == "gdn" else "256,512,1024,2048"
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.model == "gdn" else "float32"
+    if args.model == "gdn" and args.dtype != "bfloat16":
+        raise SystemExit("lw-bench serve: --model gdn runs in bfloat16 only (vLLM's CPU GDN kernels)")
+    bs = GDN_BLOCK_SIZE if args.model == "gdn" else BLOCK_SIZE
+    lengths = _int_list("lengths", args.lengths, lo=bs)
+    bad = [n for n in lengths if n % bs]
     if bad:
-        raise SystemExit(f"lw-bench serve: --lengths {bad} are not multiples of the block size {BLOCK_SIZE}")
+        raise SystemExit(f"lw-bench serve: --lengths {bad} are not multiples of the block size {bs}")
     depths = _int_list("depths", args.depths, lo=1)
     if not 1 <= args.tail < BLOCK_SIZE:
         raise SystemExit(f"lw-bench serve: --tail={args.tail} must be in 1..{BLOCK_SIZE - 1} (less than a block)")
@@ -179,14 +202,17 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "disk_dir", None) and "embedded" not in names:
         raise SystemExit("lw-bench serve: --disk-dir measures the embedded pool's disk tier: add embedded to --backend")
     spec = _model_spec(args.model)
-    kv_per_token = spec["num_hidden_layers"] * 2 * spec["num_key_value_heads"] * spec["head_dim"] * _DTYPE_BYTES[args.dtype]
+    layer_kv = 2 * spec["num_key_value_heads"] * spec["head_dim"] * _DTYPE_BYTES[args.dtype]
+    kv_per_token = _attention_layers(spec) * layer_kv
+    # Room by every layer's KV: a GDN hybrid's state pages take the attention page size.
+    room_per_token = spec["num_hidden_layers"] * layer_kv
     saved_tokens = (args.reps + 1) * sum(lengths)
     cfg = {
         "model": args.model,
         "layers": spec["num_hidden_layers"],
         "hidden": spec["hidden_size"],
         "dtype": args.dtype,
-        "block_size": BLOCK_SIZE,
+        "block_size": bs,
         "lengths": lengths,
         "reps": args.reps,
         "rounds": args.rounds,
@@ -194,12 +220,12 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "tail": args.tail,
         "threads": args.threads,
         "kv_bytes_per_token": kv_per_token,
-        "pool_capacity_bytes": max(64 << 20, 2 * saved_tokens * kv_per_token),
+        "pool_capacity_bytes": max(64 << 20, 2 * saved_tokens * room_per_token),
         "headline_depth": 2 if 2 in depths else depths[0],
-        "max_model_len": (max_len + BLOCK_SIZE) // BLOCK_SIZE * BLOCK_SIZE,
+        "max_model_len": (max_len + bs) // bs * bs,
         # Room for a whole sweep (one prefix per length) twice over: a second request needs its
         # first request's blocks still in vLLM's prefix cache.
-        "kv_cache_memory_bytes": max(64 << 20, 2 * (sum(lengths) + len(lengths) * 2 * BLOCK_SIZE) * kv_per_token),
+        "kv_cache_memory_bytes": max(64 << 20, 2 * (sum(lengths) + len(lengths) * 2 * bs) * room_per_token),
         "backends": names,
     }
     if getattr(args, "disk_dir", None):
@@ -264,8 +290,9 @@ def _modes(cfg: dict[str, Any], extras: dict[str, dict[str, Any]]) -> list[tuple
     """``(name, extra config or None, vLLM prefix cache on)`` in run order; ``extras``: each
     backend's pool keys (lw_bench.serve.backends.stores)."""
     base = extras[cfg["backends"][0]]
+    # A GDN hybrid saves its states only with vLLM's prefix cache on ("align" state mode).
     modes = [
-        ("save", {**base, "use_layerwise": True}, False),
+        ("save", {**base, "use_layerwise": True}, cfg["model"] == "gdn"),
         ("recompute", None, True),
         ("bulk", {**base, "use_layerwise": False}, True),
     ]
@@ -290,7 +317,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     t_start = time.perf_counter()
     load_before = os.getloadavg()[0]
     # A model with room for the longest prompt (the usual 4096 unless a length needs more).
-    room = 4096 if cfg["max_model_len"] <= 4096 else MAX_PROMPT + 2 * BLOCK_SIZE
+    room = 4096 if cfg["max_model_len"] <= 4096 else MAX_PROMPT + 2 * cfg["block_size"]
     model_dir = str(models.build_model(_model_spec(cfg["model"]), max_len=room))
     own_pool = args.pool_path is None
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else os.environ.get("TMPDIR", "/tmp")
@@ -305,6 +332,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         disk.cleanup(cfg)
     result = summarize(cfg, [m[0] for m in modes], records)
     result["backend_rows"] = backends.rows(cfg, result["ttft_s"])
+    if cfg["model"] == "gdn":
+        result["states"] = _states(cfg, counters.get("save", []))
     if cfg.get("disk_dir"):
         result["disk"] = disk.rows(cfg, result, backends.hit_mode(cfg, "embedded"), seq, counters.get(disk.HIT, []))
         if not result["disk"]["disk_hits_ok"]:
@@ -336,12 +365,12 @@ def _run_engines(args: argparse.Namespace, cfg: dict[str, Any], model_dir: str,
     for name, extra, prefix_caching in modes:
         items = _items(cfg, prompts, second=role(name) != "save", flush=name == disk.SAVE)
         jobs[name] = {
-            "model": model_dir, "dtype": cfg["dtype"], "block_size": BLOCK_SIZE,
+            "model": model_dir, "dtype": cfg["dtype"], "block_size": cfg["block_size"],
             "max_model_len": cfg["max_model_len"], "kv_cache_memory_bytes": cfg["kv_cache_memory_bytes"],
             "prefix_caching": prefix_caching, "extra": extra, "items": items,
             "engine": {"disable_hybrid_kv_cache_manager": True} if name == HMA_OFF else {},
             **({"settle_dir": cfg["disk_dir"]} if name == disk.SAVE else {}),
-            **({"metrics": True} if name == disk.HIT else {}),
+            **({"metrics": True} if name == disk.HIT or (name == "save" and cfg["model"] == "gdn") else {}),
         }
     schedule = _schedule([m[0] for m in modes], cfg["rounds"])
     env = {"OMP_NUM_THREADS": str(cfg["threads"])}
@@ -375,6 +404,24 @@ def _run_engines(args: argparse.Namespace, cfg: dict[str, Any], model_dir: str,
 
 
 # --- figures -------------------------------------------------------------------------------------
+
+
+def _states(cfg: dict[str, Any], counters: list[dict[str, float]]) -> dict[str, Any]:
+    """``--model gdn``: the recurrent-state objects the save engine committed besides its chunks
+    (its pool counters less the chunks its first requests saved). A hit loads one of them; the
+    connector's per-request ``loaded_bytes`` counts the chunks only."""
+    c = counters[0] if counters else {}
+    chunks = (cfg["reps"] + 1) * sum(cfg["lengths"]) // cfg["block_size"]
+    objects = int(c.get("saved_objects", 0)) - chunks
+    state_bytes = int(c.get("saved_bytes", 0)) - chunks * cfg["block_size"] * cfg["kv_bytes_per_token"]
+    return {
+        "chunk_objects": chunks,
+        "objects": objects,
+        "per_prefix": objects / ((cfg["reps"] + 1) * len(cfg["lengths"])),
+        "bytes_per_object": state_bytes // objects if objects > 0 else None,
+        "save_failed_objects": int(c.get("save_failed_objects", 0)),
+    }
+
 
 
 def _median(xs: list[float]) -> float | None:
@@ -511,6 +558,10 @@ def print_table(r: dict[str, Any]) -> None:
     )
     for key, vals in r["ratios"].items():
         print(f"  {key}: " + ", ".join(f"{k} {fmt(v)}" for k, v in vals.items()))
+    if r.get("states"):
+        st = r["states"]
+        print(f"recurrent states saved: {st['objects']} objects ({st['per_prefix']:.2f} per prefix) of "
+              f"{st['bytes_per_object']} bytes, beside {st['chunk_objects']} chunks; a hit loads one besides its chunks")
     backends.print_rows(r)
     if r.get("disk"):
         disk.print_rows(r["disk"], lengths)

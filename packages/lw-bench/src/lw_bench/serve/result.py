@@ -20,7 +20,7 @@ ByLength = dict[str, float | None]  # prefix length -> figure (None: no sample)
 
 
 class ServeBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    model: Literal["bench", "tiny", "swa"]
+    model: Literal["bench", "tiny", "swa", "gdn"]
     layers: Positive
     hidden: Positive
     dtype: Literal["float32", "bfloat16"]
@@ -104,6 +104,16 @@ class DiskRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     target: float  # goal for read_vs_seq
 
 
+class StatesRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``--model gdn``: the save engine's recurrent-state objects (lw_bench.serve.mode._states)."""
+
+    chunk_objects: Annotated[int, Meta(ge=0)]  # attention chunks its first requests saved
+    objects: int  # state objects committed besides them (its saved_objects counter less the chunks)
+    per_prefix: float  # objects / prefixes saved (1: the last boundary of each prompt)
+    bytes_per_object: int | None  # one state object: every GDN layer's state at one boundary
+    save_failed_objects: Annotated[int, Meta(ge=0)]
+
+
 class LoadAverage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     before: Seconds
     after: Seconds
@@ -127,6 +137,7 @@ class ServeBenchResult(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_
     plot: str | None = None  # --plot: the PNG written
     backend_rows: dict[str, BackendRow] = msgspec.field(default_factory=dict)  # backend -> its rows
     disk: DiskRow | None = None  # --disk-dir
+    states: StatesRow | None = None  # --model gdn
 
 
 def checked(result: dict) -> ServeBenchResult:

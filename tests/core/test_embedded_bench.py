@@ -28,6 +28,12 @@ def test_backend_bench_quick_json(capsys, tmp_path):
     assert {m["op"] for m in out["metadata"]} == {"reserve+commit", "open+release"}
     assert all(m["ms_per_call"] > 0 and m["keys_per_call"] == 32 for m in out["metadata"])
     assert out["stats"]["objects"] > 0 and out["stats"]["capacity_bytes"] > 0
+    # every get row has its breakdown: open, read, release and the memcpy of the same bytes, per call
+    gets = {(r["case"], r["process"]) for r in out["results"] if r["op"] == "get"}
+    assert {(g["case"], g["process"]) for g in out["breakdown"]} == gets
+    for g in out["breakdown"]:
+        assert g["read_ms"] > 0 and g["memcpy_ms"] > 0 and g["open_ms"] > 0 and g["release_ms"] >= 0, g
+        assert g["keys_per_call"] == {"64KiB": 32, "4MiB": 4, "layer_16KiB": 32}[g["case"]], g  # --quick: 64 and 4 objects
     # the JSON is the result struct: its fields (no hosts without --host-tcp-netns), its types
     assert set(out) == set(BackendBenchResult.__struct_fields__) - {"hosts"}
     assert ROW_KEYS == set(BackendRow.__struct_fields__) and set(out["metadata"][0]) == set(MetadataRow.__struct_fields__)

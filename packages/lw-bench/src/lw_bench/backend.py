@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from lw_bench import bench_store, netns
-from lw_bench.backend_result import BackendBenchResult, BackendRow, Case, MetadataRow
+from lw_bench.backend_result import BackendBenchResult, BackendRow, Case, GetBreakdown, MetadataRow
 from lw_core.backend import Backend, Handle, open_backend
 from lw_core.backends.registry import backend_names
 from lw_core.config import parse_config
@@ -114,21 +114,43 @@ def _fill(nbytes: int) -> np.ndarray:
     return np.resize(np.arange(251, dtype=np.uint8), nbytes)
 
 
-def _whole_get(b: Backend, keys: list[str], n: int, batch: int, reps: int) -> tuple[float, float]:
+def _whole_get(b: Backend, keys: list[str], n: int, batch: int, reps: int) -> tuple[float, float, list[float]]:
+    """Best seconds of open + read + release of ``keys`` by batches, of its memcpy, and of each
+    part (open, read, release: sums over the batches, each the best of the repetitions)."""
     dst = np.zeros(len(keys) * n, np.uint8)
     dst[:] = 1  # pre-touch
     views = [dst[i * n : (i + 1) * n] for i in range(len(keys))]
+    parts = [float("inf")] * 3
 
     def go() -> None:
+        t = [0.0, 0.0, 0.0]
+        clock = time.perf_counter
         for i in range(0, len(keys), batch):
+            t0 = clock()
             hs = _present(b.open(keys[i : i + batch]), f"objects {keys[i]}... vanished (pool too small?)")
+            t1 = clock()
             b.read(hs, [0] * len(hs), views[i : i + batch])
+            t2 = clock()
             b.release(hs)
+            t3 = clock()
+            t[0] += t1 - t0
+            t[1] += t2 - t1
+            t[2] += t3 - t2
+        parts[:] = [min(p, x) for p, x in zip(parts, t)]
 
     s, mc = _pair(go, _memcpy_fn(n, len(keys)), reps)
     if not np.array_equal(dst, _fill(dst.size)):
         raise RuntimeError("lw-bench backend: read back wrong bytes")
-    return s, mc
+    return s, mc, parts
+
+
+def _breakdown(case: Case, process: Literal["same", "other", "other-host"], keys_per_call: int, calls: int,
+               parts: list[float], mc: float) -> GetBreakdown:
+    """Per call; the layer case's open and release (once per load) are not divided."""
+    once = 1 if case == "layer_16KiB" else calls
+    o, r, rel = (round(x / c * 1e3, 4) for x, c in zip(parts, (once, calls, once)))
+    return GetBreakdown(case=case, process=process, keys_per_call=keys_per_call, open_ms=o, read_ms=r, release_ms=rel,
+                        memcpy_ms=round(mc / calls * 1e3, 4))
 
 
 def _present(hs: list[Handle | None], what: str) -> list[Handle]:
@@ -144,11 +166,15 @@ def _layer_views(buf: np.ndarray, count: int, layers: int) -> list[list[np.ndarr
             for layer in range(layers)]
 
 
-def _layer_get(b: Backend, keys: list[str], layers: int, reps: int) -> tuple[float, float]:
+def _layer_get(b: Backend, keys: list[str], layers: int, reps: int) -> tuple[float, float, list[float]]:
+    """Best seconds of the per-layer reads, of their memcpy, and [open, all reads, release] (the
+    open and release happen once, around the timed reads)."""
     dst = np.zeros(len(keys) * layers * LAYER_BYTES, np.uint8)
     dst[:] = 1
     views = _layer_views(dst, len(keys), layers)
+    t0 = time.perf_counter()
     hs = _present(b.open(keys), "layer objects vanished (pool too small?)")
+    t_open = time.perf_counter() - t0
     try:
 
         def go() -> None:
@@ -158,15 +184,18 @@ def _layer_get(b: Backend, keys: list[str], layers: int, reps: int) -> tuple[flo
         s, mc = _pair(go, _memcpy_fn(LAYER_BYTES, len(keys) * layers), reps)
         if not np.array_equal(dst, _fill(dst.size)):
             raise RuntimeError("lw-bench backend: read back wrong layer bytes")
-        return s, mc
     finally:
+        t0 = time.perf_counter()
         b.release(hs)
+        t_release = time.perf_counter() - t0
+    return s, mc, [t_open, s, t_release]
 
 
 # ----------------------------------------------------------------------------- the cases
 
 
-def _whole_case(b: Backend, case: Case, n: int, count: int, batch: int, reps: int, bar: Any) -> tuple[list[BackendRow], list[str]]:
+def _whole_case(b: Backend, case: Case, n: int, count: int, batch: int, reps: int,
+                bar: Any) -> tuple[list[BackendRow], GetBreakdown, list[str]]:
     src = _fill(count * n)
     views = [src[i * n : (i + 1) * n] for i in range(count)]
     sets: list[list[str]] = []
@@ -183,16 +212,17 @@ def _whole_case(b: Backend, case: Case, n: int, count: int, batch: int, reps: in
     s_put, mc_put = _pair(put, _memcpy_fn(n, count), reps)
     bar.update()
     keys = sets[-1]
-    s_get, mc_get = _whole_get(b, keys, n, batch, reps)
+    s_get, mc_get, parts = _whole_get(b, keys, n, batch, reps)
     bar.update()
     rows = [
         _row(case, "put", "same", n, count, n * count, s_put, mc_put, calls),
         _row(case, "get", "same", n, count, n * count, s_get, mc_get, calls),
     ]
-    return rows, keys
+    return rows, _breakdown(case, "same", min(batch, count), calls, parts, mc_get), keys
 
 
-def _layer_case(b: Backend, count: int, layers: int, reps: int, bar: Any) -> tuple[list[BackendRow], list[MetadataRow], list[str]]:
+def _layer_case(b: Backend, count: int, layers: int, reps: int,
+                bar: Any) -> tuple[list[BackendRow], list[MetadataRow], GetBreakdown, list[str]]:
     n = layers * LAYER_BYTES
     views = _layer_views(_fill(count * n), count, layers)
     meta = {"reserve+commit": float("inf")}
@@ -216,7 +246,7 @@ def _layer_case(b: Backend, count: int, layers: int, reps: int, bar: Any) -> tup
     s_put, mc_put = _pair(put, _memcpy_fn(LAYER_BYTES, count * layers), reps)
     bar.update()
     keys = sets[-1]
-    s_get, mc_get = _layer_get(b, keys, layers, reps)
+    s_get, mc_get, parts = _layer_get(b, keys, layers, reps)
 
     def open_release() -> None:
         b.release(_present(b.open(keys), "layer objects vanished (pool too small?)"))
@@ -232,7 +262,7 @@ def _layer_case(b: Backend, count: int, layers: int, reps: int, bar: Any) -> tup
         MetadataRow(case="layer_16KiB", op="reserve+commit", keys_per_call=count, ms_per_call=round(meta["reserve+commit"] * 1e3, 4)),
         MetadataRow(case="layer_16KiB", op="open+release", keys_per_call=count, ms_per_call=round(s_open * 1e3, 4)),
     ]
-    return rows, metadata, keys
+    return rows, metadata, _breakdown("layer_16KiB", "same", count, layers, parts, mc_get), keys
 
 
 def _child_read(extra: dict, jobs: list[dict], reps: int, batch: int, out: Any, ns: str | None = None) -> None:
@@ -243,25 +273,28 @@ def _child_read(extra: dict, jobs: list[dict], reps: int, batch: int, out: Any, 
             netns.setns(ns)
         where: Literal["other", "other-host"] = "other" if ns is None else "other-host"
         b = open_backend(parse_config(extra))
-        rows = []
+        rows, parts = [], []
         try:
             for j in jobs:
+                count = len(j["keys"])
                 if j["case"] == "layer_16KiB":
-                    s, mc = _layer_get(b, j["keys"], j["layers"], reps)
-                    n = j["layers"] * LAYER_BYTES
-                    rows.append(_row(j["case"], "get", where, n, len(j["keys"]), n * len(j["keys"]), s, mc, j["layers"]))
+                    s, mc, t = _layer_get(b, j["keys"], j["layers"], reps)
+                    n, calls, per_call = j["layers"] * LAYER_BYTES, j["layers"], count
                 else:
                     n = j["object_bytes"]
-                    s, mc = _whole_get(b, j["keys"], n, batch, reps)
-                    rows.append(_row(j["case"], "get", where, n, len(j["keys"]), n * len(j["keys"]), s, mc, -(-len(j["keys"]) // batch)))
+                    s, mc, t = _whole_get(b, j["keys"], n, batch, reps)
+                    calls, per_call = -(-count // batch), min(batch, count)
+                rows.append(_row(j["case"], "get", where, n, count, n * count, s, mc, calls))
+                parts.append(_breakdown(j["case"], where, per_call, calls, t, mc))
         finally:
             b.close()
-        out.put(("ok", rows))
+        out.put(("ok", (rows, parts)))
     except BaseException as e:  # report, never leave the parent waiting
         out.put(("error", f"{type(e).__name__}: {e}"))
 
 
-def _cross_process(extra: dict, jobs: list[dict], reps: int, batch: int, ns: str | None = None) -> list[BackendRow]:
+def _cross_process(extra: dict, jobs: list[dict], reps: int, batch: int,
+                   ns: str | None = None) -> tuple[list[BackendRow], list[GetBreakdown]]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_child_read, args=(extra, jobs, reps, batch, q, ns), daemon=True)
@@ -321,27 +354,33 @@ def run(args: argparse.Namespace) -> dict:
         cross = not args.no_cross_process
         bar = tqdm(total=6 + cross, desc="lw-bench backend", file=sys.stderr, leave=False)
         results: list[BackendRow] = []
+        breakdown: list[GetBreakdown] = []
         jobs: list[dict] = []
         held = []
         whole: tuple[tuple[Case, int, int], ...] = (("64KiB", 64 * KiB, n64), ("4MiB", 4 * MiB, n4m))
         for case, n, count in whole:
-            rows, keys = _whole_case(b, case, n, count, batch, reps, bar)
+            rows, parts, keys = _whole_case(b, case, n, count, batch, reps, bar)
             held += b.open(keys)
             results += rows
+            breakdown.append(parts)
             jobs.append({"case": case, "object_bytes": n, "keys": keys})
-        rows, metadata, keys = _layer_case(b, batch, layers, reps, bar)
+        rows, metadata, parts, keys = _layer_case(b, batch, layers, reps, bar)
         results += rows
+        breakdown.append(parts)
         jobs.append({"case": "layer_16KiB", "layers": layers, "keys": keys})
         bar.update()
         if cross:
-            results += _cross_process(extra, jobs, reps, batch, hosts[1] if hosts else None)
+            rows, other = _cross_process(extra, jobs, reps, batch, hosts[1] if hosts else None)
+            results += rows
+            breakdown += other
             bar.update()
         b.release([h for h in held if h is not None])
         bar.close()
         stats = b.stats()
         name = b.name
     res = BackendBenchResult(backend=name, backend_keys=args.keys, quick=quick, hosts=list(hosts) if hosts else None,
-                             setup_s=round(setup, 3), results=results, metadata=metadata, stats=stats)
+                             setup_s=round(setup, 3), results=results, metadata=metadata, stats=stats,
+                             breakdown=breakdown)
     out: dict[str, Any] = msgspec.to_builtins(res)
     if not getattr(args, "json", False):
         _print_table(out)
@@ -362,5 +401,9 @@ def _print_table(out: dict) -> None:
         )
     for m in out["metadata"]:
         print(f"{m['case']:<12} {m['op']:<15} {m['keys_per_call']} keys: {m['ms_per_call']:.3f} ms/call")
+    print("get breakdown, ms per call (open and release: once per load in layer_16KiB):")
+    for g in out["breakdown"]:
+        print(f"  {g['case']:<12} {g['process']:<10} {g['keys_per_call']:>3} keys: open {g['open_ms']:.3f}  read {g['read_ms']:.3f}  "
+              f"release {g['release_ms']:.3f}  | memcpy {g['memcpy_ms']:.3f}")
     s = out["stats"]
     print(f"pool: {s.get('objects')} objects, {s.get('evictions', 0)} evictions")

@@ -6,9 +6,10 @@ JSON's keys and types are the fields below. ``hosts`` is left out unless ``--hos
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
+from msgspec import Meta
 
 Case = Literal["64KiB", "4MiB", "layer_16KiB"]
 
@@ -33,6 +34,20 @@ class MetadataRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ms_per_call: float
 
 
+class GetBreakdown(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Where one get row's time goes, per call (one batch; one layer for layer_16KiB), each part the
+    best of the repetitions: ``open`` and ``release`` (the layer case opens once, outside its timed
+    calls), ``read`` (the copy and its checks) and ``memcpy`` (the same bytes copied by numpy)."""
+
+    case: Case
+    process: Literal["same", "other", "other-host"]
+    keys_per_call: Annotated[int, Meta(ge=1)]
+    open_ms: Annotated[float, Meta(ge=0)]
+    read_ms: Annotated[float, Meta(ge=0)]
+    release_ms: Annotated[float, Meta(ge=0)]
+    memcpy_ms: Annotated[float, Meta(ge=0)]
+
+
 class BackendBenchResult(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     backend: str  # the backend's name
     backend_keys: dict[str, Any]  # --backend-key
@@ -41,4 +56,5 @@ class BackendBenchResult(msgspec.Struct, kw_only=True, omit_defaults=True, forbi
     results: list[BackendRow]
     metadata: list[MetadataRow]
     stats: dict[str, int]  # the backend's stats() after the run
+    breakdown: list[GetBreakdown] = []  # where each get row's time goes
     hosts: list[str] | None = None  # --host-tcp-netns: the writer's and the reader's namespaces

@@ -122,6 +122,29 @@ def test_reader_stalled_past_its_lease_gets_an_error_not_the_new_objects_bytes(p
     assert st["reads_of_evicted_objects"] == 2 and st["stale_views"] == 1
 
 
+def test_an_open_past_a_full_lease_row_misses_only_the_keys_past_it(pools):
+    """One open leasing more than a row holds (batched leases): the first ENTRIES keys are hits
+    that read their object's exact bytes and pin it against eviction; the rest are misses."""
+    from lw_core.backends.embedded.leases import ENTRIES
+
+    reader, writer = pools(), pools()
+    put(writer, ["a"])
+    hs = reader.open(["a"] * (ENTRIES + 2))
+    assert [h is not None for h in hs] == [True] * ENTRIES + [False, False]
+    assert len({h._lease for h in hs[:ENTRIES]}) == ENTRIES
+    assert reader.stats()["lease_row_full"] == 2
+    dst = np.zeros(N, np.uint8)
+    reader.read([hs[-3]], [0], [dst])
+    assert (dst == payload("a")).all()
+    for k in "bcde":  # the pool holds two objects: each new one's space comes from the last, never from leased a
+        put(writer, [k])
+    assert writer.lookup(["a"]) == 1 and writer.lookup(["d"]) == 0
+    reader.release(hs[:ENTRIES])
+    (h,) = reader.open(["a"])
+    assert h is not None and reader.stats()["lease_row_full"] == 2
+    reader.release([h])
+
+
 def test_eviction_during_the_copy_is_caught_by_the_check_after_it(pools, monkeypatch):
     from lw_core.backend import ObjectMissing
     from lw_core.backends.embedded import object_reader as embedded  # the module whose numpy read() uses

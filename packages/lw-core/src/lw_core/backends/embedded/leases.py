@@ -38,6 +38,7 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -162,6 +163,29 @@ class LeaseTable:
             self.hint[page] = expiry
         self.ref[page] = 1
         return i
+
+    def take_many(self, oids: Sequence[int], pages: Sequence[int], expiry: float) -> list[int]:
+        """``take`` of each (oid, page) in one pass (call under ``self.lock``): the entry indexes, -1
+        where the row is full. The high-water mark is stored once, before the caller's fence."""
+        free, exp, ent, hint, ref, base, hw = self._free, self._exp, self._oid, self.hint, self.ref, self._base, self._hw
+        out: list[int] = []
+        for oid, page in zip(oids, pages):
+            if not free:
+                out.append(-1)
+                continue
+            i = free.pop()
+            exp[base + i] = expiry
+            ent[base + i] = oid
+            if i >= hw:
+                hw = i + 1
+            if hint[page] < expiry:
+                hint[page] = expiry
+            ref[page] = 1
+            out.append(i)
+        if hw != self._hw:
+            self._hw = hw
+            self.rows[self.row, 3] = hw
+        return out
 
     def renew(self, i: int, oid: int, page: int, expiry: float) -> bool:
         if i < 0 or self.row < 0 or self._oid[self._base + i] != oid:

@@ -164,31 +164,36 @@ class ObjectReader:
         bkeys = encode_keys(keys)
         self.usable()
         self.check_pool()
-        out: list[EmbeddedHandle | None] = []
-        lt, ep, full = self.pool.leases, self.pool.epoch, 0
-        with self._read() as txn, lt.lock:
+        out: list[EmbeddedHandle | None] = [None] * len(bkeys)
+        lt, ep = self.pool.leases, self.pool.epoch
+        # Batched: look every key up, lease the live ones in one pass (take_many), fence once, check
+        # again; per-key Python work is what bounds opens of small objects.
+        hit: list[int] = []
+        recs: list[tuple[int, int, int, int, int, int]] = []
+        with self.pool.read() as txn, lt.lock:  # usable() was checked above
             expiry = time.time() + self.lease_ttl_s
-            get, unpack, db, take, gen = txn.get, OBJ_REC.unpack, self.pool.obj, lt.take, lt.gen
-            for k, bk in zip(keys, bkeys):
+            get, unpack, db, gen = txn.get, OBJ_REC.unpack, self.pool.obj, lt.gen
+            for j, bk in enumerate(bkeys):
                 v = get(bk, db=db)
                 if v is None or v[0] != COMMITTED:
-                    out.append(None)
                     continue
-                _, oid, off, alloc, nbytes, _ = unpack(v)
-                if gen[off // PAGE] != oid:
-                    out.append(None)  # evicted after this read transaction began
-                    continue
-                i = take(oid, off // PAGE, expiry)
+                rec = unpack(v)
+                if gen[rec[2] // PAGE] != rec[1]:
+                    continue  # evicted after this read transaction began
+                hit.append(j)
+                recs.append(rec)
+            oids = [r[1] for r in recs]
+            pages = [r[2] // PAGE for r in recs]
+            taken = lt.take_many(oids, pages, expiry)
+            fences.fence()  # the leases are visible before the generations are checked again
+            full = 0
+            for j, (_, oid, off, alloc, nbytes, _), pg, i in zip(hit, recs, pages, taken):
                 if i < 0:
                     full += 1
-                    out.append(None)
-                    continue
-                out.append(EmbeddedHandle(k, bk, nbytes, off, alloc, oid, False, ep, i))
-            fences.fence()  # the leases are visible before the generations are checked again
-            for j, h in enumerate(out):
-                if h is not None and gen[h._pg] != h._oid:
-                    lt.drop(h._lease, h._oid)
-                    out[j] = None
+                elif gen[pg] != oid:
+                    lt.drop(i, oid)
+                else:
+                    out[j] = EmbeddedHandle(keys[j], bkeys[j], nbytes, off, alloc, oid, False, ep, i)
         if full:
             self.local["lease_row_full"] += full
             log.warning("embedded pool %r: this process holds too many leases; %d opens were misses", self.pool.path, full)

@@ -115,6 +115,10 @@ def unpack_resv(v: bytes) -> tuple[Resv, bytes]:
 
 def encode_keys(keys: Sequence[str]) -> list[bytes]:
     """The keys as LMDB keys; a key that is not a non-empty str, or too long, is a ValueError."""
+    if all(type(k) is str for k in keys):  # the usual case, checked in bulk
+        out = [k.encode() for k in keys]
+        if not out or 0 < min(map(len, out)) and max(map(len, out)) <= MAX_KEY_BYTES:
+            return out
     out = []
     for k in keys:
         if not isinstance(k, str) or not k:

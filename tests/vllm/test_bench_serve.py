@@ -129,3 +129,26 @@ def test_summary_flags_a_pool_miss_and_a_missing_local_hit() -> None:
     ck = bench_serve.summarize(cfg, modes, records)["checks"]
     assert not ck["pool_hits_ok"] and not ck["local_hits_ok"] and ck["saved_ok"]
     assert any("bulk meas/64/0/first" in p for p in ck["problems"])
+
+
+def test_gdn_config_runs_bf16_on_512_token_blocks_with_prefix_caching_in_every_engine() -> None:
+    cfg = bench_serve._config(_args("--model", "gdn", "--reps", "1", "--depths", "2"))
+    assert (cfg["dtype"], cfg["block_size"], cfg["lengths"]) == ("bfloat16", 512, [1024, 2048, 3584])
+    # Three full-attention layers keep KV per token: K and V, 4 heads of 64, bf16.
+    assert cfg["kv_bytes_per_token"] == 3 * 2 * 4 * 64 * 2
+    modes = bench_serve._modes(cfg, {"embedded": {"embedded_path": "/dev/shm/x"}})
+    assert [n for n, _, _ in modes][:2] == ["save", "recompute"]
+    assert all(prefix_caching for _, _, prefix_caching in modes)  # save too: vLLM hands states off
+    for argv, needle in ((["--dtype", "float32"], "bfloat16"), (["--lengths", "1000"], "512")):
+        with pytest.raises(SystemExit) as ei:
+            bench_serve._config(_args("--model", "gdn", *argv))
+        assert needle in str(ei.value)
+
+
+def test_gdn_states_are_the_save_engines_objects_beyond_its_chunks() -> None:
+    cfg = bench_serve._config(_args("--model", "gdn", "--lengths", "1024,2048", "--reps", "1"))
+    chunks = 2 * (2 + 4)  # warm-up and one measured prefix per length, 512-token chunks
+    chunk_bytes = 512 * cfg["kv_bytes_per_token"]
+    st = bench_serve._states(cfg, [{"saved_objects": chunks + 4, "saved_bytes": chunks * chunk_bytes + 4 * 1000}])
+    assert st == {"chunk_objects": chunks, "objects": 4, "per_prefix": 1.0, "bytes_per_object": 1000,
+                  "save_failed_objects": 0}

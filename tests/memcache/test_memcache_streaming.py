@@ -111,10 +111,17 @@ def test_from_config_follows_pd_streaming():
         def __init__(self, path, **kw):
             seen.update(kw)
 
-    keys = SimpleNamespace(memcache_config_path="/x", memcache_protocol="host_shm")
+    keys = SimpleNamespace(memcache_config_path="/x", memcache_protocol="host_shm", memcache_write_lease_s=None)
     for on in (True, False):
         Probe.from_config(SimpleNamespace(save_timeout_s=5.0, layer_wait_timeout_s=5.0, backend_keys=keys, pd_streaming=on))
         assert seen["streaming"] is on
+    # A reservation must outlive a long forward pass (a CPU prefill step can take tens of seconds).
+    assert seen["write_lease_ms"] == 120_000
+    Probe.from_config(SimpleNamespace(save_timeout_s=60.0, layer_wait_timeout_s=5.0, backend_keys=keys))
+    assert seen["write_lease_ms"] == 240_000
+    keys.memcache_write_lease_s = 7.5
+    Probe.from_config(SimpleNamespace(save_timeout_s=5.0, layer_wait_timeout_s=5.0, backend_keys=keys))
+    assert seen["write_lease_ms"] == 7500
 
 
 def test_a_released_handle_on_a_committed_object_reads_nothing(be):

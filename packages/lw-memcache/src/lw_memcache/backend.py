@@ -109,12 +109,15 @@ class MemcacheBackend:
     def from_config(cls, cfg: Any, **kwargs: Any) -> MemcacheBackend:
         """Build from a ``lw_core.config.PoolConfig``; lease lengths and the wait for room in a
         full pool default from its timeouts."""
-        kwargs.setdefault("write_lease_ms", max(10_000, int(cfg.save_timeout_s * 2000)))
+        keys = cfg.backend_keys  # lw_memcache.plugin.MemcacheKeys
+        # A reservation lives from a step's first layer write to its commit after the forward: on a
+        # CPU a long prefill step alone takes tens of seconds (2 x save_timeout_s was too short).
+        lease_s = keys.memcache_write_lease_s or max(120.0, 4 * cfg.save_timeout_s)
+        kwargs.setdefault("write_lease_ms", int(lease_s * 1000))
         kwargs.setdefault("read_lease_ms", max(10_000, int(cfg.layer_wait_timeout_s * 4000)))
         # A save waiting for room must leave most of its deadline to the copies.
         kwargs.setdefault("full_wait_s", min(2.0, cfg.save_timeout_s / 4))
         kwargs.setdefault("streaming", bool(getattr(cfg, "pd_streaming", False)))
-        keys = cfg.backend_keys  # lw_memcache.plugin.MemcacheKeys
         return cls(keys.memcache_config_path, protocol=keys.memcache_protocol, **kwargs)
 
     @property

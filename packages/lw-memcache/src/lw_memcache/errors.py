@@ -25,8 +25,8 @@ _HINTS = {
         "and check ock.mmc.meta_service_url in the client config; clients reconnect on their own",
     ),
     NOT_READABLE: (ObjectMissing, "the object is reserved but not yet committed (still being written)"),
-    NO_SUCH_KEY: (ObjectMissing, "no such object (never written, evicted, or its holder exited)"),
-    NO_SUCH_KEY_IN_BATCH: (ObjectMissing, "no such object (never written, evicted, or its holder exited)"),
+    NO_SUCH_KEY: (ObjectMissing, "no such object (never written, evicted, its holder exited, or a reservation outlived memcache_write_lease_s)"),
+    NO_SUCH_KEY_IN_BATCH: (ObjectMissing, "no such object (never written, evicted, its holder exited, or a reservation outlived memcache_write_lease_s)"),
     NO_LEASE: (ObjectMissing, "no lease to remove (it expired; raise the lease TTL if reads take longer)"),
     DIRECTION_MISMATCH: (
         BackendError,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import msgspec
 
@@ -25,6 +25,10 @@ class MemcacheKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Path of the mmc-local.conf the clients read (``lw-memcache config`` writes one).
     memcache_config_path: str = ""
     memcache_protocol: Literal[PROTOCOLS] = "host_shm"  # type: ignore[valid-type]
+    # How long a reservation lives unfinished before the MetaService reclaims it (and other writers
+    # may take its key over): it must outlast a whole forward pass, from the first layer's write to
+    # the commit after the last, plus the save deadline. None: max(120 s, 4 x save_timeout_s).
+    memcache_write_lease_s: Annotated[float, msgspec.Meta(gt=0, le=86400)] | None = None
 
 
 def _open(cfg: Any, **kwargs: Any) -> Backend[MemcacheHandle]:

@@ -25,6 +25,8 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from lw_core.backend import BackendError, Buffer, ObjectMissing
 from lw_core.backends.embedded import disk_format as fmt
@@ -33,6 +35,8 @@ from lw_core.backends.embedded.disk_format import DiskHandle
 from lw_core.backends.embedded.records import bytes_view, log
 
 COUNTERS = ("disk_hits", "disk_bytes_read", "demotions", "demotion_drops", "disk_evictions", "disk_corrupt")
+READERS = 16  # files a hit opens and checks at once (``open_many``): reads in flight on the disk
+KEEP_BYTES = 1 << 30  # payloads open handles may hold in memory, all together; beyond, reads use the file
 RESCAN_S = 30.0  # how often the writer thread lists the directory (other processes' demotions)
 DISK_STATS = (*COUNTERS, "disk_objects", "disk_bytes")  # what ``stats`` reports
 
@@ -65,6 +69,8 @@ class DiskTier:
         self._cv = threading.Condition()
         self._closed = False
         self._next_rescan = 0.0
+        self._readers: ThreadPoolExecutor | None = None
+        self._kept = 0  # bytes of payloads open handles hold (``KEEP_BYTES`` at most)
         fmt.prepare_dir(self.path)
         self._scan()
         self._thread = threading.Thread(target=self._run, name="lw-disk-tier", daemon=True)
@@ -204,12 +210,22 @@ class DiskTier:
         except OSError:  # evicted meanwhile (by us or another process)
             self._forget(name)
             return None
+        data = None
         try:
             head = fmt.read_header(fd, bkey)
             ident = (os.fstat(fd).st_ino, head.generation)
-            if self._verified.get(name) != ident:
+            check = self._verified.get(name) != ident
+            if head.nbytes <= fmt.CHUNK and self._keep(head.nbytes):
+                try:
+                    data = fmt.read_payload(fd, head, check=check)
+                except BaseException:
+                    self._unkeep(head.nbytes)
+                    raise
+            elif check:
                 fmt.check_payload(fd, head)
-                self._verified[name] = ident
+            else:  # checked before: have the kernel read it ahead for the ranged reads to come
+                os.posix_fadvise(fd, fmt.HEADER_BYTES, head.nbytes, os.POSIX_FADV_WILLNEED)
+            self._verified[name] = ident
         except (fmt.BadFile, OSError) as e:
             os.close(fd)
             self._corrupt(name, p, e)
@@ -222,7 +238,31 @@ class DiskTier:
             os.utime(fd)  # the LRU order survives restarts (scan sorts by mtime)
         except OSError:
             pass
-        return DiskHandle(key, head.nbytes, fd)
+        return DiskHandle(key, head.nbytes, fd, data)
+
+    def _keep(self, n: int) -> bool:
+        """Reserve ``n`` bytes of the ``KEEP_BYTES`` that open handles may hold in memory."""
+        with self._cv:
+            if self._kept + n > KEEP_BYTES:
+                return False
+            self._kept += n
+            return True
+
+    def _unkeep(self, n: int) -> None:
+        with self._cv:
+            self._kept -= n
+
+    def open_many(self, keys: Sequence[str], bkeys: Sequence[bytes]) -> list[DiskHandle | None]:
+        """``open`` of each key, in order, up to ``READERS`` at once: a hit's files are checked
+        (each one's header, and the payload on its first open) in parallel, so the disk sees many
+        reads in flight rather than one file at a time."""
+        if len(keys) <= 1:
+            return [self.open(k, bk) for k, bk in zip(keys, bkeys)]
+        with self._cv:
+            if self._readers is None:
+                self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="lw-disk-read")
+            pool = self._readers
+        return list(pool.map(self.open, keys, bkeys))
 
     def read(self, handle: DiskHandle, offset: int, dst: Buffer) -> None:
         m = bytes_view(dst, writable=True, what=f"read {handle.key!r}")
@@ -231,6 +271,11 @@ class DiskTier:
             raise ValueError(f"embedded disk tier: read of {n} bytes at offset {offset} is outside object {handle.key!r} of {handle.nbytes} bytes")
         if handle._fd < 0:
             raise ObjectMissing(f"embedded disk tier: {handle.key!r} was released")
+        if handle.data is not None:  # the bytes checked at open
+            m[:] = memoryview(handle.data)[offset : offset + n]
+            with self._cv:
+                self.counters["disk_bytes_read"] += n
+            return
         try:
             got = os.preadv(handle._fd, [m], fmt.HEADER_BYTES + offset)
         except OSError as e:  # an I/O error is a failed read of this object, as for any store
@@ -241,7 +286,12 @@ class DiskTier:
             self.counters["disk_bytes_read"] += n
 
     def view(self, handle: DiskHandle, offset: int, nbytes: int) -> memoryview:
-        """The range read into a new buffer (the file is not mapped: a truncated file must not SIGBUS)."""
+        """The range of the payload read at open (zero-copy), else read into a new buffer (the file
+        is not mapped: a truncated file must not SIGBUS)."""
+        if handle.data is not None and handle._fd >= 0 and 0 <= offset and 0 <= nbytes and offset + nbytes <= handle.nbytes:
+            with self._cv:
+                self.counters["disk_bytes_read"] += nbytes
+            return memoryview(handle.data)[offset : offset + nbytes]
         buf = bytearray(nbytes)
         self.read(handle, offset, buf)
         return memoryview(buf).toreadonly()
@@ -250,6 +300,9 @@ class DiskTier:
         if handle._fd >= 0:
             os.close(handle._fd)
             handle._fd = -1
+            if handle.data is not None:
+                self._unkeep(handle.nbytes)
+                handle.data = None  # views handed out keep their bytes alive
 
     def _forget(self, name: str) -> None:
         with self._cv:
@@ -306,5 +359,7 @@ class DiskTier:
             self._queue.clear()
             self.counters["demotion_drops"] += dropped
             self._cv.notify_all()
+            readers, self._readers = self._readers, None
         self._thread.join(flush_s)
-
+        if readers is not None:
+            readers.shutdown(wait=True)

@@ -63,13 +63,12 @@ class TieredReads:
         if all(h is not None for h in out):
             return out
         bkeys = encode_keys(keys)
-        for i, h in enumerate(out):
-            if h is None:
-                d = self.disk.open(keys[i], bkeys[i])
-                if d is not None:  # a hit on disk is a hit (its handle reads the file)
-                    out[i] = d
-                    self.local["open_hits"] += 1
-                    self.local["open_misses"] -= 1
+        miss = [i for i, h in enumerate(out) if h is None]
+        for i, d in zip(miss, self.disk.open_many([keys[i] for i in miss], [bkeys[i] for i in miss])):
+            if d is not None:  # a hit on disk is a hit (its handle reads the file)
+                out[i] = d
+                self.local["open_hits"] += 1
+                self.local["open_misses"] -= 1
         return out
 
     def read(self, handles: Sequence[Any], offsets: Sequence[int], dsts: Sequence[Buffer]) -> None:

@@ -17,8 +17,9 @@ import pytest
 
 from lw_bench.models import GDN_SPEC
 from lw_bench.pd.stack import Stack
+from lw_dev.harness import assert_same_greedy
 from lw_dev.pd_flow import baseline, text, through
-from lw_dev.pd_oracle import SAMPLING, assert_same, by_index, completion_choice
+from lw_dev.pd_oracle import SAMPLING, by_index, completion_choice
 
 pytestmark = pytest.mark.slow
 
@@ -38,8 +39,11 @@ def test_gdn_prompts_match_single_engine_and_decoder_loads_up_to_the_last_state(
     assert ex.status == 200, ex.out
     got = [completion_choice(c) for c in by_index(ex.out["choices"])]
     assert len(got) == len(prompts)
-    for i, (r, g) in enumerate(zip(refs, got)):
-        assert_same(r, g, f"gdn prompt {i}")
+    # A lost state moves this tiny random model's log-probs by a few 1e-3 only (test_hybrid_state),
+    # under the oracle's default tolerance; a restored one gives the single engine's log-probs to
+    # 1e-4 (both engines split the prompt at the same block boundary).
+    for r, g in zip(refs, got):
+        assert_same_greedy(r, g, lp_tol=1e-4)
 
     assert len(ex.prefill_stats) == len(prompts), ex.prefill_stats
     for r in ex.prefill_stats:  # every chunk, the partial one too (layerwise keeps partial chunks)

@@ -85,8 +85,8 @@ class _Store:
 
 
 class _Client:
-    def __init__(self) -> None:
-        self.store = _Store()
+    def __init__(self, store: _Store | None = None) -> None:
+        self.store = store or _Store()
         self.calls = Deadlines(5.0, "test")
         self.closed = False
 
@@ -97,13 +97,18 @@ class _Client:
         return self.store.batch_is_exist(keys)
 
 
-@pytest.fixture
-def setup():
-    client = _Client()
+def _make(store: _Store | None = None):
+    client = _Client(store)
     puts = StagedPuts(client, 1 << 16)  # type: ignore[arg-type]
     res = Reservations()
     sw = SessionWriter(PutSessions(client), puts, res, Counter())  # type: ignore[arg-type]
     w = ObjectWriter(client, puts, res, staging_size=1 << 16, streams=None, sessions=sw)  # type: ignore[arg-type]
+    return w, client, res
+
+
+@pytest.fixture
+def setup():
+    w, client, res = _make()
     yield w, client.store, res
     client.calls.shutdown()
 
@@ -184,3 +189,49 @@ def test_layer_writes_larger_than_the_staging_go_in_several_calls(setup):
     assert store.calls["ranges"] == 3  # 64 KiB staging: one object's range per call
     w.commit(hs)
     assert [store.stored[k] for k in "abc"] == [d.tobytes() for d in data]
+
+
+class _Frozen(_Store):
+    """The master stops answering session ends and revokes (they raise as a past deadline would)."""
+
+    frozen = False
+
+    def batch_put_session_end(self, keys):
+        if self.frozen:
+            raise _Timeout
+        return super().batch_put_session_end(keys)
+
+    def batch_put_session_revoke(self, keys):
+        if self.frozen:
+            self.calls["revoke_frozen"] += 1
+            raise _Timeout
+        return super().batch_put_session_revoke(keys)
+
+
+class _Timeout(Exception):
+    pass
+
+
+def test_a_commit_that_times_out_fails_its_objects_and_later_aborts_skip_the_revoke(monkeypatch):
+    from lw_core.backend import BackendUnavailable
+
+    store = _Frozen()
+    w, client, res = _make(store)
+
+    def call(what, fn, *args, timeout_s=None):
+        try:
+            return fn(*args)
+        except _Timeout:
+            raise BackendUnavailable(f"mooncake {what} did not answer") from None
+
+    monkeypatch.setattr(client.calls, "call", call)
+    hs = w.reserve(["a", "b"], 4)
+    w.write(hs, [0, 0], [b"aaaa", b"bbbb"])
+    store.frozen = True
+    with pytest.raises(BackendUnavailable):
+        w.commit([hs[0]])
+    assert hs[0].failed is not None and not hs[0].committed and "a" not in store.stored
+    assert store.calls["revoke_frozen"] == 0  # a store that did not answer is not asked again at once
+    w.abort([hs[1]])
+    assert store.calls["revoke_frozen"] == 0 and len(res) == 0
+    client.calls.shutdown()

@@ -1,8 +1,9 @@
 """The optional streaming extension of ``MooncakeBackend`` (rules: ``lw_core.backend``): its design,
 and the formats of its objects (head, segment header, abort marker).
 
-Mooncake has no reserve/commit and a stored object never grows, so a reservation's published
-prefix cannot be made readable in place (the object itself is put whole at ``commit``). Instead
+Mooncake makes an object readable only whole (a put, or the end of a put session), so a
+reservation's published prefix cannot be made readable in place (the object itself becomes
+readable at ``commit``; with put sessions its layers are already in the store, unreadable). Instead
 each ``publish`` puts the newly published bytes as a *segment* object of their own, named by a
 random per-reservation token (the same design as lw-memcache's streaming, without its address
 worries: Mooncake is read by key, never by address):
@@ -20,7 +21,7 @@ worries: Mooncake is read by key, never by address):
   holding its start, then the bytes. A reader reads exactly one segment's range: reads follow the
   writer's write ranges, as with memcache (another split reads as not published: a recompute,
   never other bytes).
-* ``commit`` puts the object as before, then removes the head and the segments. ``abort`` (and a
+* ``commit`` puts the object (or ends its put session) as before, then removes the head and the segments. ``abort`` (and a
   failed put, and ``close`` with reservations open) first puts an abort marker
   ``<key>#x<token>``, so waiters fail at once, then removes them.
 

@@ -7,11 +7,14 @@ writer thread writes each one to a temporary file, fsyncs it and renames it into
 disk (``ENOSPC``) or any write error drops the demotion (counted, logged once), never raising.
 
 State: the index (file name -> file bytes, in LRU order; rebuilt by scanning headers at open, so
-objects survive restarts), the queue, the counters, and which files' payloads were verified. A
-file is verified (its checksum) on its first open in this process; a torn, foreign or damaged
-file is removed and is a miss. Files are evicted, least recently used first, to stay under
-``capacity``. Hits are served from the file (``pread`` of the range asked for); they are not
-promoted back into DRAM (the page cache keeps hot files in memory). Other processes' demotions
+objects survive restarts), the queue, the counters, which files' payloads were verified, and the
+bytes of payloads open handles hold. ``open_many`` opens a hit's files ``READERS`` at a time; each
+small object's payload is read whole, in one read, checked (its checksum, on the file's first open
+in this process) and kept on the handle, which serves every range from those bytes (``KEEP_BYTES``
+in all; past that, or for objects over ``CHUNK``, a handle reads the file with ``pread``). A torn,
+foreign or damaged file is removed and is a miss. Files are evicted, least recently used first, to
+stay under ``capacity``. Hits are not promoted back into DRAM (the page cache keeps hot files in
+memory). Other processes' demotions
 are found by name on a miss, and the writer thread lists the directory every ``RESCAN_S`` so the
 capacity holds for the whole directory.
 """

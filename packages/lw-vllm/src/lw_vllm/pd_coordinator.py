@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from lw_core.config import PoolConfig
 from lw_core.keys import KeySpace, chunk_hashes, partial_chunk_hash
-from lw_vllm.meta import LayerwiseMeta, Xfer
+from lw_vllm.group_blocks import GroupBlocks
+from lw_vllm.meta import LayerwiseMeta
 from lw_vllm.metrics import Collector
 from lw_vllm.pd_metaserver import MetaserverClient, Outcome, remote_prefill_params
 from lw_vllm.request_keys import prompt_tokens
@@ -83,8 +84,12 @@ class PdCoordinator:
 
     def __init__(self, cfg: PoolConfig, block_size: int, keyspace: KeySpace, tags: list[str],
                  other_tp: dict[int, tuple[KeySpace, list[str]]], metaserver: MetaserverClient | None,
-                 metrics: Collector, lookup: Lookup, tp_mismatch: Callable[[int], str]) -> None:
+                 metrics: Collector, lookup: Lookup, tp_mismatch: Callable[[int], str],
+                 groups: GroupBlocks | None = None) -> None:
+        """``groups``: the scheduler side's block groups (a hybrid's receives carry every attention
+        group's blocks); ``None``: one group."""
         self.cfg = cfg
+        self.groups = groups if groups is not None else GroupBlocks(0, [])
         self.block_size = block_size
         self.keyspace = keyspace
         self.tags = tags
@@ -112,7 +117,7 @@ class PdCoordinator:
         """After vLLM allocated ``st``'s blocks: a streaming receive not sent yet is parked (vLLM
         holds it in ``WAITING_FOR_REMOTE_KVS``) until the next step plan hands it to the workers."""
         if st.remote is not None and st.remote.phase is RemotePhase.STREAMING and not st.stream_sent:
-            st.block_ids = list(blocks.get_block_ids()[0])  # parked: no scheduler output will carry them
+            self.groups.set(st, blocks.get_block_ids())  # parked: no scheduler output will carry them
             st.stream_pending = True
             self._stream_pending.append(st)
 
@@ -265,8 +270,7 @@ class PdCoordinator:
             st.load, st.stream_pending, st.stream_sent = None, False, True
             hashes = st.load_hashes
             if n > 0 and first + n <= min(len(hashes), len(st.block_ids)):
-                meta.stream_loads.append(Xfer(st.req.request_id, hashes[first:first + n],
-                                              st.block_ids[first:first + n]))
+                meta.stream_loads.append(self.groups.xfer(st, hashes, first, first + n))
                 st.t.setdefault("stream_sent", time.time())
                 st.last_xfer_build = self._build
                 self._streams[st.req.request_id] = st

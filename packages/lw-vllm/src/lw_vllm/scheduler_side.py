@@ -90,10 +90,10 @@ class SchedulerSide:
         self.inert = why is not None
         self.states: StatePlan | None = None
         self._async_loads: list[ReqState] = []
-        if self.hybrid and cfg.pd_streaming:
+        if state and cfg.pd_streaming:
             raise NotImplementedError(
-                "kv_connector_extra_config.pd_streaming=true is not supported for hybrid models (several KV cache "
-                "groups) yet; set pd_streaming to false")
+                "kv_connector_extra_config.pd_streaming=true is not supported for models with recurrent-state "
+                "layers (Mamba / linear attention: their state is not streamed); set pd_streaming to false")
         if self.inert:
             log.warning("lw-vllm: this model has recurrent-state layers (KV cache groups %s: Mamba / linear "
                         "attention) and the pool cannot restore their state here (%s), so it neither saves nor "
@@ -136,7 +136,8 @@ class SchedulerSide:
         # A prefiller never waits for anyone; a decoder (or a kv_both engine behind the proxy) does.
         metaserver = MetaserverClient(cfg.metaserver_timeout_s) if role in ("kv_consumer", "kv_both") else None
         self.pd = PdCoordinator(cfg, self.block_size, self.keyspace, self.tags, self.other_tp, metaserver,
-                                self.metrics, self.lookup, functools.partial(pool.tp_mismatch, vllm_config))
+                                self.metrics, self.lookup, functools.partial(pool.tp_mismatch, vllm_config),
+                                self.groups)
         self._builds = 0
         self._lag = 1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0
         # Finished requests' stats lines, written once their last step's worker report arrived.
@@ -244,7 +245,8 @@ class SchedulerSide:
         end = st.local_computed + num_external_tokens
         st.load = (first, -(-end // bs) - first)
         st.promised += num_external_tokens
-        if self.hybrid:  # asynchronous: vLLM parks the request until the workers report the load
+        streaming = st.remote is not None and st.remote.phase is RemotePhase.STREAMING
+        if self.hybrid and not streaming:  # asynchronous: vLLM parks the request until the workers report the load
             self.groups.set(st, blocks.get_block_ids())
             if self.states is not None:
                 self.states.allocated(st, blocks.get_block_ids())

@@ -121,3 +121,17 @@ def test_the_receiver_reads_no_bytes_for_blocks_outside_the_window() -> None:
     assert be.read_handles == [12]  # only the chunk inside the window
     assert _read_layer(be, gc, layout, 0, [10, 11, 12], [5, 6, 7]) == (3, 12)
     assert be.read_handles == [12, 10, 11, 12]
+
+
+def test_streaming_pd_is_refused_for_recurrent_state_models_naming_the_key() -> None:
+    """A state hybrid's state is not streamed: pd_streaming fails start-up with the key to change
+    (a sliding-window hybrid streams: tests/pd/test_pd_streaming_swa.py)."""
+    from lw_core.config import parse_config
+    from lw_vllm.scheduler_side import SchedulerSide
+
+    kc = _cfg((MambaSpec, ["m.layers.0.mixer"], 256), (FullAttentionSpec, ["m.layers.1.attn"], 256))
+    vc = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+                         cache_config=SimpleNamespace(enable_prefix_caching=True, mamba_cache_mode="align"),
+                         scheduler_config=SimpleNamespace(async_scheduling=False))
+    with pytest.raises(NotImplementedError, match="pd_streaming=true is not supported for models with recurrent"):
+        SchedulerSide(vc, kc, parse_config({"pd_streaming": True}), "kv_consumer")

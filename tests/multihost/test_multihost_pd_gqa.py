@@ -55,6 +55,25 @@ def _loaded_all(stack: Stack, ex) -> None:
     assert_remote_prefill_used(stack, ex, 1)  # promised == loaded == prompt - 1, nothing failed
 
 
+# memcache host_tcp refuses writes for a few seconds after a client (re)joins ("copy direction
+# rejected ... right after another client joined", -2 / -101); under a loaded CI host that window
+# outlasted a fixed settle. Hits must resume within this many fresh prompts (each answered right).
+RESUME_TRIES = 4
+
+
+def _hits_resume(stack: Stack, first_seed: int) -> None:
+    """A fresh PD prompt is loaded whole again within ``RESUME_TRIES`` tries, a few seconds apart;
+    every try's output is the single engine's (``_pd``), saved or not."""
+    for i in range(RESUME_TRIES):
+        ex = _pd(stack, first_seed + 100 * i)
+        rec = ex.decode_stats[0]
+        if rec["loaded_tokens"] == rec["prompt_tokens"] - 1:
+            _loaded_all(stack, ex)
+            return
+        time.sleep(3.0)
+    raise AssertionError(f"hits did not resume within {RESUME_TRIES} prompts; last decode record {rec}")
+
+
 def test_pd_across_hosts_matches_single_engine_and_loads_every_chunk(stack: Stack, on_host_a: Cluster) -> None:
     settle(stack)  # the stack's warm-up prefill may still be reporting its saves
     rx0, _ = on_host_a.hosts.link_bytes("b")
@@ -134,7 +153,7 @@ def test_holder_killed_mid_run_requests_recompute_and_hits_resume(stack: Stack, 
             # A write right after the holder re-joins failed once (host_tcp WriteRemoteAsync -101)
             # with the default 3 s settle; give the engines' clients longer to see the new rank.
             c.start_holder(settle_s=10.0)
-    _loaded_all(stack, _pd(stack, 43))  # hits resume
+    _hits_resume(stack, 43)
     if no_room:  # said once when the refusals began, so once when they end
         assert "lw-memcache: the memcache pool takes objects again" in _log_since(stack.prefill.proc.log_path, log0)
 
@@ -157,4 +176,4 @@ def test_metaservice_killed_misses_without_hanging_then_recovers(stack: Stack, o
     finally:
         c.start_meta()
     time.sleep(5)  # clients reconnect (about 1 s) and the holder registers its memory again
-    _loaded_all(stack, _pd(stack, 45))
+    _hits_resume(stack, 45)

@@ -180,7 +180,7 @@ def test_worker_reports_a_late_freed_request_only_when_none_of_its_saves_runs(tm
     assert w.take_finished_sending() == {"a"}
     assert w.take_finished_sending() is None  # reported once
     rep = w.take_report()
-    assert rep is not None and rep.saved == {"a": 1}
+    assert rep is not None and rep.saved == {"a": 2}  # a running total: TP ranks report in different steps
 
 
 def test_an_idle_step_waits_a_little_for_the_saves_it_must_report(tmp_path) -> None:

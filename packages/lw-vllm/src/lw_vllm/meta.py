@@ -105,6 +105,8 @@ class LayerwiseWorkerMeta(KVConnectorWorkerMetadata):
         for k, (a, b) in other.load_span.items():
             mine = span.get(k)
             span[k] = (a, b) if mine is None else (min(a, mine[0]), max(b, mine[1]))
+        # ``saved`` holds each rank's running total per request (save_book), so the maximum is the
+        # count of the rank that committed most, whichever step its report comes in.
         # A chunk is announced once any rank committed its object (MLA: rank 0 alone saves).
         stored = {rid: list(hs) for rid, hs in self.stored.items()}
         for rid, hs in other.stored.items():

@@ -49,7 +49,8 @@ class PoolEvents:
         from vllm.distributed.kv_events import BlockStored
 
         where = {h: i for i, h in enumerate(chain)}
-        idx = sorted({where[h] for h in committed if h in where})
+        # Once per chunk: TP ranks' commits of one chunk may be reported in different steps.
+        idx = sorted({where[h] for h in committed if h in where and h not in self._announced})
         bs = self.block_size
         for run in _runs(idx):
             a, b = run[0], run[-1] + 1

@@ -26,13 +26,17 @@ class SaveBook:
         if chunk_hash is not None:
             self.hashes[key] = chunk_hash
 
-    def credit(self, res: SaveResult, report: LayerwiseWorkerMeta) -> None:
-        """Count ``res``'s committed keys per owning request into ``report``."""
+    def credit(self, res: SaveResult, report: LayerwiseWorkerMeta, totals: dict[str, int]) -> None:
+        """Count ``res``'s committed keys per owning request into ``totals`` (this worker's running
+        count per request) and put each changed total into ``report``: a total, not an increment,
+        because TP ranks' background saves end in different steps and vLLM merges one step's
+        reports of all ranks (``LayerwiseWorkerMeta.aggregate`` keeps the maximum)."""
         for k in res.committed_keys:
             rid = self.owner.get(k)
             if rid is None:
                 continue
-            report.saved[rid] = report.saved.get(rid, 0) + 1
+            totals[rid] = totals.get(rid, 0) + 1
+            report.saved[rid] = totals[rid]
             h = self.hashes.get(k)
             if h is not None:
                 report.stored.setdefault(rid, []).append(h)

@@ -385,9 +385,9 @@ class SchedulerSide:
         for rid, n in wm.failed.items():
             if (st := get(rid)) is not None:
                 st.failed_blocks += n
-        for rid, n in wm.saved.items():
+        for rid, n in wm.saved.items():  # running totals per request (save_book)
             if (st := get(rid)) is not None:
-                st.saved_chunks += n
+                st.saved_chunks = max(st.saved_chunks, n)
         for rid, committed in wm.stored.items():
             if (st := get(rid)) is not None:
                 lora = getattr(st.req, "lora_request", None)

@@ -64,6 +64,7 @@ class WorkerSide:
         self._book = SaveBook()  # this step's saves (background ones come back with theirs)
         self.background = pool.saves_in_background(cfg, role, kv_cache_config)
         self._free_late: set[str] = set()  # finished requests vLLM frees once we report them
+        self._saved_total: dict[str, int] = {}  # chunks committed per request so far (save_book)
         self._events = events_enabled(vllm_config)
         self._failed_blocks: set[int] = set()
         self._report = LayerwiseWorkerMeta()
@@ -231,6 +232,11 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Streaming receives that ended (``finished_recving``); their failed blocks go out in
         this same pass through ``take_load_errors`` (vLLM calls it right after)."""
+        if finished_req_ids:  # their saves ended in their step, or they are freed late (kept till then)
+            busy = self._busy_requests() if self.background and self.pipe is not None else set()
+            late = self._free_late | set(self._meta.free_late if self._meta is not None else ())
+            for rid in finished_req_ids - busy - late:
+                self._saved_total.pop(rid, None)
         recv = self._recv
         if recv is None:
             return None
@@ -278,6 +284,8 @@ class WorkerSide:
         done = self._free_late - busy
         self._free_late -= done
         self._collect_background_saves()  # after the busy check: every save of ``done`` is in
+        for rid in done:
+            self._saved_total.pop(rid, None)
         return done or None
 
     def _busy_requests(self) -> set[str]:
@@ -376,7 +384,7 @@ class WorkerSide:
                 self._book_save(res, book)
 
     def _book_save(self, res: SaveResult, book: SaveBook) -> None:
-        book.credit(res, self._report)
+        book.credit(res, self._report, self._saved_total)
         self.stats.add(saved_objects=len(res.committed_keys), saved_bytes=res.saved_bytes,
                        save_failed_objects=len(res.failed_keys), save_errors=1 if res.errors else 0,
                        save_deadline_misses=len(res.deadline_misses))

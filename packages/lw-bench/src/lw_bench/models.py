@@ -247,13 +247,8 @@ def bench_model(**kw: Any) -> Path:
 # ``lw-bench serve --model swa``: the bench model's size with Gemma 3's pattern (five
 # sliding-window layers of 512 tokens to one full-attention layer).
 BENCH_SWA_SPEC: dict[str, Any] = {
+    **BENCH_SPEC,
     "arch": "gemma3_text",
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
     "sliding_window": 512,
     "full_every": 6,
 }
@@ -262,13 +257,8 @@ BENCH_SWA_SPEC: dict[str, Any] = {
 # ``lw-bench serve --model gdn``: the bench model's size with Qwen3-Next's pattern (three gated
 # delta-net layers to one full-attention layer), bf16 (vLLM's CPU GDN kernels need it).
 BENCH_GDN_SPEC: dict[str, Any] = {
+    **BENCH_SPEC,
     "arch": "qwen3_next",
-    "hidden_size": 1024,
-    "intermediate_size": 2816,
-    "num_hidden_layers": 12,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 4,
-    "head_dim": 64,
     "linear_num_key_heads": 8,
     "linear_num_value_heads": 16,
     "linear_key_head_dim": 64,

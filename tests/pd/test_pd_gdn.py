@@ -20,6 +20,7 @@ from lw_bench.pd.stack import Stack
 from lw_dev.harness import assert_same_greedy
 from lw_dev.pd_flow import baseline, text, through
 from lw_dev.pd_oracle import SAMPLING, by_index, completion_choice
+from lw_dev.state_sizes import gdn_state_nbytes
 
 pytestmark = pytest.mark.slow
 
@@ -57,5 +58,5 @@ def test_gdn_prompts_match_single_engine_and_decoder_loads_up_to_the_last_state(
         hit = (n - 1) // bs * bs  # the last state vLLM handed the prefiller
         assert r["remote_prefill"] in (("nothing to load",) if n < bs else ("ok", "pool holds the prompt")), r
         assert r["promised_tokens"] == r["loaded_tokens"] == hit and r["failed_blocks"] == 0, r
-        # The two attention layers' chunks; the state object is loaded besides (not in loaded_bytes).
-        assert r["loaded_bytes"] == 2 * (hit // bs) * page, r
+        # The two attention layers' chunks and, with a hit, the state object at its end.
+        assert r["loaded_bytes"] == 2 * (hit // bs) * page + (gdn_state_nbytes() if hit else 0), r

@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import pytest
 
+from lw_bench.models import GDN_SPEC
 from lw_dev.harness import assert_same_greedy, random_tokens, run_engine, run_faulty
+from lw_dev.state_sizes import gdn_state_nbytes
 
 pytestmark = pytest.mark.slow
 
 BLOCK = 256  # vLLM raises the attention block to 256 tokens so a page holds a GDN state
+# One block of one full-attention layer: K and V, 2 kv heads of 64 in bf16.
+PAGE = 2 * GDN_SPEC["num_key_value_heads"] * GDN_SPEC["head_dim"] * 2 * BLOCK
 P = random_tokens(51, 1300)
 Q = P[:900] + random_tokens(52, 400)
 R = P[:300] + random_tokens(53, 700)
@@ -52,9 +56,16 @@ def test_gdn_state_saved_and_restored_by_a_fresh_engine(pool_path: str) -> None:
         {"prompts": [S], "rules": [{"op": "open", "action": "fail", "times": 1}]},
     ]))
     got = res["phases"][0]["outputs"]
+    state = gdn_state_nbytes()
     for o, hit in zip(got, (1280, 512, 0)):
         st = o["stats"]
         assert st["promised_tokens"] == hit and st["loaded_tokens"] == hit and st["failed_blocks"] == 0, st
+        # Both attention layers' chunks, and the state object at the hit's end.
+        assert st["loaded_bytes"] == 2 * (hit // BLOCK) * PAGE + (state if hit else 0), st
+    # The connector's counters count the same: 5 + 2 chunk objects, 2 state objects.
+    m = [ph["metrics"] for ph in res["phases"]]
+    assert m[0]["vllm:lw_pool_loaded_objects"] == 7 + 2, m[0]
+    assert m[0]["vllm:lw_pool_loaded_bytes"] == 7 * 2 * PAGE + 2 * state, m[0]
     # A lost state moves this tiny random model's log-probs by a few 1e-3 only (a zeroed one: 3.5e-3
     # at the second token), so the default tolerance would hardly see it; a restored state gives
     # the saver's log-probs bit for bit here (same kernels, same chunk ends).
@@ -66,4 +77,7 @@ def test_gdn_state_saved_and_restored_by_a_fresh_engine(pool_path: str) -> None:
     assert failed["stats"]["promised_tokens"] == 2 * BLOCK and failed["stats"]["loaded_tokens"] == 0, failed["stats"]
     assert failed["stats"]["failed_blocks"] > 0, failed["stats"]
     assert_same_greedy(ref[3], failed, lp_tol=1e-4)
+    # The state that did not land moved nothing, nor did the chunks it stopped.
+    assert failed["stats"]["loaded_bytes"] == 0, failed["stats"]
+    assert m[1]["vllm:lw_pool_loaded_objects"] == m[0]["vllm:lw_pool_loaded_objects"], m
     assert "Traceback" not in log

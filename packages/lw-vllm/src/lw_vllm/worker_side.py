@@ -210,7 +210,11 @@ class WorkerSide:
         """The state after ``x``'s last chunk, into ``x.state``'s blocks, before its chunks are
         received; a state that does not land fails the request's load (vLLM recomputes it)."""
         err = "this worker keeps no states" if self._states is None else self._states.load(x.hashes[-1], x.state)
-        if err is None:
+        if err is None:  # one pool object moved, counted like the chunks
+            assert self._states is not None
+            nbytes = self._states.layout.nbytes
+            self.stats.add(loaded_objects=1, loaded_bytes=nbytes)
+            self._report.loaded_bytes[x.req_id] = self._report.loaded_bytes.get(x.req_id, 0) + nbytes
             return True
         log.warning("lw-vllm: %s: recurrent state of its %d-chunk hit not loaded (%s); vLLM recomputes it",
                     x.req_id, len(x.hashes), err)
@@ -261,7 +265,9 @@ class WorkerSide:
                 self._report.failed[d.req_id] = self._report.failed.get(d.req_id, 0) + len(bad)
                 log.warning("lw-vllm: %s: %d of %d streamed KV blocks did not arrive (%s); vLLM recomputes them",
                             d.req_id, len(bad), len(d.block_ids), d.error or "unknown")
-        self.stats.add(load_failed_blocks=sum(len(d.failed_blocks) for d in done))
+        # One object per chunk received (the receiver reads this rank's objects only).
+        self.stats.add(loaded_objects=sum(d.good for d in done), loaded_bytes=sum(d.nbytes for d in done),
+                       load_failed_blocks=sum(len(d.failed_blocks) for d in done))
         return {d.req_id for d in done} | empty
 
     def take_finished_sending(self) -> set[str] | None:

@@ -67,7 +67,7 @@ returns it as the JSON object, lengths as string keys, times in seconds):
   (same depth), ``layered_vs_local`` (same depth), ``targets`` (0.3, 0.85, 1.0), ``length``
 * ``states`` (``--model gdn``): ``chunk_objects``, ``objects`` (state objects the save engine
   committed besides its chunks, from its pool counters), ``per_prefix``, ``bytes_per_object``,
-  ``save_failed_objects``; a hit loads one state object, which ``pool_loaded_bytes`` leaves out
+  ``save_failed_objects``; a hit loads one state object, counted in ``pool_loaded_bytes``
 * ``checks``: ``pool_hits_ok`` (every first request of a pool mode loaded exactly ``L`` tokens,
   none failed), ``local_hits_ok`` (every second request was a vLLM prefix-cache hit of ``L``),
   ``saved_ok`` (the save engine saved ``L / block_size`` chunks per prefix), ``problems``
@@ -408,8 +408,8 @@ def _run_engines(args: argparse.Namespace, cfg: dict[str, Any], model_dir: str,
 
 def _states(cfg: dict[str, Any], counters: list[dict[str, float]]) -> dict[str, Any]:
     """``--model gdn``: the recurrent-state objects the save engine committed besides its chunks
-    (its pool counters less the chunks its first requests saved). A hit loads one of them; the
-    connector's per-request ``loaded_bytes`` counts the chunks only."""
+    (its pool counters less the chunks its first requests saved). A hit loads one of them, which
+    the connector's per-request ``loaded_bytes`` counts besides the chunks."""
     c = counters[0] if counters else {}
     chunks = (cfg["reps"] + 1) * sum(cfg["lengths"]) // cfg["block_size"]
     objects = int(c.get("saved_objects", 0)) - chunks

@@ -2,7 +2,8 @@
 are opened and checked in parallel, each small object's payload read once and its checksum
 (CRC-32, format 2) compared before any byte is handed out; reads and views are served from those
 checked bytes. Damaged files among many are misses, never wrong bytes; format-1 files (BLAKE2b)
-are still read; past the memory budget handles read the file."""
+are still read; past the memory budget handles read the file. Released payload buffers are
+recycled for the next hit (never one a view still points into) and never serve stale bytes."""
 
 from __future__ import annotations
 
@@ -138,5 +139,77 @@ def test_past_the_memory_budget_handles_read_the_file(tmp_path, monkeypatch):
         for h in hs:
             t.release(h)
         assert t._kept == 0
+    finally:
+        t.close()
+
+
+def test_released_payload_buffers_are_recycled_and_serve_the_next_hits_own_bytes(tmp_path):
+    t, data = _tier(tmp_path, 4)
+    try:
+        keys = list(data)
+        a, b = t.open_many([k.decode() for k in keys[:2]], keys[:2])
+        assert a is not None and b is not None
+        bufs = {id(a.data), id(b.data)}
+        t.release(a)
+        t.release(b)
+        assert t._free_bytes == 2 * OBJ and t._kept == 0
+        c, d = t.open_many([k.decode() for k in keys[2:]], keys[2:])
+        assert c is not None and d is not None
+        assert {id(c.data), id(d.data)} == bufs and t._free_bytes == 0  # no fresh pages
+        for k, h in zip(keys[2:], (c, d)):  # the new objects' bytes, nothing left of the old ones
+            assert bytes(t.view(h, 0, OBJ)) == data[k]
+            out = bytearray(OBJ)
+            t.read(h, 0, out)
+            assert out == data[k]
+        t.release(c)
+        t.release(d)
+    finally:
+        t.close()
+
+
+def test_a_buffer_a_view_still_points_into_is_never_recycled(tmp_path):
+    t, data = _tier(tmp_path, 2)
+    try:
+        (h,) = t.open_many(["k0"], [b"k0"])
+        assert h is not None
+        v = t.view(h, 0, OBJ)
+        arr = np.frombuffer(t.view(h, 10, 100), np.uint8)  # numpy over a view: an export too
+        t.release(h)
+        assert t._free_bytes == 0  # kept by its views
+        (h2,) = t.open_many(["k1"], [b"k1"])
+        assert h2 is not None and bytes(t.view(h2, 0, OBJ)) == data[b"k1"]
+        assert bytes(v) == data[b"k0"] and arr.tobytes() == data[b"k0"][10:110]  # not overwritten
+        t.release(h2)
+        assert t._free_bytes == OBJ
+    finally:
+        t.close()
+
+
+def test_a_damaged_file_read_into_a_recycled_buffer_is_still_a_miss(tmp_path):
+    t, data = _tier(tmp_path, 3)
+    try:
+        (h,) = t.open_many(["k0"], [b"k0"])
+        assert h is not None
+        t.release(h)
+        assert t._free_bytes == OBJ
+        _garble(_path(tmp_path, b"k1"), fmt.HEADER_BYTES + 17)
+        with open(_path(tmp_path, b"k2"), "r+b") as f:  # torn
+            f.truncate(fmt.HEADER_BYTES + OBJ // 2)
+        assert t.open_many(["k1", "k2"], [b"k1", b"k2"]) == [None, None]
+        assert t.stats()["disk_corrupt"] == 2 and t._kept == 0 and t._free_bytes == OBJ
+    finally:
+        t.close()
+
+
+def test_recycled_buffers_stay_within_free_bytes(tmp_path, monkeypatch):
+    monkeypatch.setattr(disk_tier, "FREE_BYTES", OBJ + OBJ // 2)
+    t, data = _tier(tmp_path, 3)
+    try:
+        keys = list(data)
+        hs = t.open_many([k.decode() for k in keys], keys)
+        for h in hs:
+            assert h is not None
+            t.release(h)
+        assert t._free_bytes == OBJ and t._kept == 0
     finally:
         t.close()

@@ -50,12 +50,13 @@ class BadFile(Exception):
 
 class DiskHandle:
     """A read handle on one object of the disk tier: the open file (kept until ``release``) and,
-    for a small object, its payload as read and checked at open (``data``; reads are served from
-    it, so a hit reads the file once)."""
+    for a small object, its payload as read and checked at open (``data``, a buffer the tier
+    recycles after ``release`` once no view of it is left; reads are served from it, so a hit reads
+    the file once)."""
 
     __slots__ = ("key", "nbytes", "_fd", "data")
 
-    def __init__(self, key: str, nbytes: int, fd: int, data: bytes | None = None) -> None:
+    def __init__(self, key: str, nbytes: int, fd: int, data: bytearray | None = None) -> None:
         self.key = key
         self.nbytes = nbytes
         self._fd = fd
@@ -79,7 +80,7 @@ class _Crc32:
     def __init__(self) -> None:
         self.crc = 0
 
-    def update(self, data: memoryview | bytes) -> None:
+    def update(self, data: memoryview | bytes | bytearray) -> None:
         self.crc = zlib.crc32(data, self.crc)
 
     def digest(self) -> bytes:
@@ -87,7 +88,7 @@ class _Crc32:
 
 
 class _Hasher(Protocol):
-    def update(self, data: memoryview | bytes, /) -> None: ...
+    def update(self, data: memoryview | bytes | bytearray, /) -> None: ...
 
     def digest(self) -> bytes: ...
 
@@ -96,7 +97,7 @@ def _hasher(version: int) -> _Hasher:
     return _Crc32() if version >= 2 else hashlib.blake2b(digest_size=32)
 
 
-def payload_digest(data: memoryview | bytes, version: int = VERSION) -> bytes:
+def payload_digest(data: memoryview | bytes | bytearray, version: int = VERSION) -> bytes:
     """The payload checksum a header of format ``version`` holds."""
     h = _hasher(version)
     h.update(data)
@@ -164,6 +165,17 @@ def read_payload(fd: int, head: Header, *, check: bool) -> bytes:
     if check and payload_digest(data, head.version) != head.digest:
         raise BadFile("payload checksum mismatch")
     return data
+
+
+def read_payload_into(fd: int, head: Header, buf: bytearray, *, check: bool) -> None:
+    """``read_payload`` into ``buf`` (``head.nbytes`` long; a recycled buffer, so a hit does not
+    fault in fresh pages for every payload it holds)."""
+    if len(buf) != head.nbytes:
+        raise ValueError(f"disk tier: a buffer of {len(buf)} bytes for a payload of {head.nbytes}")
+    if os.preadv(fd, [buf], HEADER_BYTES) != head.nbytes:
+        raise BadFile("payload is short (torn)")
+    if check and payload_digest(buf, head.version) != head.digest:
+        raise BadFile("payload checksum mismatch")
 
 
 def check_payload(fd: int, head: Header) -> None:

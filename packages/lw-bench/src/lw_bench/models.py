@@ -81,6 +81,22 @@ GDN_SPEC: dict[str, Any] = {
 }
 
 
+# Mamba2 hybrid (Granite 4 / Nemotron-H style): Mamba2 layers with full attention every other
+# layer, dense MLPs. float32 (vLLM's CPU Mamba2 kernels take it); prefix caching on the CPU needs
+# lw_vllm.mamba2_fix.
+MAMBA2_SPEC: dict[str, Any] = {
+    "arch": "granitemoehybrid",
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 32,
+    "mamba_d_state": 16,
+}
+
+
 def _corpus() -> list[str]:
     # Deterministic pseudo-text: enough variety for a few hundred merges.
     import random
@@ -173,7 +189,20 @@ def _hf_config(spec: dict[str, Any], max_len: int):
             mlp_only_layers=list(range(n - 1)), num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=spec["intermediate_size"], shared_expert_intermediate_size=spec["intermediate_size"],
             **common)
-    raise ValueError(f"spec['arch']={spec['arch']!r}; accepted: 'llama', 'deepseek_v2', 'gemma3_text', 'qwen3_next'")
+    if spec["arch"] == "granitemoehybrid":
+        from transformers import GraniteMoeHybridConfig
+
+        n = spec["num_hidden_layers"]
+        common["dtype"] = spec.get("dtype", "float32")
+        return GraniteMoeHybridConfig(
+            num_key_value_heads=spec["num_key_value_heads"], mamba_n_heads=spec["mamba_n_heads"],
+            mamba_d_head=spec["mamba_d_head"], mamba_d_state=spec["mamba_d_state"], mamba_n_groups=1,
+            mamba_d_conv=4, mamba_expand=2, position_embedding_type="rope",
+            layer_types=["attention" if (i + 1) % spec.get("full_every", 2) == 0 else "mamba" for i in range(n)],
+            # Dense MLPs only (no experts): the shared MLP is the layer's MLP.
+            num_local_experts=0, shared_intermediate_size=spec["intermediate_size"], pad_token_id=0, **common)
+    raise ValueError(f"spec['arch']={spec['arch']!r}; accepted: 'llama', 'deepseek_v2', 'gemma3_text', 'qwen3_next', "
+                     "'granitemoehybrid'")
 
 
 def cache_root() -> Path:
@@ -225,6 +254,10 @@ def swa_model(**kw: Any) -> Path:
 
 def gdn_model(**kw: Any) -> Path:
     return build_model(GDN_SPEC, **kw)
+
+
+def mamba2_model(**kw: Any) -> Path:
+    return build_model(MAMBA2_SPEC, **kw)
 
 
 # ``lw-bench serve``: big enough that prefill compute dominates a 2k-token miss on a CPU, small

@@ -3,7 +3,7 @@ so every engine is a fresh process (as a second instance would be).
 
     python -m lw_dev.engine < job.json   ->  last stdout line: LW-ENGINE-RESULT {"phases": [...], ...}
 
-Job keys: ``model`` ("gqa" | "mla" | "swa" | "gdn" | a path; swa and gdn are the hybrids), ``phases``, ``max_tokens``, ``extra``
+Job keys: ``model`` ("gqa" | "mla" | "swa" | "gdn" | "mamba2" | a path; the last three are hybrids), ``phases``, ``max_tokens``, ``extra``
 (kv_connector_extra_config, or null for no connector), ``kv_role``, ``connector``, ``engine``
 (extra ``LLM(...)`` keyword arguments), ``max_model_len``, ``kv_cache_memory_bytes``, ``metrics``
 (true: each phase also reports the connector's metrics and vLLM's preemptions so far).
@@ -51,6 +51,8 @@ def _model_path(name: str) -> tuple[str, dict[str, Any]]:
     if name == "gdn":
         # vLLM's CPU gated delta-net kernels run in bf16 only.
         return str(models.gdn_model()), {"dtype": "bfloat16"}
+    if name == "mamba2":
+        return str(models.mamba2_model()), {}
     return name, {}
 
 

@@ -4,7 +4,8 @@ Registers ``LayerwiseStoreConnector`` with vLLM's ``KVConnectorFactory`` (idempo
 call, or another package that registered the same name, is fine), the seed's name
 ``AscendStoreConnector`` as an alias only when nothing else registered it (vllm-ascend does, and
 then its connector wins), and applies the CPU RoPE fix for MLA models (see ``rope_fix``) and the
-CPU fix for seeded requests with chunked prefills (see ``seed_fix``).
+CPU fix for seeded requests with chunked prefills (see ``seed_fix``) and the CPU fix for Mamba2
+prefills with prefix caching (see ``mamba2_fix``).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def register() -> None:
     if _register(KVConnectorFactory, ALIAS_NAME):
         log.debug("lw-vllm: %s is an alias of %s", ALIAS_NAME, CONNECTOR_NAME)
 
-    from lw_vllm import rope_fix, seed_fix
+    from lw_vllm import mamba2_fix, rope_fix, seed_fix
 
     rope_fix.apply()
     seed_fix.apply()
+    mamba2_fix.apply()

@@ -200,6 +200,16 @@ class LeaseTable:
             self._oid[self._base + i] = 0
             self._free.append(i)
 
+    def drop_many(self, entries: Sequence[int], oids: Sequence[int]) -> None:
+        """``drop`` of each (entry, oid) in one pass (call under ``self.lock``)."""
+        if self.row < 0:
+            return
+        ent, free, base = self._oid, self._free, self._base
+        for i, oid in zip(entries, oids):
+            if i >= 0 and ent[base + i] == oid:
+                ent[base + i] = 0
+                free.append(i)
+
     def expiry(self, i: int, oid: int) -> float:
         """When entry ``i`` (a lease on ``oid``) expires; 0 when it is not ours any more."""
         if i < 0 or self.row < 0 or self._oid[self._base + i] != oid:

@@ -1,9 +1,11 @@
 """``ObjectReader``: the reading half of the ``Backend`` protocol on the embedded pool (lookup,
 open, read, view, intact, release).
 
-It takes no lock and holds no state of its own: an object is read through a lease (published in
-this backend's row of the lease table, ``leases``) and its generation is checked after every copy,
-with the fences ``fences`` describes; ``local`` is the backend's own counters, which it bumps."""
+It takes no lock and holds no state of its own but a memory of the keys it looked up (which object
+each named; ``open`` trusts it only while that object's generation says it still lives): an object
+is read through a lease (published in this backend's row of the lease table, ``leases``) and its
+generation is checked after every copy, with the fences ``fences`` describes; ``local`` is the
+backend's own counters, which it bumps."""
 
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ from lw_core.backends.embedded.records import (
     own_handle,
 )
 
+KNOWN_MAX = 1 << 16  # keys open() remembers (self._known), about 200 bytes each
+
 
 class ObjectReader:
     """Reads of the pool ``pool``; ``usable`` and ``check_pool`` are the backend's checks (closed or
@@ -49,6 +53,15 @@ class ObjectReader:
         self.usable = usable
         self.check_pool = check_pool
         self.local = local
+        # Key -> (key bytes, object id, offset, allocated bytes, object bytes, generation slot) of
+        # a committed object this backend has seen in the index: open() uses it in place of an
+        # index lookup while the object's generation is still that id. Sound because keys are
+        # write-once and ids never reused in a pool: a key gets another object only after its
+        # object was evicted, and eviction clears the generation before anything else (leases.py);
+        # a pool re-attached (another epoch) gets a new one. Kept with its epoch, and replaced (never
+        # emptied in place), so an open still running on the old epoch fills only the old one.
+        # At most KNOWN_MAX entries.
+        self._known: tuple[int, dict[str, tuple[bytes, int, int, int, int, int]]] = (-1, {})
 
     @contextmanager
     def _read(self) -> Iterator[Any]:
@@ -83,6 +96,7 @@ class ObjectReader:
         assert mv is not None and npa is not None, "the pool is attached (checked by usable)"
         bad: list[str] = []
         copied: list[EmbeddedHandle] = []  # leased handles whose generation is checked again
+        append = copied.append
         for h, off, dst in zip(handles, offsets, dsts):
             if type(h) is not EmbeddedHandle or h._stream:
                 raise TypeError(f"embedded pool: read needs handles from this backend (not mixed with streaming ones), got {h!r}")
@@ -92,8 +106,14 @@ class ObjectReader:
             n = m.nbytes
             if off < 0 or off + n > h.nbytes:
                 raise ValueError(f"embedded pool: read of {n} bytes at offset {off} is outside object {h.key!r} of {h.nbytes} bytes")
-            checked = not h._writable  # a reservation has no generation yet; its writer owns it
-            if h._epoch != ep or (checked and gen[h._pg] != h._oid):
+            if h._epoch != ep:
+                bad.append(h.key)
+                continue
+            if h._writable:  # a reservation has no generation yet; its writer owns it
+                a = h._off + off
+                m[:] = mv[a : a + n]
+                continue
+            if gen[h._pg] != h._oid:
                 bad.append(h.key)
                 continue
             a = h._off + off
@@ -101,8 +121,7 @@ class ObjectReader:
                 m[:] = mv[a : a + n]
             else:
                 np.frombuffer(m, dtype=np.uint8)[:] = npa[a : a + n]
-            if checked:
-                copied.append(h)
+            append(h)
         if copied:
             fences.fence()  # the copies are done before the generations are read again
             bad += [h.key for h in copied if gen[h._pg] != h._oid]
@@ -160,47 +179,73 @@ class ObjectReader:
     def open(self, keys: Sequence[str]) -> list[EmbeddedHandle | None]:
         """Lease committed objects. Takes no pool-wide lock: the index is only read, and the
         lease is published in this backend's own row; an object evicted meanwhile (its generation
-        changed) is a miss."""
-        bkeys = encode_keys(keys)
+        changed) is a miss.
+
+        Keys are looked up in ``self._known`` first (key -> the committed record last seen for it,
+        see there) and only the others in the index; either way the lease is published, fenced and
+        the generation checked again, as for an index lookup."""
         self.usable()
         self.check_pool()
-        out: list[EmbeddedHandle | None] = [None] * len(bkeys)
         lt, ep = self.pool.leases, self.pool.epoch
-        # Batched: look every key up, lease the live ones in one pass (take_many), fence once, check
-        # again; per-key Python work is what bounds opens of small objects.
-        hit: list[int] = []
-        recs: list[tuple[int, int, int, int, int, int]] = []
-        with self.pool.read() as txn, lt.lock:  # usable() was checked above
-            expiry = time.time() + self.lease_ttl_s
-            get, unpack, db, gen = txn.get, OBJ_REC.unpack, self.pool.obj, lt.gen
-            for j, bk in enumerate(bkeys):
-                v = get(bk, db=db)
-                if v is None or v[0] != COMMITTED:
-                    continue
-                rec = unpack(v)
-                if gen[rec[2] // PAGE] != rec[1]:
-                    continue  # evicted after this read transaction began
-                hit.append(j)
-                recs.append(rec)
-            oids = [r[1] for r in recs]
-            pages = [r[2] // PAGE for r in recs]
-            taken = lt.take_many(oids, pages, expiry)
+        kep, known = self._known
+        if kep != ep:  # a re-attached pool: its object ids mean something else
+            known = {}
+            self._known = (ep, known)
+        gen = lt.gen
+        try:
+            recs: list[Any] = [known.get(k) for k in keys]
+        except TypeError:  # an unhashable key: encode_keys below says what is wrong with it
+            recs = [None] * len(keys)
+        for j, r in enumerate(recs):
+            if r is not None and gen[r[5]] != r[1]:
+                recs[j] = None  # evicted since: the key may have been stored again, look it up
+        if None in recs:
+            self._lookup_into(keys, recs, gen, known)
+        # Lease the live ones in one pass (take_many), fence once, check again; per-key Python
+        # work is what bounds opens of small objects.
+        hit = [j for j, r in enumerate(recs) if r is not None]
+        out: list[EmbeddedHandle | None] = [None] * len(recs)
+        full = 0
+        with lt.lock:  # usable() was checked above
+            taken = lt.take_many([recs[j][1] for j in hit], [recs[j][5] for j in hit], time.time() + self.lease_ttl_s)
             fences.fence()  # the leases are visible before the generations are checked again
-            full = 0
-            for j, (_, oid, off, alloc, nbytes, _), pg, i in zip(hit, recs, pages, taken):
+            for j, i in zip(hit, taken):
+                bk, oid, off, alloc, nbytes, pg = recs[j]
                 if i < 0:
                     full += 1
                 elif gen[pg] != oid:
                     lt.drop(i, oid)
                 else:
-                    out[j] = EmbeddedHandle(keys[j], bkeys[j], nbytes, off, alloc, oid, False, ep, i)
+                    out[j] = EmbeddedHandle(keys[j], bk, nbytes, off, alloc, oid, False, ep, i)
         if full:
             self.local["lease_row_full"] += full
             log.warning("embedded pool %r: this process holds too many leases; %d opens were misses", self.pool.path, full)
-        hits = sum(h is not None for h in out)
+        hits = len(out) - out.count(None)
         self.local["open_hits"] += hits
         self.local["open_misses"] += len(out) - hits
         return out
+
+    def _lookup_into(self, keys: Sequence[str], recs: list[Any], gen: Any, known: dict[str, Any]) -> None:
+        """Fill ``recs[j]`` (None there) with key j's committed, live record from the index, as
+        (key bytes, object id, offset, allocated bytes, object bytes, generation slot); remember
+        each in ``known`` (this epoch's ``self._known``). Checks every key (encode_keys), known or not."""
+        bkeys = encode_keys(keys)
+        if len(known) + len(bkeys) > KNOWN_MAX:
+            known.clear()
+        with self.pool.read() as txn:
+            get, unpack, db = txn.get, OBJ_REC.unpack, self.pool.obj
+            for j, bk in enumerate(bkeys):
+                if recs[j] is not None:
+                    continue
+                v = get(bk, db=db)
+                if v is None or v[0] != COMMITTED:
+                    known.pop(keys[j], None)
+                    continue
+                _, oid, off, alloc, nbytes, _ = unpack(v)
+                pg = off // PAGE
+                if gen[pg] != oid:
+                    continue  # evicted after this read transaction began
+                recs[j] = known[keys[j]] = (bk, oid, off, alloc, nbytes, pg)
 
     def release(self, handles: Sequence[EmbeddedHandle]) -> None:
         hs = [h for h in handles if isinstance(h, EmbeddedHandle) and h._leased]
@@ -210,13 +255,18 @@ class ObjectReader:
         lt, ep = self.pool.leases, self.pool.epoch
         stale = 0
         with lt.lock:
+            gen = lt.gen
+            lease: list[int] = []
+            oids: list[int] = []
             for h in hs:
                 h._leased = False
                 if h._epoch != ep:
                     continue
-                if lt.gen[h._pg] != h._oid:
+                if gen[h._pg] != h._oid:
                     stale += 1  # evicted while leased: a reader ran past its lease
-                lt.drop(h._lease, h._oid)
+                lease.append(h._lease)
+                oids.append(h._oid)
+            lt.drop_many(lease, oids)
         if stale:
             self.local["stale_views"] += stale
             log.warning(

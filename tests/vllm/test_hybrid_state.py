@@ -11,7 +11,10 @@ and 1280 of a 1300-token prompt), one loader engine:
   hit is shorter (512, the last boundary with a state), with the output it gets without the pool;
 * a prompt sharing 300 tokens finds one chunk and no state at 256: no hit, computed whole;
 * a state that fails to load (the pool's ``open`` fails once) fails the request's load: vLLM
-  recomputes it whole, with the saver's output.
+  recomputes it whole, with the saver's output;
+* a state read that takes a second (``open`` stalls; it runs beside the receive of the chunks,
+  off the forward thread: state_loads) holds the request until it landed: a full hit, the
+  saver's output.
 
 The references for the other prompts run in the saver under another ``cache_salt`` (their keys,
 and vLLM's own prefix cache, are apart from the unsalted ones the loader uses).
@@ -34,6 +37,7 @@ P = random_tokens(51, 1300)
 Q = P[:900] + random_tokens(52, 400)
 R = P[:300] + random_tokens(53, 700)
 S = random_tokens(54, 600)  # one state, at 512
+T = random_tokens(55, 600)  # one state, at 512
 
 
 def _job(pool_path: str, phases: list) -> dict:
@@ -46,7 +50,7 @@ def _job(pool_path: str, phases: list) -> dict:
 
 
 def test_gdn_state_saved_and_restored_by_a_fresh_engine(pool_path: str) -> None:
-    saver = run_engine(_job(pool_path, [[P, {"ids": Q, "salt": "ref"}, {"ids": R, "salt": "ref"}, S]]))
+    saver = run_engine(_job(pool_path, [[P, {"ids": Q, "salt": "ref"}, {"ids": R, "salt": "ref"}, S, T]]))
     ref = saver["phases"][0]["outputs"]
     assert ref[0]["stats"]["saved_chunks"] == 1300 // BLOCK, ref[0]["stats"]
 
@@ -54,6 +58,8 @@ def test_gdn_state_saved_and_restored_by_a_fresh_engine(pool_path: str) -> None:
     res, log = run_faulty(_job(pool_path, [
         {"prompts": [P, Q, R]},
         {"prompts": [S], "rules": [{"op": "open", "action": "fail", "times": 1}]},
+        # The state read takes a second: its chunks are in long before, and the request waits for it.
+        {"prompts": [T], "rules": [{"op": "open", "action": "stall", "seconds": 1.0, "times": 1}]},
     ]))
     got = res["phases"][0]["outputs"]
     state = gdn_state_nbytes()
@@ -77,7 +83,17 @@ def test_gdn_state_saved_and_restored_by_a_fresh_engine(pool_path: str) -> None:
     assert failed["stats"]["promised_tokens"] == 2 * BLOCK and failed["stats"]["loaded_tokens"] == 0, failed["stats"]
     assert failed["stats"]["failed_blocks"] > 0, failed["stats"]
     assert_same_greedy(ref[3], failed, lp_tol=1e-4)
-    # The state that did not land moved nothing, nor did the chunks it stopped.
-    assert failed["stats"]["loaded_bytes"] == 0, failed["stats"]
-    assert m[1]["vllm:lw_pool_loaded_objects"] == m[0]["vllm:lw_pool_loaded_objects"], m
+    # The state that did not land counts nowhere; the chunks read beside it before their receive
+    # was stopped do (whole layers of at most its 2 chunks), in the request and in the counters.
+    moved = failed["stats"]["loaded_bytes"]
+    assert moved % PAGE == 0 and moved <= 2 * 2 * PAGE, failed["stats"]
+    assert m[1]["vllm:lw_pool_loaded_bytes"] - m[0]["vllm:lw_pool_loaded_bytes"] == moved, m
+    assert m[1]["vllm:lw_pool_loaded_objects"] - m[0]["vllm:lw_pool_loaded_objects"] <= 2, m
+
+    slow = res["phases"][2]["outputs"][0]
+    assert res["phases"][2]["rule_hits"] == [1]
+    st = slow["stats"]
+    assert st["promised_tokens"] == st["loaded_tokens"] == 2 * BLOCK and st["failed_blocks"] == 0, st
+    assert st["loaded_bytes"] == 2 * 2 * PAGE + state, st
+    assert_same_greedy(ref[4], slow, lp_tol=1e-4)
     assert "Traceback" not in log

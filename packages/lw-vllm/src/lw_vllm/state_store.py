@@ -3,11 +3,16 @@ layer, one block each) to the pool after a chunk boundary, and back into the blo
 for a restored state.
 
 State layers have no per-layer connector hooks (vLLM calls ``save_kv_layer`` and
-``wait_for_layer_load`` from attention layers only), so a state is copied whole: saved in
+``wait_for_layer_load`` from attention layers only), so a state is copied whole. Loaded before the
+request's first forward, on a thread of its own beside the receive of the chunks (``state_loads``:
+a hybrid's load is asynchronous, vLLM parks the request until the workers report it). Saved in
 ``wait_for_save`` of the step whose forward wrote it (vLLM hands the boundary off in that step's
-scheduler output), loaded before the request's first forward (its load is asynchronous: vLLM
-parks the request until the workers report it). Both are synchronous and small (one object of
-``StateLayout.nbytes`` per boundary).
+scheduler output; without speculative decoding each state layer's forward writes its state in
+place into the boundary's block, after ``preprocess_mamba`` copied the running state there), one
+synchronous object of ``StateLayout.nbytes`` per boundary: split per layer at ``save_kv_layer`` it
+would do the same copies on the forward thread between layers (on a GPU with a stream sync per
+layer), and hybrids finish their saves in their step, before vLLM may hand the block to another
+request.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector, PoolCounters
 from lw_vllm.pool_events import events_enabled
 from lw_vllm.save_book import SaveBook
+from lw_vllm.state_loads import StateLoads
 from lw_vllm.state_store import StateStore
 from lw_vllm.stream_recv import IDLE_WAIT_S, StreamReceiver
 
@@ -86,6 +87,7 @@ class WorkerSide:
         self._empty_done: set[str] = set()
         # Recurrent-state models whose states the pool restores (state_layout): built with the caches.
         self._states: StateStore | None = None
+        self._state_loads: StateLoads | None = None  # their loads, off the forward thread
 
     # --- set-up ---
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -122,6 +124,7 @@ class WorkerSide:
             sl = state_layout.state_layout(self.kv_cache_config)
             self._states = StateStore(self.backend, state_layout.state_keyspace(self.keyspace, sl), self.tag, sl,
                                       kv_caches, num_blocks)
+            self._state_loads = StateLoads(self._states)
         self.pipe = LayerPipeline(
             self.backend,
             copier,
@@ -199,25 +202,22 @@ class WorkerSide:
                     self._empty_done.add(x.req_id)
                     continue
                 self._groups.add_rows(x.block_ids, x.more)
-            if x.state and not self._load_state(x):
+            if x.state and not self._start_state(x):
                 continue
             recv.start(x.req_id, self.keyspace.keys(self.tag, x.hashes), x.block_ids)
         if meta.stream_prefilled and recv is not None:  # after the starts: the answer may come in their step
             recv.prefilled(set(meta.stream_prefilled))
             meta.stream_prefilled = []
 
-    def _load_state(self, x: Xfer) -> bool:
-        """The state after ``x``'s last chunk, into ``x.state``'s blocks, before its chunks are
-        received; a state that does not land fails the request's load (vLLM recomputes it)."""
-        err = "this worker keeps no states" if self._states is None else self._states.load(x.hashes[-1], x.state)
-        if err is None:  # one pool object moved, counted like the chunks
-            assert self._states is not None
-            nbytes = self._states.layout.nbytes
-            self.stats.add(loaded_objects=1, loaded_bytes=nbytes)
-            self._report.loaded_bytes[x.req_id] = self._report.loaded_bytes.get(x.req_id, 0) + nbytes
+    def _start_state(self, x: Xfer) -> bool:
+        """Start reading the state after ``x``'s last chunk into ``x.state``'s blocks, beside the
+        receive of its chunks (``state_loads``); ``False`` (the request's load failed, vLLM
+        recomputes it) when this worker keeps no states."""
+        if self._state_loads is not None:
+            self._state_loads.start(x.req_id, x.hashes[-1], x.state)
             return True
-        log.warning("lw-vllm: %s: recurrent state of its %d-chunk hit not loaded (%s); vLLM recomputes it",
-                    x.req_id, len(x.hashes), err)
+        log.warning("lw-vllm: %s: recurrent state of its %d-chunk hit not loaded (this worker keeps no states); "
+                    "vLLM recomputes it", x.req_id, len(x.hashes))
         self._failed_recving.add(x.req_id)
         self._empty_done.add(x.req_id)
         self._report.failed[x.req_id] = self._report.failed.get(x.req_id, 0) + len(x.block_ids)
@@ -248,26 +248,45 @@ class WorkerSide:
             recv.cancel(finished_req_ids)
         idle = self._meta is not None and self._meta.idle
         done = recv.take_done(IDLE_WAIT_S if idle else 0.0)
+        states: dict[str, str | None] = {}
+        if self._state_loads is not None:
+            lost = self._state_loads.failed_running()
+            if lost:  # the load fails whole: its chunks need not arrive
+                recv.cancel(lost)
+            done, states = self._state_loads.settle(done, IDLE_WAIT_S if idle and self._state_loads.busy else 0.0)
         empty, self._empty_done = self._empty_done, set()
         if not done:
             return empty or None
+        failed_blocks = 0
         for d in done:
             bad = d.failed_blocks
+            # One object per chunk received (the receiver reads this rank's objects only).
+            objects, nbytes, good = d.good, d.nbytes, d.good
+            if d.req_id in states:
+                err = states[d.req_id]
+                if err is None:  # one pool object more, counted like the chunks
+                    assert self._states is not None
+                    objects, nbytes = objects + 1, nbytes + self._states.layout.nbytes
+                else:  # the chunks are of no use without it: vLLM recomputes the request
+                    log.warning("lw-vllm: %s: recurrent state of its %d-block hit not loaded (%s); vLLM recomputes it",
+                                d.req_id, len(d.block_ids), err)
+                    bad, good = d.block_ids, 0
             if self._groups is not None:
                 if bad:
                     self._failed_recving.add(d.req_id)
             else:
                 self._failed_blocks |= set(bad)
             self._report.load_span[d.req_id] = d.span
-            self._report.loaded[d.req_id] = self._report.loaded.get(d.req_id, 0) + d.good
-            self._report.loaded_bytes[d.req_id] = self._report.loaded_bytes.get(d.req_id, 0) + d.nbytes
+            self._report.loaded[d.req_id] = self._report.loaded.get(d.req_id, 0) + good
+            self._report.loaded_bytes[d.req_id] = self._report.loaded_bytes.get(d.req_id, 0) + nbytes
+            self.stats.add(loaded_objects=objects, loaded_bytes=nbytes)
+            failed_blocks += len(bad)
             if bad:
                 self._report.failed[d.req_id] = self._report.failed.get(d.req_id, 0) + len(bad)
-                log.warning("lw-vllm: %s: %d of %d streamed KV blocks did not arrive (%s); vLLM recomputes them",
-                            d.req_id, len(bad), len(d.block_ids), d.error or "unknown")
-        # One object per chunk received (the receiver reads this rank's objects only).
-        self.stats.add(loaded_objects=sum(d.good for d in done), loaded_bytes=sum(d.nbytes for d in done),
-                       load_failed_blocks=sum(len(d.failed_blocks) for d in done))
+                if len(d.failed_blocks):
+                    log.warning("lw-vllm: %s: %d of %d streamed KV blocks did not arrive (%s); vLLM recomputes them",
+                                d.req_id, len(d.failed_blocks), len(d.block_ids), d.error or "unknown")
+        self.stats.add(load_failed_blocks=failed_blocks)
         return {d.req_id for d in done} | empty
 
     def take_finished_sending(self) -> set[str] | None:
@@ -450,6 +469,9 @@ class WorkerSide:
         if self._recv is not None:
             self._recv.close()
             self._recv = None
+        if self._state_loads is not None:
+            self._state_loads.close()
+            self._state_loads = None
         if self.pipe is not None:
             self.pipe.close()
             self.pipe = None

@@ -30,6 +30,10 @@ def test_bench_backend_mooncake_across_hosts_reports_other_host_rows(hosts) -> N
     assert all(x["op"] == "get" and x["gbps"] > 0 and x["memcpy_gbps"] > 0 and x["ratio"] > 0 for x in rows), rows
     rx1, _ = hosts.link_bytes("b")
     assert rx1 - rx0 >= sum(x["bytes"] for x in rows)  # what B read came over its link
+    # the layer case's whole load (open included) against memcpy, in each process
+    loads = {g["process"]: g["load_ratio"] for g in out["breakdown"] if g["case"] == "layer_16KiB"}
+    assert {"same", "other-host"} <= set(loads) and all(0 < r < 10 for r in loads.values()), out["breakdown"]
+    assert all(g["load_ratio"] is None for g in out["breakdown"] if g["case"] != "layer_16KiB"), out["breakdown"]
 
 
 @pytest.mark.slow

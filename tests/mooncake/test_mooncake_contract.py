@@ -86,7 +86,7 @@ def test_whole_load_serves_the_pipeline_from_views(cluster, make_client):
 
 
 def test_another_client_reads_per_layer_what_one_wrote(cluster, backend, make_client):
-    a, b = backend, make_client(cluster)
+    a, b = backend, make_client(cluster, load="per_layer")
     src, dst = seeded_kv(LAYOUT, 11), seeded_kv(LAYOUT, 12)
     assert save_all(a, src, LAYOUT, SAVES, layerwise=True).ok
     assert b.lookup(["a", "b", "c", "d", "zz"]) == 4

@@ -149,8 +149,9 @@ def _breakdown(case: Case, process: Literal["same", "other", "other-host"], keys
     """Per call; the layer case's open and release (once per load) are not divided."""
     once = 1 if case == "layer_16KiB" else calls
     o, r, rel = (round(x / c * 1e3, 4) for x, c in zip(parts, (once, calls, once)))
+    load = round(mc / sum(parts), 4) if case == "layer_16KiB" and sum(parts) > 0 else None
     return GetBreakdown(case=case, process=process, keys_per_call=keys_per_call, open_ms=o, read_ms=r, release_ms=rel,
-                        memcpy_ms=round(mc / calls * 1e3, 4))
+                        memcpy_ms=round(mc / calls * 1e3, 4), load_ratio=load)
 
 
 def _present(hs: list[Handle | None], what: str) -> list[Handle]:
@@ -404,6 +405,7 @@ def _print_table(out: dict) -> None:
     print("get breakdown, ms per call (open and release: once per load in layer_16KiB):")
     for g in out["breakdown"]:
         print(f"  {g['case']:<12} {g['process']:<10} {g['keys_per_call']:>3} keys: open {g['open_ms']:.3f}  read {g['read_ms']:.3f}  "
-              f"release {g['release_ms']:.3f}  | memcpy {g['memcpy_ms']:.3f}")
+              f"release {g['release_ms']:.3f}  | memcpy {g['memcpy_ms']:.3f}"
+              + ("" if g.get("load_ratio") is None else f"  | whole load, open included: ratio {g['load_ratio']:.3f}"))
     s = out["stats"]
     print(f"pool: {s.get('objects')} objects, {s.get('evictions', 0)} evictions")

@@ -46,6 +46,9 @@ class GetBreakdown(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     read_ms: Annotated[float, Meta(ge=0)]
     release_ms: Annotated[float, Meta(ge=0)]
     memcpy_ms: Annotated[float, Meta(ge=0)]
+    # layer_16KiB only: the memcpy of every layer over open + every layer's read + release, i.e. the
+    # whole load against memcpy, open included (a backend that fetches at open pays for it here).
+    load_ratio: Annotated[float, Meta(ge=0)] | None = None
 
 
 class BackendBenchResult(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):

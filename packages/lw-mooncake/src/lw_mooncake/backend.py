@@ -17,8 +17,10 @@ become readable), ``abort`` revokes. Without sessions, objects are put whole at 
   batch, a ranged get of one layer of every object, into registered staging, then copied out, and
   ``view`` of a read handle is ``None``; ``"whole"`` -- ``open`` fetches the whole objects with
   ``batch_get_into`` into local copies, which ``view``/``read`` then serve (fewer, larger calls:
-  Mooncake's cost is per key and call; measured in docs/bench/mooncake.md). ``release`` drops the local
-  copies; Mooncake itself pins an object for ``--default_kv_lease_ttl`` after each get.
+  Mooncake's cost is per key and call; measured in docs/bench/mooncake.md); ``"auto"`` (the
+  default) -- ``"whole"`` for an open of at most ``mooncake_whole_max_bytes``, else ``"per_layer"``.
+  ``release`` drops the local copies; Mooncake itself pins an object for ``--default_kv_lease_ttl``
+  after each get.
 
 This module is a facade: it builds its collaborators, each with its own state, and forwards the
 protocol's calls to them:
@@ -66,10 +68,12 @@ class MooncakeBackend:
     def __init__(self, master: str, *, metadata_server: str = "P2PHANDSHAKE", protocol: str = "tcp", rdma_devices: str = "",
                  local_hostname: str = "", global_segment_size: int = 0, local_buffer_size: int = 16 << 20,
                  staging_size: int = 64 << 20, call_timeout_s: float = 5.0, setup_timeout_s: float = 30.0,
-                 load: str = "per_layer", restore_signals: bool = True, streaming: bool = False,
-                 put_sessions: bool | None = None) -> None:
-        if load not in ("per_layer", "whole"):
-            raise ValueError(f"mooncake_load={load!r}: expected 'per_layer' or 'whole'")
+                 load: str = "auto", whole_max_bytes: int = 256 << 20, restore_signals: bool = True,
+                 streaming: bool = False, put_sessions: bool | None = None) -> None:
+        if load not in ("auto", "per_layer", "whole"):
+            raise ValueError(f"mooncake_load={load!r}: expected 'auto', 'per_layer' or 'whole'")
+        if whole_max_bytes < 0:
+            raise ValueError(f"mooncake_whole_max_bytes={whole_max_bytes}: must be >= 0")
         self.load = load
         self.staging_size = staging_size
         self.client = StoreClient.connect(
@@ -89,7 +93,8 @@ class MooncakeBackend:
                     if use_sessions else None)
         self.writer = ObjectWriter(self.client, self.puts, self.reservations, staging_size=staging_size,
                                    streams=self.stream_writer, sessions=sessions)
-        self.reader = ObjectReader(self.client, self.gets, load=load, staging_size=staging_size)
+        self.reader = ObjectReader(self.client, self.gets, load=load, staging_size=staging_size,
+                                   whole_max_bytes=whole_max_bytes)
 
     @classmethod
     def from_config(cls, cfg: Any, **kwargs: Any) -> MooncakeBackend:
@@ -99,7 +104,8 @@ class MooncakeBackend:
                    rdma_devices=k.mooncake_rdma_devices, local_hostname=k.mooncake_local_hostname,
                    global_segment_size=k.mooncake_global_segment_size,
                    local_buffer_size=k.mooncake_local_buffer_size, staging_size=k.mooncake_staging_size,
-                   call_timeout_s=k.mooncake_call_timeout_s, load=k.mooncake_load, **kwargs)
+                   call_timeout_s=k.mooncake_call_timeout_s, load=k.mooncake_load,
+                   whole_max_bytes=k.mooncake_whole_max_bytes, **kwargs)
 
     @property
     def store(self) -> Any:

@@ -1,13 +1,14 @@
-"""``StagedGets``: gets through registered get staging, ranged (``get_into_ranges``) or of whole
-objects (``batch_get_into``), and its count of the bytes they read (``counts["bytes_read"]``).
+"""``StagedGets``: ranged gets through registered get staging (``get_into_ranges``), gets of whole
+objects (``batch_get_into``) into a buffer registered for the call, and the count of the bytes they
+read (``counts["bytes_read"]``).
 
 Invariants:
 
 * One batch at a time uses the staging (its lock is held from the call to the copy out); callers
   size each batch to fit ``staging_size``.
 * Bytes reach the caller's buffers only from a call that returned them whole; a get past its
-  deadline retires the staging (``lw_mooncake.buffers.Staging``), as the late call may still write
-  it.
+  deadline retires the staging (``lw_mooncake.buffers.Staging``) or its whole-get buffer, as the
+  late call may still write it.
 * An object that is gone is ``ObjectMissing`` (or, where asked, reported and left out); any other
   failure is the lw-core error of its status (``lw_mooncake.errors``).
 """
@@ -33,6 +34,7 @@ class StagedGets:
         self.staging_size = staging_size
         self._staging = Staging(client.store, staging_size, client.calls, "get")
         self.counts: Counter[str] = Counter()
+        self._late: list[np.ndarray] = []  # buffers of whole gets past their deadline (never read)
 
     def ranges(self, batch: list[Range], *, missing_ok: bool = False) -> set[str]:
         """Ranged gets of ``(key, offset, into)``. ``missing_ok``: keys whose object is missing or
@@ -71,23 +73,34 @@ class StagedGets:
         return missing
 
     def whole(self, keys: list[str], sizes: dict[str, int], fetched: dict[str, np.ndarray]) -> None:
-        """Copies of the objects ``keys`` (of ``sizes``, together within the staging) into
-        ``fetched``; an object gone since its size was read is left out."""
+        """The objects ``keys`` (of ``sizes``, together within the staging size) into ``fetched``:
+        one ``batch_get_into`` straight into a fresh buffer of their total size, registered for
+        that call only, whose slices become the copies (no second copy out of shared staging). An
+        object gone since its size was read is left out; the buffer of a call past its deadline is
+        retired (kept, never read), as the late call may still write it."""
         self.client.check_open()
-        with self._staging.lock:
-            buf = self._staging.get()
-            offs = np.cumsum([0] + [sizes[k] for k in keys[:-1]]).tolist()
-            base = int(buf.ctypes.data)
-            try:
-                res = self.client.calls.call("batch_get_into", self.client.store.batch_get_into, keys,
-                                             [base + o for o in offs], [sizes[k] for k in keys])
-            except BackendUnavailable:
-                self._staging.retire()
-                raise
-            for k, o, n in zip(keys, offs, res):
-                if n == sizes[k]:
-                    fetched[k] = buf[o : o + n].copy()
-                    self.counts["bytes_read"] += n
-                elif n != OBJECT_NOT_FOUND:
-                    raise to_error(n, f"get of {k!r}") if n < 0 else BackendError(
-                        f"get of {k!r}: {n} of {sizes[k]} bytes")
+        offs = np.cumsum([0] + [sizes[k] for k in keys[:-1]]).tolist()
+        total = offs[-1] + sizes[keys[-1]] if keys else 0
+        if total > self.staging_size:
+            raise BackendError(f"whole get of {total} bytes exceeds mooncake_staging_size={self.staging_size}")
+        buf = np.empty(total, np.uint8)
+        base = int(buf.ctypes.data)
+        store, calls = self.client.store, self.client.calls
+        rc = calls.call("register_buffer (whole get)", store.register_buffer, base, total)
+        if rc != 0:
+            raise to_error(rc, f"register_buffer of {total} bytes (whole get)")
+        try:
+            res = calls.call("batch_get_into", store.batch_get_into, keys, [base + o for o in offs],
+                             [sizes[k] for k in keys])
+        except BackendUnavailable:
+            self._late.append(buf)  # still registered: the late call may write it
+            raise
+        if calls.call("unregister_buffer (whole get)", store.unregister_buffer, base) != 0:
+            self._late.append(buf)  # left registered: never freed under Mooncake
+        for k, o, n in zip(keys, offs, res):
+            if n == sizes[k]:
+                fetched[k] = buf[o : o + n]
+                self.counts["bytes_read"] += n
+            elif n != OBJECT_NOT_FOUND:
+                raise to_error(n, f"get of {k!r}") if n < 0 else BackendError(
+                    f"get of {k!r}: {n} of {sizes[k]} bytes")

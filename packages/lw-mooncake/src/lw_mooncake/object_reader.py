@@ -4,7 +4,9 @@ read handle, release); ``lookup`` is one ``StoreClient.exist``.
 ``open`` takes the objects' sizes from their replica descriptors. Then, by ``load``:
 ``"per_layer"`` -- each ``read`` is ranged gets of one layer of every object through get staging,
 and ``view`` is None; ``"whole"`` -- ``open`` fetches the whole objects into local copies, which
-``view`` and ``read`` then serve.
+``view`` and ``read`` then serve; ``"auto"`` -- ``"whole"`` when the opened objects together are at
+most ``whole_max_bytes`` and each fits the staging, else ``"per_layer"`` (a ranged get costs about
+as much per call as a whole get of 16 MiB over TCP: docs/bench/mooncake.md).
 
 Invariants:
 
@@ -30,13 +32,22 @@ from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
 
 
 class ObjectReader:
-    """Reads through ``client`` and ``gets``; ``load`` is ``"per_layer"`` or ``"whole"``."""
+    """Reads through ``client`` and ``gets``; ``load`` is ``"auto"``, ``"per_layer"`` or ``"whole"``."""
 
-    def __init__(self, client: StoreClient, gets: StagedGets, *, load: str, staging_size: int) -> None:
+    def __init__(self, client: StoreClient, gets: StagedGets, *, load: str, staging_size: int,
+                 whole_max_bytes: int = 0) -> None:
         self.client = client
         self.gets = gets
         self.load = load
         self.staging_size = staging_size
+        self.whole_max_bytes = whole_max_bytes
+
+    def fetches_whole(self, sizes: dict[str, int]) -> bool:
+        """Whether an open of objects of ``sizes`` fetches them whole (by ``load``)."""
+        if self.load != "auto":
+            return self.load == "whole"
+        return (sum(sizes.values()) <= self.whole_max_bytes
+                and all(n <= self.staging_size for n in sizes.values()))
 
     def lookup(self, keys: Sequence[str]) -> int:
         if not keys:
@@ -53,7 +64,7 @@ class ObjectReader:
             return []
         self.client.check_open()
         sizes = self.client.sizes(list(dict.fromkeys(keys)))
-        fetched = self._fetch_whole(sizes) if self.load == "whole" else None
+        fetched = self._fetch_whole(sizes) if self.fetches_whole(sizes) else None
         out: list[MooncakeHandle | None] = []
         for k in keys:
             if k not in sizes or (fetched is not None and k not in fetched):

@@ -46,8 +46,12 @@ class MooncakeKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Registered staging per direction: one batch of puts or ranged gets moves at most this much.
     mooncake_staging_size: Annotated[int, Meta(ge=1 * MiB, le=1 << 34)] = 64 * MiB
     # How loads read: "per_layer" = one ranged get per layer batch (the layer pipeline overlaps them
-    # with compute); "whole" = open fetches whole objects (far fewer calls; see docs/guide/mooncake.md).
-    mooncake_load: Literal["per_layer", "whole"] = "per_layer"
+    # with compute); "whole" = open fetches whole objects (far fewer calls; see docs/guide/mooncake.md);
+    # "auto" = "whole" when an open's objects total at most mooncake_whole_max_bytes (and each fits
+    # the staging), else "per_layer".
+    mooncake_load: Literal["auto", "per_layer", "whole"] = "auto"
+    # "auto" loads: the most bytes one open fetches whole (local copies held until release); 0 = never.
+    mooncake_whole_max_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 256 * MiB
     # Deadline of every store call; a call past it raises BackendUnavailable (the caller recomputes).
     mooncake_call_timeout_s: Annotated[float, Meta(gt=0, le=600)] = 5.0
 
@@ -58,6 +62,7 @@ NOTES = {
     "mooncake_local_hostname": '"" = the local address of the route to the master',
     "mooncake_global_segment_size": "bytes; 0 = lend nothing (objects live on holders/other clients)",
     "mooncake_staging_size": "bytes; the largest object must fit",
+    "mooncake_whole_max_bytes": 'bytes; with mooncake_load="auto", opens up to this size fetch whole objects',
 }
 
 

@@ -1,0 +1,147 @@
+"""``mooncake_load``: which opens fetch whole objects ("auto" chooses by size), what a whole fetch
+hands out, and a whole fetch past its deadline. Against a real master and holder on host B, the
+client on host A (every byte crosses the hosts' link)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from lw_core.backend import BackendUnavailable
+from lw_mooncake.plugin import MooncakeKeys
+
+pytestmark = pytest.mark.slow
+
+KiB, MiB = 1 << 10, 1 << 20
+
+
+def _put(b, keys: list[str], nbytes: int, seed: int) -> dict[str, np.ndarray]:
+    """Objects of ``nbytes`` random bytes each, written and committed by ``b``; their bytes."""
+    rng = np.random.default_rng(seed)
+    data = {k: rng.integers(0, 256, nbytes, dtype=np.uint8) for k in keys}
+    hs = b.reserve(keys, nbytes)
+    assert all(h is not None for h in hs)
+    b.write(hs, [0] * len(keys), [data[k] for k in keys])
+    b.commit(hs)
+    return data
+
+
+def test_default_load_is_auto_with_a_bound_in_bytes():
+    k = MooncakeKeys(mooncake_master="h:1")
+    assert k.mooncake_load == "auto" and k.mooncake_whole_max_bytes == 256 * MiB
+
+
+def test_auto_fetches_opens_within_the_bound_whole_and_larger_ones_per_layer(cluster, make_client):
+    b = make_client(cluster, load="auto", whole_max_bytes=192 * KiB)
+    try:
+        data = _put(b, ["a0", "a1", "a2", "a3"], 64 * KiB, seed=1)
+        # 128 KiB <= 192 KiB: open fetches both objects whole, views serve them (no read call)
+        before = b.stats().get("bytes_read", 0)
+        hs = b.open(["a0", "a1"])
+        assert b.stats()["bytes_read"] - before == 128 * KiB  # fetched at open
+        for k, h in zip(["a0", "a1"], hs):
+            v = b.view(h, 4 * KiB, 8 * KiB)
+            assert v is not None and v.readonly and bytes(v) == data[k][4 * KiB : 12 * KiB].tobytes()
+        b.release(hs)
+        assert all(b.view(h, 0, 1) is None for h in hs)  # release dropped the copies
+        # 256 KiB > 192 KiB: per layer (nothing fetched at open; reads are ranged gets)
+        before = b.stats()["bytes_read"]
+        hs = b.open(["a0", "a1", "a2", "a3"])
+        assert b.stats()["bytes_read"] == before and all(b.view(h, 0, 16) is None for h in hs)
+        dsts = [np.zeros(16 * KiB, np.uint8) for _ in hs]
+        b.read(hs, [32 * KiB] * 4, dsts)
+        assert b.stats()["bytes_read"] - before == 4 * 16 * KiB
+        for k, d in zip(["a0", "a1", "a2", "a3"], dsts):
+            assert np.array_equal(d, data[k][32 * KiB : 48 * KiB])
+        b.release(hs)
+    finally:
+        b.store.remove_all(True)
+
+
+def test_auto_reads_an_object_larger_than_the_staging_per_layer(cluster, make_client):
+    b = make_client(cluster, load="auto", whole_max_bytes=64 * MiB, staging_size=1 * MiB)
+    try:
+        data = _put(make_client(cluster, staging_size=4 * MiB), ["big"], 2 * MiB, seed=2)
+        (h,) = b.open(["big"])
+        assert b.view(h, 0, 16) is None  # cannot be fetched whole through 1 MiB: read per layer
+        out = np.zeros(512 * KiB, np.uint8)
+        b.read([h], [1536 * KiB], [out])
+        assert np.array_equal(out, data["big"][1536 * KiB :])
+        b.release([h])
+    finally:
+        b.store.remove_all(True)
+
+
+def test_whole_max_bytes_zero_never_fetches_whole(cluster, make_client):
+    b = make_client(cluster, load="auto", whole_max_bytes=0)
+    try:
+        _put(b, ["z"], 4 * KiB, seed=3)
+        (h,) = b.open(["z"])
+        assert b.view(h, 0, 16) is None
+        b.release([h])
+    finally:
+        b.store.remove_all(True)
+
+
+def test_each_whole_fetch_has_its_own_copies(cluster, make_client):
+    """Copies from one open stay as they were after later opens (each fetch has its own buffer,
+    nothing shared is reused under a live handle); a key missing at open is a miss."""
+    b = make_client(cluster, load="whole")
+    try:
+        data = _put(b, ["w0", "w1"], 256 * KiB, seed=4)
+        (h0,) = b.open(["w0"])
+        (h1,) = b.open(["w1"])
+        (h0b, miss) = b.open(["w0", "gone"])
+        assert miss is None
+        assert bytes(b.view(h0, 0, 256 * KiB)) == data["w0"].tobytes()
+        assert bytes(b.view(h1, 0, 256 * KiB)) == data["w1"].tobytes()
+        assert bytes(b.view(h0b, 0, 256 * KiB)) == data["w0"].tobytes()
+        b.release([h0, h1, h0b])
+    finally:
+        b.store.remove_all(True)
+
+
+class _SlowGets:
+    """The client, but ``batch_get_into`` starts ``delay_s`` late (the first ``n`` calls), then runs."""
+
+    def __init__(self, store, delay_s: float, n: int = 1) -> None:
+        self._store, self.delay_s, self.n = store, delay_s, n
+        self.done = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def batch_get_into(self, *args):
+        if self.n > 0:
+            self.n -= 1
+            time.sleep(self.delay_s)
+            try:
+                return self._store.batch_get_into(*args)
+            finally:
+                self.done.set()
+        return self._store.batch_get_into(*args)
+
+
+def test_a_whole_fetch_past_its_deadline_is_unavailable_and_its_buffer_is_never_handed_out(cluster, make_client):
+    b = make_client(cluster, load="whole", call_timeout_s=0.3)
+    try:
+        data = _put(b, ["t0"], 128 * KiB, seed=5)
+        slow = _SlowGets(b.client.store, delay_s=1.0)
+        b.client.store = slow
+        with pytest.raises(BackendUnavailable, match="batch_get_into"):
+            b.open(["t0"])
+        assert len(b.gets._late) == 1  # kept (and registered): the late call may still write it
+        late = b.gets._late[0]
+        assert slow.done.wait(10)  # the late call finished writing into the retired buffer
+        assert np.array_equal(late, data["t0"])  # it did write there: handing it out would race
+        (h,) = b.open(["t0"])  # the next fetch has a buffer of its own
+        v = b.view(h, 0, 128 * KiB)
+        assert bytes(v) == data["t0"].tobytes()
+        assert np.shares_memory(np.frombuffer(v, np.uint8), late) is False
+        b.release([h])
+    finally:
+        b.client.store = b.client.store._store if isinstance(b.client.store, _SlowGets) else b.client.store
+        b.store.remove_all(True)

@@ -1,5 +1,6 @@
 """``mooncake_load``: which opens fetch whole objects ("auto" chooses by size), what a whole fetch
-hands out, and a whole fetch past its deadline. Against a real master and holder on host B, the
+hands out, and a whole fetch past its deadline; ``mooncake_prefer_local_segment``: a client that
+lends a segment puts into it first (its own hits are then Mooncake's local memcpy). Against a real master and holder on host B, the
 client on host A (every byte crosses the hosts' link)."""
 
 from __future__ import annotations
@@ -144,4 +145,49 @@ def test_a_whole_fetch_past_its_deadline_is_unavailable_and_its_buffer_is_never_
         b.release([h])
     finally:
         b.client.store = b.client.store._store if isinstance(b.client.store, _SlowGets) else b.client.store
+        b.store.remove_all(True)
+
+
+def _homes(b, keys: list[str]) -> list[str]:
+    """The host part of each object's replica endpoint (where its bytes live)."""
+    desc = b.store.batch_get_replica_desc(keys)
+    return [r.get_memory_descriptor().buffer_descriptor.transport_endpoint.rsplit(":", 1)[0]
+            for k in keys for r in desc[k] if r.is_memory_replica()]
+
+
+@pytest.mark.parametrize("sessions", [True, False], ids=["sessions", "whole_puts"])
+def test_a_client_with_a_segment_puts_into_it_first_and_reads_its_own_hits_back(cluster, hosts, make_client, sessions):
+    keys = [f"own{i}" for i in range(16)]
+    b = make_client(cluster, global_segment_size=64 * MiB, put_sessions=sessions)
+    try:
+        assert b.client.put_config is not None and b.client.put_config.preferred_segment
+        data = _put(b, keys, 64 * KiB, seed=6)
+        assert _homes(b, keys) == [hosts.addr("a")] * len(keys)  # all in this client's segment (host A)
+        hs = b.open(keys)
+        for k, h in zip(keys, hs):
+            assert bytes(b.view(h, 0, 64 * KiB)) == data[k].tobytes()
+        b.release(hs)
+        # without the preference, puts spread over the pool's segments (here: A's and the holder's on B)
+        c = make_client(cluster, global_segment_size=64 * MiB, put_sessions=sessions, prefer_local_segment=False)
+        assert c.client.put_config is None
+        other = [f"spread{i}" for i in range(32)]
+        _put(c, other, 64 * KiB, seed=7)
+        assert hosts.addr("b") in _homes(c, other)
+    finally:
+        b.store.remove_all(True)
+
+
+def test_puts_that_do_not_fit_the_own_segment_go_elsewhere(cluster, hosts, make_client):
+    b = make_client(cluster, global_segment_size=16 * MiB)
+    try:
+        keys = [f"over{i}" for i in range(24)]
+        data = _put(b, keys, 1 * MiB, seed=8)  # 24 MiB: more than this client's 16 MiB segment
+        homes = _homes(b, keys)
+        assert len(homes) == len(keys) and hosts.addr("b") in homes, homes
+        hs = b.open(keys)
+        assert all(h is not None for h in hs)
+        for k, h in zip(keys, hs):
+            assert bytes(b.view(h, 0, 1 * MiB)) == data[k].tobytes()
+        b.release(hs)
+    finally:
         b.store.remove_all(True)

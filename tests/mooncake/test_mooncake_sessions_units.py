@@ -93,6 +93,9 @@ class _Client:
     def check_open(self) -> None:
         pass
 
+    def put_args(self) -> tuple:
+        return ()  # no put config (no segment of its own)
+
     def exist(self, keys):
         return self.store.batch_is_exist(keys)
 

@@ -69,7 +69,7 @@ class MooncakeBackend:
                  local_hostname: str = "", global_segment_size: int = 0, local_buffer_size: int = 16 << 20,
                  staging_size: int = 64 << 20, call_timeout_s: float = 5.0, setup_timeout_s: float = 30.0,
                  load: str = "auto", whole_max_bytes: int = 256 << 20, restore_signals: bool = True,
-                 streaming: bool = False, put_sessions: bool | None = None) -> None:
+                 streaming: bool = False, put_sessions: bool | None = None, prefer_local_segment: bool = True) -> None:
         if load not in ("auto", "per_layer", "whole"):
             raise ValueError(f"mooncake_load={load!r}: expected 'auto', 'per_layer' or 'whole'")
         if whole_max_bytes < 0:
@@ -80,7 +80,7 @@ class MooncakeBackend:
             master, metadata_server=metadata_server, protocol=protocol, rdma_devices=rdma_devices,
             local_hostname=local_hostname, global_segment_size=global_segment_size,
             local_buffer_size=local_buffer_size, call_timeout_s=call_timeout_s, setup_timeout_s=setup_timeout_s,
-            restore_signals=restore_signals)
+            restore_signals=restore_signals, prefer_local_segment=prefer_local_segment)
         self.master, self.metadata_server = master, self.client.metadata_server
         self.local_hostname = self.client.local_hostname
         self.puts = StagedPuts(self.client, staging_size)
@@ -105,7 +105,8 @@ class MooncakeBackend:
                    global_segment_size=k.mooncake_global_segment_size,
                    local_buffer_size=k.mooncake_local_buffer_size, staging_size=k.mooncake_staging_size,
                    call_timeout_s=k.mooncake_call_timeout_s, load=k.mooncake_load,
-                   whole_max_bytes=k.mooncake_whole_max_bytes, **kwargs)
+                   whole_max_bytes=k.mooncake_whole_max_bytes,
+                   prefer_local_segment=k.mooncake_prefer_local_segment, **kwargs)
 
     @property
     def store(self) -> Any:

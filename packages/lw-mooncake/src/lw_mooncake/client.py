@@ -44,9 +44,12 @@ class StoreClient:
     """The client ``store``, its calls under ``calls``; ``master``, ``metadata_server`` and
     ``local_hostname`` are what it was set up with."""
 
-    def __init__(self, store: Any, calls: Deadlines, *, master: str, metadata_server: str, local_hostname: str) -> None:
+    def __init__(self, store: Any, calls: Deadlines, *, master: str, metadata_server: str, local_hostname: str,
+                 put_config: Any = None) -> None:
         self.store = store
         self.calls = calls
+        # Mooncake's ReplicateConfig for every put (``put_args``); None: its default.
+        self.put_config = put_config
         self.master = master
         self.metadata_server = metadata_server
         self.local_hostname = local_hostname
@@ -55,11 +58,14 @@ class StoreClient:
     @classmethod
     def connect(cls, master: str, *, metadata_server: str, protocol: str, rdma_devices: str, local_hostname: str,
                 global_segment_size: int, local_buffer_size: int, call_timeout_s: float, setup_timeout_s: float,
-                restore_signals: bool) -> StoreClient:
+                restore_signals: bool, prefer_local_segment: bool = False) -> StoreClient:
         """A client set up against ``master`` (host:port); ``BackendUnavailable`` when the master
-        cannot be reached or setup fails, ``BackendError`` when Mooncake's client is not installed."""
+        cannot be reached or setup fails, ``BackendError`` when Mooncake's client is not installed.
+        ``prefer_local_segment`` (with ``global_segment_size`` > 0): puts ask the master for this
+        client's own segment first, so this process's later gets of them are Mooncake's local
+        memcpy instead of its transport."""
         try:
-            from mooncake.store import MooncakeDistributedStore
+            from mooncake.store import MooncakeDistributedStore, ReplicateConfig
         except ImportError as e:
             raise BackendError(f"backend='mooncake': the Mooncake client cannot be imported ({e}); {INSTALL_HINT}") from e
         host, _, port = master.rpartition(":")
@@ -94,7 +100,17 @@ class StoreClient:
                 f"mooncake setup failed ({rc}): master {master}, metadata {metadata_server}, "
                 f"local address {local_hostname}, protocol {protocol}; is `lw-mooncake master` running there?"
             )
-        return cls(store, calls, master=master, metadata_server=metadata_server, local_hostname=local_hostname)
+        put_config = None
+        if prefer_local_segment and global_segment_size > 0:
+            put_config = ReplicateConfig()
+            put_config.replica_num = 1
+            put_config.preferred_segment = calls.call("get_hostname", store.get_hostname)
+        return cls(store, calls, master=master, metadata_server=metadata_server, local_hostname=local_hostname,
+                   put_config=put_config)
+
+    def put_args(self) -> tuple[Any, ...]:
+        """The trailing arguments of a put call: the put config, when there is one."""
+        return () if self.put_config is None else (self.put_config,)
 
     def check_open(self) -> None:
         if self.closed:

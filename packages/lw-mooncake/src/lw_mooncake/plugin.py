@@ -41,6 +41,9 @@ class MooncakeKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     mooncake_local_hostname: HostName = ""
     # Memory this client lends to the pool (0: lend nothing, store on holders/other clients).
     mooncake_global_segment_size: Annotated[int, Meta(ge=0, le=MAX_SEGMENT)] = 0
+    # With a segment lent: puts ask for this client's own segment first, so its own later hits are
+    # Mooncake's local memcpy (same process) instead of its transport.
+    mooncake_prefer_local_segment: bool = True
     # Mooncake's own client buffer (its internal copies).
     mooncake_local_buffer_size: Annotated[int, Meta(ge=1 * MiB, le=MAX_SEGMENT)] = 16 * MiB
     # Registered staging per direction: one batch of puts or ranged gets moves at most this much.

@@ -38,7 +38,7 @@ class PutSessions:
         return list(self.client.calls.call(name, getattr(self.client.store, name), *args))
 
     def start(self, keys: Sequence[str], nbytes: int) -> list[int]:
-        return self._call("batch_put_session_start", list(keys), [nbytes] * len(keys))
+        return self._call("batch_put_session_start", list(keys), [nbytes] * len(keys), *self.client.put_args())
 
     def ranges(self, keys: list[str], ptrs: list[list[int]], sizes: list[list[int]], offsets: list[list[int]]) -> list[int]:
         return self._call("batch_put_from_multi_buffer_ranges", keys, ptrs, sizes, offsets)

@@ -50,7 +50,7 @@ class StagedPuts:
                 sizes.append(base + off - ptrs[-1])
             try:
                 return list(self.client.calls.call("batch_put_from", self.client.store.batch_put_from,
-                                                   [k for k, _ in items], ptrs, sizes))
+                                                   [k for k, _ in items], ptrs, sizes, *self.client.put_args()))
             except BackendUnavailable:
                 self._staging.retire()
                 raise

@@ -19,6 +19,7 @@ new, empty or marked as a disk tier (``MARKER``): anything else is refused, nami
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import stat
 import struct
@@ -56,7 +57,7 @@ class DiskHandle:
 
     __slots__ = ("key", "nbytes", "_fd", "data")
 
-    def __init__(self, key: str, nbytes: int, fd: int, data: bytearray | None = None) -> None:
+    def __init__(self, key: str, nbytes: int, fd: int, data: mmap.mmap | None = None) -> None:
         self.key = key
         self.nbytes = nbytes
         self._fd = fd
@@ -80,7 +81,7 @@ class _Crc32:
     def __init__(self) -> None:
         self.crc = 0
 
-    def update(self, data: memoryview | bytes | bytearray) -> None:
+    def update(self, data: memoryview | bytes | bytearray | mmap.mmap) -> None:
         self.crc = zlib.crc32(data, self.crc)
 
     def digest(self) -> bytes:
@@ -88,7 +89,7 @@ class _Crc32:
 
 
 class _Hasher(Protocol):
-    def update(self, data: memoryview | bytes | bytearray, /) -> None: ...
+    def update(self, data: memoryview | bytes | bytearray | mmap.mmap, /) -> None: ...
 
     def digest(self) -> bytes: ...
 
@@ -97,7 +98,7 @@ def _hasher(version: int) -> _Hasher:
     return _Crc32() if version >= 2 else hashlib.blake2b(digest_size=32)
 
 
-def payload_digest(data: memoryview | bytes | bytearray, version: int = VERSION) -> bytes:
+def payload_digest(data: memoryview | bytes | bytearray | mmap.mmap, version: int = VERSION) -> bytes:
     """The payload checksum a header of format ``version`` holds."""
     h = _hasher(version)
     h.update(data)
@@ -167,7 +168,7 @@ def read_payload(fd: int, head: Header, *, check: bool) -> bytes:
     return data
 
 
-def read_payload_into(fd: int, head: Header, buf: bytearray, *, check: bool) -> None:
+def read_payload_into(fd: int, head: Header, buf: mmap.mmap, *, check: bool) -> None:
     """``read_payload`` into ``buf`` (``head.nbytes`` long; a recycled buffer, so a hit does not
     fault in fresh pages for every payload it holds)."""
     if len(buf) != head.nbytes:

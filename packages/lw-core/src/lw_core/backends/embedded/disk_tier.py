@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import mmap
 import os
 import secrets
 import stat
@@ -79,7 +80,7 @@ class DiskTier:
         self._next_rescan = 0.0
         self._readers: ThreadPoolExecutor | None = None
         self._kept = 0  # bytes of payloads open handles hold (``KEEP_BYTES`` at most)
-        self._free: dict[int, list[bytearray]] = {}  # released payload buffers by size (``FREE_BYTES``)
+        self._free: dict[int, list[mmap.mmap]] = {}  # released payload buffers by size (``FREE_BYTES``)
         self._free_bytes = 0
         fmt.prepare_dir(self.path)
         self._scan()
@@ -265,24 +266,25 @@ class DiskTier:
         with self._cv:
             self._kept -= n
 
-    def _take(self, n: int) -> bytearray:
-        """A buffer of ``n`` bytes: a released one when there is one (its pages already mapped)."""
+    def _take(self, n: int) -> mmap.mmap:
+        """A buffer of ``n`` bytes: a released one when there is one (its pages already mapped),
+        else fresh anonymous memory, whose pages the kernel maps as the read fills them (no zeroing
+        pass under the GIL, as ``bytearray(n)`` would make)."""
         with self._cv:
             free = self._free.get(n)
             if free:
                 self._free_bytes -= n
                 return free.pop()
-        return bytearray(n)
+        return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
 
-    def _give(self, buf: bytearray) -> None:
+    def _give(self, buf: mmap.mmap) -> None:
         """Keep ``buf`` for a later hit, unless a view still points into it (then it stays that
         view's, never overwritten) or ``FREE_BYTES`` are kept already."""
         n = len(buf)
-        try:  # a bytearray with live exports (memoryviews, numpy arrays over it) cannot be resized
-            buf.append(0)
+        try:  # a map with live exports (memoryviews, numpy arrays over it) cannot be resized
+            buf.resize(n)
         except BufferError:
             return
-        buf.pop()
         with self._cv:
             if self._closed or self._free_bytes + n > FREE_BYTES:
                 return

@@ -47,7 +47,9 @@ class GetBreakdown(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     release_ms: Annotated[float, Meta(ge=0)]
     memcpy_ms: Annotated[float, Meta(ge=0)]
     # layer_16KiB only: the memcpy of every layer over open + every layer's read + release, i.e. the
-    # whole load against memcpy, open included (a backend that fetches at open pays for it here).
+    # whole load against memcpy, open included (a backend that fetches at open pays for it here);
+    # open + release is the best of the repeated open+release (metadata) where this process timed
+    # it, else the single open and release around the timed reads (other processes).
     load_ratio: Annotated[float, Meta(ge=0)] | None = None
 
 

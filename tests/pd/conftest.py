@@ -59,6 +59,11 @@ def gdn_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
+def mamba2_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from _stack("mamba2", GQA_METASERVER_TIMEOUT_S, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
 def meta() -> Iterator[FakeMetaserver]:
     s = FakeMetaserver()
     yield s

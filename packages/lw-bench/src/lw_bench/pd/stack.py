@@ -262,10 +262,13 @@ def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout
     # swa: the sliding-window hybrid, run with vLLM's hybrid KV cache manager (its blocks are 32).
     # gdn: the gated delta-net hybrid, bf16 (vLLM's CPU GDN kernels), prefix caching on so vLLM hands
     # its states off at block boundaries ("align" mode); vLLM raises its block to 256 tokens.
-    model_dir = str({"mla": models.mla_model, "swa": models.swa_model, "gdn": models.gdn_model}
-                    .get(model, models.gqa_model)())
-    block = 16 if mla else (block_size or (256 if model == "gdn" else 32))  # vLLM's CPU MLA backend forces 16
-    dtype, prefix_caching = ("bfloat16", True) if model == "gdn" else ("float32", False)
+    # mamba2: the Mamba2 hybrid, float32, prefix caching on likewise; vLLM raises its block to 128.
+    model_dir = str({"mla": models.mla_model, "swa": models.swa_model, "gdn": models.gdn_model,
+                     "mamba2": models.mamba2_model}.get(model, models.gqa_model)())
+    state_block = {"gdn": 256, "mamba2": 128}.get(model)
+    block = 16 if mla else (block_size or state_block or 32)  # vLLM's CPU MLA backend forces 16
+    dtype = "bfloat16" if model == "gdn" else "float32"
+    prefix_caching = state_block is not None
     extra = {"embedded_path": pool_path, "embedded_capacity_bytes": 64 << 20, "use_layerwise": True,
              "metaserver_timeout_s": metaserver_timeout_s, **(extra or {})}
     c0, c1 = cpu_ids()

@@ -7,19 +7,17 @@ recomputes the request."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
 import torch
+from test_pd_streaming_recv import BLOCKS, KEYS, LAYOUT, NpCopier, Writer, check_loaded
 
 from lw_core.backends.memory import MemoryBackend
 from lw_core.keys import KeySpace
 from lw_vllm import state_layout
 from lw_vllm.state_store import StateStore
 from lw_vllm.stream_recv import StreamReceiver
-
-from test_pd_streaming_recv import BLOCKS, KEYS, LAYOUT, NpCopier, Writer, check_loaded
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -258,12 +256,12 @@ def test_streamed_hit_of_a_state_model_ends_at_the_handed_off_boundary_and_its_s
     from types import SimpleNamespace
 
     import numpy as np
+    from test_scheduler_pd import _req
 
     from lw_core.plan import ObjectLayout
     from lw_vllm.meta import LayerwiseWorkerMeta
     from lw_vllm.state_layout import state_keyspace
     from lw_vllm.worker_side import WorkerSide
-    from test_scheduler_pd import _req
 
     timeout_s = 5.0
     side, kc = _gdn_side(pool_dir, timeout_s)

@@ -123,15 +123,31 @@ def test_the_receiver_reads_no_bytes_for_blocks_outside_the_window() -> None:
     assert be.read_handles == [12, 10, 11, 12]
 
 
-def test_streaming_pd_is_refused_for_recurrent_state_models_naming_the_key() -> None:
-    """A state hybrid's state is not streamed: pd_streaming fails start-up with the key to change
-    (a sliding-window hybrid streams: tests/pd/test_pd_streaming_swa.py)."""
+def test_streaming_pd_of_a_recurrent_state_model_starts_and_ends_its_streamed_hits_at_a_state(tmp_path) -> None:
+    """A state hybrid streams too (tests/pd/test_pd_streaming_gdn.py): pd_streaming starts, and the
+    coordinator knows a streamed hit must end where the prefiller is handed a state (the chunks
+    stream per layer, the state lands last: tests/pd/test_pd_streaming_state.py)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
+    import torch
+
     from lw_core.config import parse_config
     from lw_vllm.scheduler_side import SchedulerSide
 
-    kc = _cfg((MambaSpec, ["m.layers.0.mixer"], 256), (FullAttentionSpec, ["m.layers.1.attn"], 256))
-    vc = SimpleNamespace(parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
-                         cache_config=SimpleNamespace(enable_prefix_caching=True, mamba_cache_mode="align"),
-                         scheduler_config=SimpleNamespace(async_scheduling=False))
-    with pytest.raises(NotImplementedError, match="pd_streaming=true is not supported for models with recurrent"):
-        SchedulerSide(vc, kc, parse_config({"pd_streaming": True}), "kv_consumer")
+    state = MambaSpec(block_size=256, page_size_bytes=64, mamba_cache_mode="align", num_speculative_blocks=0,
+                      shapes=((2, 3),), dtypes=(torch.float32,))
+    kc = SimpleNamespace(kv_cache_groups=[
+        SimpleNamespace(kv_cache_spec=state, layer_names=["m.layers.0.mixer"]),
+        SimpleNamespace(kv_cache_spec=FullAttentionSpec(block_size=256, page_size_bytes=64),
+                        layer_names=["m.layers.1.attn"])])
+    vc = SimpleNamespace(
+        model_config=SimpleNamespace(model="tiny-gdn", dtype="bfloat16", use_mla=False, hf_config=SimpleNamespace()),
+        parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto", enable_prefix_caching=True, mamba_cache_mode="align"),
+        scheduler_config=SimpleNamespace(async_scheduling=False))
+    cfg = parse_config({"pd_streaming": True, "embedded_path": str(tmp_path / "pool"),
+                        "embedded_capacity_bytes": 1 << 20})
+    side = SchedulerSide(vc, kc, cfg, "kv_consumer")
+    try:
+        assert not side.inert and side.states is not None and side.pd.states
+    finally:
+        side.shutdown()

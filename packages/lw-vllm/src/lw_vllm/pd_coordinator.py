@@ -85,10 +85,12 @@ class PdCoordinator:
     def __init__(self, cfg: PoolConfig, block_size: int, keyspace: KeySpace, tags: list[str],
                  other_tp: dict[int, tuple[KeySpace, list[str]]], metaserver: MetaserverClient | None,
                  metrics: Collector, lookup: Lookup, tp_mismatch: Callable[[int], str],
-                 groups: GroupBlocks | None = None) -> None:
+                 groups: GroupBlocks | None = None, states: bool = False) -> None:
         """``groups``: the scheduler side's block groups (a hybrid's receives carry every attention
-        group's blocks); ``None``: one group."""
+        group's blocks); ``None``: one group. ``states``: the model restores recurrent states, so a
+        streamed hit ends where the prefiller is handed one (``stream_match``)."""
         self.cfg = cfg
+        self.states = states
         self.groups = groups if groups is not None else GroupBlocks(0, [])
         self.block_size = block_size
         self.keyspace = keyspace
@@ -249,10 +251,18 @@ class PdCoordinator:
     def stream_match(self, st: ReqState, num_computed_tokens: int) -> tuple[int, bool]:
         """Streaming PD decoder: the whole prompt but its last token, loaded asynchronously (vLLM
         allocates the blocks and parks the request in ``WAITING_FOR_REMOTE_KVS`` until the workers
-        report the receive in ``finished_recving``; blocks that did not arrive are recomputed)."""
+        report the receive in ``finished_recving``; blocks that did not arrive are recomputed).
+
+        A recurrent-state model (``states``) restores the state at the hit's end, and vLLM hands
+        the prefiller the state at the prompt's last full boundary before its last token only
+        (``(n - 1) // block``, as in non-streaming PD, tests/pd/test_pd_gdn.py): the hit ends
+        there, before the partial chunk, and the decoder computes the rest of the prompt. The
+        state does not exist yet: the receive lands it after the chunks (``stream_recv``)."""
         if st.stream_pending or st.stream_sent:
             return 0, False  # asked again after the receive: vLLM holds what arrived
         hashes = self.prompt_hashes(st)
+        if self.states:
+            hashes = hashes[:(st.prompt_len - 1) // self.block_size]
         n = min(len(hashes) * self.block_size, st.prompt_len - 1) - num_computed_tokens
         if n <= 0:
             return 0, False

@@ -90,10 +90,6 @@ class SchedulerSide:
         self.inert = why is not None
         self.states: StatePlan | None = None
         self._async_loads: list[ReqState] = []
-        if state and cfg.pd_streaming:
-            raise NotImplementedError(
-                "kv_connector_extra_config.pd_streaming=true is not supported for models with recurrent-state "
-                "layers (Mamba / linear attention: their state is not streamed); set pd_streaming to false")
         if self.inert:
             log.warning("lw-vllm: this model has recurrent-state layers (KV cache groups %s: Mamba / linear "
                         "attention) and the pool cannot restore their state here (%s), so it neither saves nor "
@@ -137,7 +133,7 @@ class SchedulerSide:
         metaserver = MetaserverClient(cfg.metaserver_timeout_s) if role in ("kv_consumer", "kv_both") else None
         self.pd = PdCoordinator(cfg, self.block_size, self.keyspace, self.tags, self.other_tp, metaserver,
                                 self.metrics, self.lookup, functools.partial(pool.tp_mismatch, vllm_config),
-                                self.groups)
+                                self.groups, states=self.states is not None)
         self._builds = 0
         self._lag = 1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0
         # Finished requests' stats lines, written once their last step's worker report arrived.
@@ -246,10 +242,10 @@ class SchedulerSide:
         st.load = (first, -(-end // bs) - first)
         st.promised += num_external_tokens
         streaming = st.remote is not None and st.remote.phase is RemotePhase.STREAMING
+        if self.states is not None:  # the block the hit's end state goes to (streamed or not)
+            self.states.allocated(st, blocks.get_block_ids())
         if self.hybrid and not streaming:  # asynchronous: vLLM parks the request until the workers report the load
             self.groups.set(st, blocks.get_block_ids())
-            if self.states is not None:
-                self.states.allocated(st, blocks.get_block_ids())
             self._async_loads.append(st)
             return
         self.pd.park(st, blocks)
@@ -309,6 +305,8 @@ class SchedulerSide:
             scheduled.append((st, cached.num_computed_tokens[i] + so.num_scheduled_tokens.get(req_id, 0)))
 
         self.pd.plan_streams(meta)
+        if self.states is not None and meta.stream_loads:  # streamed hits: their state lands last (worker_side)
+            meta.stream_loads = [self.states.with_state(x) for x in meta.stream_loads]
         self._plan_async_loads(meta)
         if self.states is not None and self.can_save:
             meta.state_saves = self.states.saves(so, self.reqs, self._hashes)

@@ -30,6 +30,13 @@ slice brought nothing and other receives are queued, the worker puts it back at 
 queue and takes the next one, so receives waiting for a prefill that comes later (or never) cannot
 hold the workers while another's layers are already published (no head-of-line blocking). With no
 one queued a worker stays on its receive, as a thread of its own would.
+
+A receive may carry a ``tail``: one more object to land after every chunk did, a recurrent-state
+model's state at the last chunk's boundary (``state_store``), which the prefiller saves whole
+after its forward, so after the chunks' layers are published. It is tried with the open backoff
+until it lands; it is missing for good at the deadline, or when one try made after the prefill was
+reported done still misses it (the prefiller saves it before its answer). A tail that does not land
+fails the whole receive (``good`` 0): the chunks are no use without it.
 """
 
 from __future__ import annotations
@@ -77,6 +84,10 @@ def _never() -> bool:
     return False
 
 
+# A receive's last object (``Receive``): tries to land it; None when it did, else why not (yet).
+Tail = Callable[[], "str | None"]
+
+
 class Receive:
     """One request's receive, advanced by ``advance`` until it ends (``result``).
 
@@ -87,8 +98,12 @@ class Receive:
     and chunks opened late catch up before the rest go on together."""
 
     def __init__(self, keys: Sequence[str], block_ids: Sequence[int], deadline: float,
-                 stop: threading.Event) -> None:
+                 stop: threading.Event, tail: Tail | None = None, tail_nbytes: int = 0) -> None:
         self.keys, self.block_ids, self.deadline, self.stop = list(keys), list(block_ids), deadline, stop
+        self.tail = tail  # landed once every chunk did (module docstring); None once it has
+        self.tail_nbytes = tail_nbytes  # counted in ``nbytes`` once it landed
+        self._next_tail = 0.0
+        self._tail_pause = OPEN_BACKOFF_S[0]
         self.handles: list[Any] = [None] * len(self.keys)  # opened so far
         self.next_layer = [0] * len(self.keys)
         self.limit = len(self.keys)  # chunks from here on cannot be good any more
@@ -122,7 +137,11 @@ class Receive:
             todo = [i for i in range(opened) if self.next_layer[i] < nl]
             if not todo:
                 if opened >= self.limit:  # every chunk that can still be good has landed
-                    return self._end(self.limit, self.error)
+                    if self.tail is None or self.limit < len(self.keys):
+                        return self._end(self.limit, self.error)
+                    if self._land_tail(others_waiting):
+                        return self.result is not None
+                    continue
                 left = self.deadline - time.monotonic()
                 if left <= 0:
                     self._cut(opened, f"chunk {opened} of {len(self.keys)} was never reserved nor committed in time")
@@ -157,6 +176,35 @@ class Receive:
                     self._cut(idx[got], f"read of layer {layer} of chunk {idx[got]} failed")
                 for i in idx[:got]:
                     self.next_layer[i] = layer + 1
+
+    def _land_tail(self, others_waiting: Callable[[], bool]) -> bool:
+        """One try at the tail when its backoff pause is over, else a wait for it. True when the
+        caller returns: the receive ended (``result`` set) or others wait (it comes back later)."""
+        assert self.tail is not None
+        now = time.monotonic()
+        if now >= self._next_tail:
+            after_done = self.prefilled.is_set()  # the prefiller saved it before its answer
+            why = self.tail()
+            if why is None:
+                self.tail = None
+                self.nbytes += self.tail_nbytes
+                return self._end(self.limit, self.error)
+            if after_done:
+                return self._end(0, f"the last chunk's recurrent state was not there when its prefill was "
+                                    f"reported done ({why})")
+            if time.monotonic() >= self.deadline:
+                return self._end(0, f"the last chunk's recurrent state did not land in time ({why})")
+            self._tail_pause = min(self._tail_pause * 2, OPEN_BACKOFF_S[1])
+            self._next_tail = time.monotonic() + self._tail_pause
+        left = self.deadline - time.monotonic()
+        wait = max(0.0, min(self._next_tail - time.monotonic(), left))
+        if self.prefilled.is_set():
+            wait = 0.0  # the one more try, now
+            self._next_tail = 0.0
+        self.stop.wait(wait)
+        if left <= 0:
+            self._next_tail = 0.0  # a last try at the deadline, then it fails
+        return others_waiting()
 
     def _open_more(self, backend: Any) -> None:
         """Try to open the chunks below ``limit`` not opened yet, at most once per backoff pause
@@ -198,10 +246,10 @@ class Receive:
 
 
 def receive(backend: Any, copier: Any, layout: ObjectLayout, keys: Sequence[str], block_ids: Sequence[int],
-            deadline: float, stop: threading.Event) -> tuple[int, str | None]:
-    """Pull ``keys[i]`` into block ``block_ids[i]``, layer by layer, on this thread; returns
-    (good prefix, error)."""
-    r = Receive(keys, block_ids, deadline, stop)
+            deadline: float, stop: threading.Event, tail: Tail | None = None) -> tuple[int, str | None]:
+    """Pull ``keys[i]`` into block ``block_ids[i]``, layer by layer, then ``tail``, on this thread;
+    returns (good prefix, error)."""
+    r = Receive(keys, block_ids, deadline, stop, tail)
     try:
         while not r.advance(backend, copier, layout):
             pass
@@ -289,7 +337,10 @@ class StreamReceiver:
         self._idle = 0
         self._closing = False
 
-    def start(self, req_id: str, keys: Sequence[str], block_ids: Sequence[int]) -> None:
+    def start(self, req_id: str, keys: Sequence[str], block_ids: Sequence[int], tail: Tail | None = None,
+              tail_nbytes: int = 0) -> None:
+        """``tail``: landed after every chunk (``Receive``), on a receive worker thread; its
+        ``tail_nbytes`` count in the receive's bytes once it has."""
         with self._lock:
             if req_id in self._running:
                 raise RuntimeError(f"streaming receive for {req_id} started twice")
@@ -298,7 +349,8 @@ class StreamReceiver:
                 self._done.append(RecvDone(req_id, list(block_ids), 0, (now, now), "the receiver is closed"))
                 self._ended.notify_all()
                 return
-            job = _Job(req_id, Receive(keys, block_ids, time.monotonic() + self.deadline_s, threading.Event()),
+            job = _Job(req_id, Receive(keys, block_ids, time.monotonic() + self.deadline_s, threading.Event(), tail,
+                                        tail_nbytes),
                        time.time())
             self._running[req_id] = job
             self._queue.append(job)

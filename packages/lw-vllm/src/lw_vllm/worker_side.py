@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from lw_core.config import PoolConfig
@@ -191,6 +192,7 @@ class WorkerSide:
         if meta is None:
             return
         streams, meta.stream_loads = meta.stream_loads, []  # start_load_kv may run twice a step
+        committed = set(meta.stream_prefilled)  # loads of committed objects (their state is there now)
         for x in streams:
             if recv is None:  # the scheduler asked although this worker has no receiver: a bug, recompute
                 log.error("lw-vllm: %s: streaming load without pd_streaming on this worker; recomputing", x.req_id)
@@ -202,6 +204,11 @@ class WorkerSide:
                     self._empty_done.add(x.req_id)
                     continue
                 self._groups.add_rows(x.block_ids, x.more)
+            if x.state and self._states is not None and x.req_id not in committed:
+                # Streaming PD: the prefiller saves the state after its forward; it lands last.
+                recv.start(x.req_id, self.keyspace.keys(self.tag, x.hashes), x.block_ids, self._state_tail(x),
+                           self._states.layout.nbytes)
+                continue
             if x.state and not self._start_state(x):
                 continue
             recv.start(x.req_id, self.keyspace.keys(self.tag, x.hashes), x.block_ids)
@@ -222,6 +229,13 @@ class WorkerSide:
         self._empty_done.add(x.req_id)
         self._report.failed[x.req_id] = self._report.failed.get(x.req_id, 0) + len(x.block_ids)
         return False
+
+    def _state_tail(self, x: Xfer) -> Callable[[], str | None]:
+        """Streaming PD: the receive's last object (``stream_recv.Tail``), the state after ``x``'s
+        last chunk into ``x.state``'s blocks; one that does not land fails the receive (recompute)."""
+        states, h, blocks = self._states, x.hashes[-1], list(x.state)
+        assert states is not None
+        return lambda: states.load(h, blocks)
 
     def _save_states(self, meta: LayerwiseMeta) -> None:
         saves, meta.state_saves = meta.state_saves, []

@@ -126,7 +126,7 @@ def _build_tokenizer(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def _hf_config(spec: dict[str, Any], max_len: int):
+def hf_config(spec: dict[str, Any], max_len: int):  # the transformers config of a spec (lw_dev.state_sizes sizes states from it)
     common = dict(
         vocab_size=VOCAB_SIZE,
         hidden_size=spec["hidden_size"],
@@ -223,7 +223,7 @@ def build_model(spec: dict[str, Any], *, max_len: int = 4096, seed: int = 0) -> 
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".", dir=out.parent))
     try:
         torch.manual_seed(seed)
-        cfg = _hf_config(spec, max_len)
+        cfg = hf_config(spec, max_len)
         dtype = torch.bfloat16 if spec.get("dtype") == "bfloat16" else torch.float32
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
         model.save_pretrained(tmp)

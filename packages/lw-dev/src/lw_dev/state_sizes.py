@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from lw_bench.models import GDN_SPEC, _hf_config
+from lw_bench.models import GDN_SPEC, hf_config
 
 
 def gdn_state_nbytes(spec: dict[str, Any] = GDN_SPEC, tp: int = 1, ssm_dtype: str = "float32") -> int:
@@ -18,7 +18,7 @@ def gdn_state_nbytes(spec: dict[str, Any] = GDN_SPEC, tp: int = 1, ssm_dtype: st
     import torch
     from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
 
-    hf = _hf_config(spec, 4096)
+    hf = hf_config(spec, 4096)
     shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
         tp, hf.linear_num_key_heads, hf.linear_num_value_heads, hf.linear_key_head_dim, hf.linear_value_head_dim,
         hf.linear_conv_kernel_dim)

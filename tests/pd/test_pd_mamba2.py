@@ -2,10 +2,13 @@
 1 and 3 full attention; float32, prefix caching on, block 128; lw_vllm.mamba2_fix makes its
 prefills run on the CPU build): through lw-proxy the decoder gives the single engine's greedy
 output, loading up to the last block boundary before the prompt's last token, the conv and SSM
-states at that boundary included (as for gated delta-net: tests/pd/test_pd_gdn.py).
+states at that boundary included (as for gated delta-net: tests/pd/test_pd_gdn.py); with
+``pd_streaming`` the state lands after the streamed chunks (tests/pd/test_pd_streaming_gdn.py).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 
@@ -13,20 +16,35 @@ from lw_bench.pd.stack import Stack
 from lw_dev.harness import assert_same_greedy
 from lw_dev.pd_flow import baseline, text, through
 from lw_dev.pd_oracle import SAMPLING, by_index, completion_choice
+from lw_dev.pd_streaming_flow import streaming_stack
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 8
+STREAM_TIMEOUT_S = 12.0
+
+
+@pytest.fixture(scope="module")
+def mamba2_stream_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    yield from streaming_stack("mamba2", STREAM_TIMEOUT_S, tmp_path_factory)
 
 
 def test_mamba2_prompts_match_single_engine_and_decoder_loads_up_to_the_last_state(mamba2_stack: Stack) -> None:
-    bs = mamba2_stack.block_size
+    _check(mamba2_stack, streaming=False)
+
+
+def test_mamba2_streaming_pd_matches_single_engine_and_loads_up_to_the_last_state(mamba2_stream_stack: Stack) -> None:
+    _check(mamba2_stream_stack, streaming=True)
+
+
+def _check(stack: Stack, *, streaming: bool) -> None:
+    bs = stack.block_size
     assert bs == 128
     prompts = [text(71, 420), text(72, 60)]  # several chunks and a partial one; a partial chunk only
     body = {"model": "tiny", "prompt": prompts, "max_tokens": MAX_TOKENS, "logprobs": 2, **SAMPLING}
-    base = baseline(mamba2_stack, "/v1/completions", {**body, "cache_salt": "single-engine"})
+    base = baseline(stack, "/v1/completions", {**body, "cache_salt": "single-engine"})
     refs = [completion_choice(c) for c in by_index(base["choices"])]
-    ex = through(mamba2_stack, "/v1/completions", body)
+    ex = through(stack, "/v1/completions", body)
     assert ex.status == 200, ex.out
     got = [completion_choice(c) for c in by_index(ex.out["choices"])]
     assert len(got) == len(prompts)
@@ -39,5 +57,7 @@ def test_mamba2_prompts_match_single_engine_and_decoder_loads_up_to_the_last_sta
     assert len(recs) == 2 and recs[0]["prompt_tokens"] > 2 * bs and recs[1]["prompt_tokens"] < bs, recs
     for r in recs:
         hit = (r["prompt_tokens"] - 1) // bs * bs  # the last state vLLM handed the prefiller
+        if streaming and hit:  # streamed, or loaded should the prefill have committed first
+            assert r["remote_prefill"] in ("streaming", "pool holds the prompt"), r
         assert r["promised_tokens"] == r["loaded_tokens"] == hit and r["failed_blocks"] == 0, r
         assert (r["loaded_bytes"] > 0) == (hit > 0), r

@@ -13,11 +13,13 @@ import shutil
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lw_bench.pd.stack import Stack, start_stack
 from lw_dev.fake_metaserver import FakeMetaserver
+from lw_dev.pd_streaming_flow import STREAM_TIMEOUT_S, streaming_stack
 
 # Decoders give up on the metaserver after this; the never-called-back test waits it out. Generous:
 # a tiny prefill takes ~0.1 s once warmed up, but a shared 2-core host can stall it for seconds.
@@ -38,29 +40,25 @@ def _stack(model: str, timeout_s: float, tmp_path_factory: pytest.TempPathFactor
         shutil.rmtree(pool, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def gqa_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from _stack("gqa", GQA_METASERVER_TIMEOUT_S, tmp_path_factory)
+def _module_stack(model: str, timeout_s: float, *, streaming: bool = False) -> Any:
+    """A module-scoped fixture of ``model``'s stack (``pd_streaming`` on when ``streaming``)."""
+
+    @pytest.fixture(scope="module")
+    def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+        yield from (streaming_stack if streaming else _stack)(model, timeout_s, tmp_path_factory)
+
+    return stack
 
 
-@pytest.fixture(scope="module")
-def mla_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from _stack("mla", MLA_METASERVER_TIMEOUT_S, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def swa_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from _stack("swa", GQA_METASERVER_TIMEOUT_S, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def gdn_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from _stack("gdn", GQA_METASERVER_TIMEOUT_S, tmp_path_factory)
-
-
-@pytest.fixture(scope="module")
-def mamba2_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from _stack("mamba2", GQA_METASERVER_TIMEOUT_S, tmp_path_factory)
+gqa_stack = _module_stack("gqa", GQA_METASERVER_TIMEOUT_S)
+mla_stack = _module_stack("mla", MLA_METASERVER_TIMEOUT_S)
+swa_stack = _module_stack("swa", GQA_METASERVER_TIMEOUT_S)
+gdn_stack = _module_stack("gdn", GQA_METASERVER_TIMEOUT_S)
+mamba2_stack = _module_stack("mamba2", GQA_METASERVER_TIMEOUT_S)
+# The hybrids' streaming stacks; their modules time the receive against STREAM_TIMEOUT_S.
+swa_stream_stack = _module_stack("swa", STREAM_TIMEOUT_S, streaming=True)
+gdn_stream_stack = _module_stack("gdn", STREAM_TIMEOUT_S, streaming=True)
+mamba2_stream_stack = _module_stack("mamba2", STREAM_TIMEOUT_S, streaming=True)
 
 
 @pytest.fixture(scope="module")

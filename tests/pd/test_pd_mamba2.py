@@ -8,25 +8,16 @@ states at that boundary included (as for gated delta-net: tests/pd/test_pd_gdn.p
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
 from lw_bench.pd.stack import Stack
 from lw_dev.harness import assert_same_greedy
 from lw_dev.pd_flow import baseline, text, through
 from lw_dev.pd_oracle import SAMPLING, by_index, completion_choice
-from lw_dev.pd_streaming_flow import streaming_stack
 
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 8
-STREAM_TIMEOUT_S = 12.0
-
-
-@pytest.fixture(scope="module")
-def mamba2_stream_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from streaming_stack("mamba2", STREAM_TIMEOUT_S, tmp_path_factory)
 
 
 def test_mamba2_prompts_match_single_engine_and_decoder_loads_up_to_the_last_state(mamba2_stack: Stack) -> None:

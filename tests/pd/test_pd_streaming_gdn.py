@@ -13,7 +13,6 @@ at its deadline and vLLM recomputes the request whole (a hybrid's failed receive
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -23,18 +22,12 @@ from lw_dev.fake_metaserver import FakeMetaserver
 from lw_dev.harness import assert_same_greedy
 from lw_dev.pd_flow import baseline, text, through
 from lw_dev.pd_oracle import SAMPLING, by_index, completion_choice
-from lw_dev.pd_streaming_flow import decoder_first, streaming_stack
+from lw_dev.pd_streaming_flow import STREAM_TIMEOUT_S, decoder_first
 from lw_dev.state_sizes import gdn_state_nbytes
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 MAX_TOKENS = 8
-TIMEOUT_S = 12.0
-
-
-@pytest.fixture(scope="module")
-def gdn_stream_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from streaming_stack("gdn", TIMEOUT_S, tmp_path_factory)
 
 
 def _body(prompt: str) -> dict:
@@ -59,7 +52,7 @@ def test_streamed_prompt_matches_single_engine_and_loads_up_to_the_last_state(
     # A restored state gives the single engine's log-probs to 1e-4 (a lost one moves them by a few
     # 1e-3: test_pd_gdn); both engines split the prompt at the same block boundary.
     assert_same_greedy(ref, completion_choice(out["choices"][0]), lp_tol=1e-4)
-    assert took < TIMEOUT_S, f"{took:.1f} s: the decoder waited for its deadline instead of streaming"
+    assert took < STREAM_TIMEOUT_S, f"{took:.1f} s: the decoder waited for its deadline instead of streaming"
     (rec,) = stack.decode.new_stats()
     n = rec["prompt_tokens"]
     hit = (n - 1) // bs * bs  # the last state vLLM handed the prefiller, as non-streaming PD loads
@@ -70,7 +63,7 @@ def test_streamed_prompt_matches_single_engine_and_loads_up_to_the_last_state(
     page = 2 * GDN_SPEC["num_key_value_heads"] * GDN_SPEC["head_dim"] * 2 * bs
     assert rec["loaded_bytes"] == 2 * (hit // bs) * page + gdn_state_nbytes(), rec
     t = rec["t"]  # the receive ended with the prefill, not at its deadline
-    assert t["load_done"] - t["stream_sent"] < TIMEOUT_S / 2, t
+    assert t["load_done"] - t["stream_sent"] < STREAM_TIMEOUT_S / 2, t
 
 
 def test_a_prefill_that_never_comes_is_recomputed_whole(gdn_stream_stack: Stack) -> None:
@@ -91,7 +84,7 @@ def test_a_prefill_that_never_comes_is_recomputed_whole(gdn_stream_stack: Stack)
     assert status == 200, out
     # Recomputed from scratch: the single engine's tokens (log-probs to the oracle's tolerance).
     assert_same_greedy(ref, completion_choice(out["choices"][0]))
-    assert TIMEOUT_S <= took < TIMEOUT_S + 30, f"answered after {took:.1f} s; receive deadline {TIMEOUT_S} s"
+    assert STREAM_TIMEOUT_S <= took < STREAM_TIMEOUT_S + 30, f"answered after {took:.1f} s; receive deadline {STREAM_TIMEOUT_S} s"
     (rec,) = stack.decode.new_stats()
     assert rec["remote_prefill"] == "streaming" and rec["loaded_tokens"] == 0 and rec["failed_blocks"] > 0, rec
 
@@ -137,7 +130,7 @@ def test_prefiller_down_ends_the_receive_at_the_metaserver_error(gdn_stream_stac
     took = time.monotonic() - t0
     assert ex.status == 200, ex.out
     assert_same_greedy(ref, completion_choice(ex.out["choices"][0]))
-    assert took < TIMEOUT_S / 2, f"{took:.1f} s: the receive waited for its deadline"
+    assert took < STREAM_TIMEOUT_S / 2, f"{took:.1f} s: the receive waited for its deadline"
     (rec,) = ex.decode_stats
     assert rec["remote_prefill"] == "streaming" and rec["loaded_tokens"] == 0 and rec["failed_blocks"] > 0, rec
     assert "prefill_failed" in rec["t"], rec

@@ -7,7 +7,6 @@ the receive at its deadline and vLLM recomputes the request whole (a hybrid's fa
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -16,17 +15,11 @@ from lw_bench.pd.stack import Stack, post_json
 from lw_dev.fake_metaserver import FakeMetaserver
 from lw_dev.pd_flow import baseline, text
 from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
-from lw_dev.pd_streaming_flow import streaming_stack, streams_in_decoder_first
+from lw_dev.pd_streaming_flow import STREAM_TIMEOUT_S, streams_in_decoder_first
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_TOKENS = 8
-TIMEOUT_S = 10.0
-
-
-@pytest.fixture(scope="module")
-def swa_stream_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from streaming_stack("swa", TIMEOUT_S, tmp_path_factory)
 
 
 def _body(prompt: str) -> dict:
@@ -36,7 +29,7 @@ def _body(prompt: str) -> dict:
 def test_streamed_hybrid_prompt_reads_only_the_window(swa_stream_stack: Stack) -> None:
     bs = swa_stream_stack.block_size
     rec = streams_in_decoder_first(swa_stream_stack, _body(text(51, 160)), "parent-swa-stream", "swa streaming",
-                                   TIMEOUT_S)
+                                   STREAM_TIMEOUT_S)
     hit = rec["loaded_tokens"]
     assert hit > 6 * bs, rec
     # Two full-attention layers read every chunk; the two windowed ones only those vLLM keeps: a
@@ -64,6 +57,6 @@ def test_a_prefill_that_never_comes_is_recomputed_whole(swa_stream_stack: Stack)
         fake.close()
     assert status == 200, out
     assert_same(ref, completion_choice(out["choices"][0]), "stalled hybrid prefill")
-    assert TIMEOUT_S <= took < TIMEOUT_S + 30, f"answered after {took:.1f} s; receive deadline {TIMEOUT_S} s"
+    assert STREAM_TIMEOUT_S <= took < STREAM_TIMEOUT_S + 30, f"answered after {took:.1f} s; receive deadline {STREAM_TIMEOUT_S} s"
     (rec,) = swa_stream_stack.decode.new_stats()
     assert rec["remote_prefill"] == "streaming" and rec["loaded_tokens"] == 0 and rec["failed_blocks"] > 0, rec

@@ -19,6 +19,10 @@ from lw_dev.fake_metaserver import FakeMetaserver
 from lw_dev.pd_flow import baseline
 from lw_dev.pd_oracle import assert_same, completion_choice
 
+# The hybrids' streaming stacks (tests/pd/conftest.py): a prefill that never comes is recomputed
+# after this receive deadline, which their tests time against.
+STREAM_TIMEOUT_S = 12.0
+
 
 def streaming_stack(model: str, timeout_s: float, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")

@@ -79,6 +79,12 @@ def emit(line: str) -> None:
 
 def main(run: Callable[[dict[str, Any]], None]) -> None:
     """Read the job from stdin, run it, exit at once: vLLM's shutdown of an in-process engine can
-    linger (stalled daemon threads included), and every result is out already."""
+    linger (stalled daemon threads included), and every result is out already. The pool's backends
+    are closed first, as vLLM's shutdown would (the disk tier writes what it has queued, so a
+    later engine finds every demoted object); lw_vllm is looked up, not imported, so an engine
+    without the connector stays free of it."""
     run(json.loads(sys.stdin.read()))
+    pool = sys.modules.get("lw_vllm.pool")
+    if pool is not None:
+        pool.close_all()
     os._exit(0)

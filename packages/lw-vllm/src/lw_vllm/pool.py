@@ -44,6 +44,17 @@ def release_backend(cfg: PoolConfig, backend: Backend) -> None:
             backend.close()
 
 
+def close_all() -> None:
+    """Close every backend this process still holds, for a process about to end without vLLM's
+    shutdown (which releases them through the connector's ``shutdown``): the embedded pool's disk
+    tier writes the demotions still queued (``DiskTier.close``), distributed clients disconnect."""
+    with _lock:
+        entries = list(_backends.values())
+        _backends.clear()
+    for backend, _ in entries:
+        backend.close()
+
+
 def check_streaming(cfg: PoolConfig, backend: Backend) -> None:
     """``pd_streaming`` needs the backend's streaming extension: refuse at start-up, naming it.
     The backend is released first (the engine does not start)."""

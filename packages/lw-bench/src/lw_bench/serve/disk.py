@@ -5,8 +5,8 @@ Two more engines, both on the embedded backend with the tier in a fresh director
 
 * ``disk/save`` -- a DRAM pool of about 1.25 longest prompts, prefix cache off: it computes and
   saves every prefix like ``save``, then *flush* prompts of the longest length, more than the DRAM
-  pool holds, which push every measured prefix out of DRAM; the tier writes what DRAM evicts to disk. The engine waits
-  until the tier's directory stops changing before it exits.
+  pool holds, which push every measured prefix out of DRAM; the tier writes what DRAM evicts to disk. The engine closes
+  the pool before it exits, and the tier writes what it still has queued.
 * ``disk/hit`` -- a **new, empty** DRAM pool (a fresh directory for every engine) over the same
   tier, prefix cache on: a first request can only hit the disk. Before each such engine the tier's
   files are dropped from the page cache (fsync + ``posix_fadvise(DONTNEED)``), so the hit reads

@@ -6,9 +6,7 @@ hit can only come from the pool (never from an earlier engine's memory).
 Job keys: ``model`` (checkpoint directory), ``dtype``, ``block_size``, ``max_model_len``,
 ``kv_cache_memory_bytes``, ``prefix_caching``, ``extra`` (kv_connector_extra_config, or null for
 no connector), ``engine`` (more ``LLM(...)`` keyword arguments, optional), ``metrics`` (optional:
-report the connector's pool counters at the end), ``settle_dir`` (optional: before finishing, wait
-until the number of files in this directory -- the disk tier's -- stops changing, so demotions
-still queued are written before the process exits) and ``items``: ``[{"id": str, "tokens": [int, ...]}, ...]`` run one at a time, in
+report the connector's pool counters at the end) and ``items``: ``[{"id": str, "tokens": [int, ...]}, ...]`` run one at a time, in
 order, each as its own ``generate`` call with ``max_tokens=1`` so the call's wall time is the
 request's time to first token.
 
@@ -81,25 +79,11 @@ def run(job: dict[str, Any]) -> None:
                 "pool": stats_for(settle(llm, stats_path, [out.request_id]), out.request_id),
             }
             emit(ITEM + json.dumps(rec))
-        if job.get("settle_dir"):
-            _settle(job["settle_dir"])
         if job.get("metrics"):
             emit(METRICS + json.dumps(_pool_counters(llm, sp)))
     finally:
         os.unlink(stats_path)
     emit(DONE)
-
-
-def _settle(path: str, quiet_s: float = 2.0, limit_s: float = 120.0) -> None:
-    """Wait until the file count in ``path`` has not changed for ``quiet_s`` (at most ``limit_s``)."""
-    last, since, end = -1, time.monotonic(), time.monotonic() + limit_s
-    while time.monotonic() < end:
-        n = len(os.listdir(path)) if os.path.isdir(path) else 0
-        if n != last:
-            last, since = n, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return
-        time.sleep(0.2)
 
 
 def _poll_step(llm: Any, sp: Any) -> None:

@@ -369,7 +369,6 @@ def _run_engines(args: argparse.Namespace, cfg: dict[str, Any], model_dir: str,
             "max_model_len": cfg["max_model_len"], "kv_cache_memory_bytes": cfg["kv_cache_memory_bytes"],
             "prefix_caching": prefix_caching, "extra": extra, "items": items,
             "engine": {"disable_hybrid_kv_cache_manager": True} if name == HMA_OFF else {},
-            **({"settle_dir": cfg["disk_dir"]} if name == disk.SAVE else {}),
             **({"metrics": True} if name == disk.HIT or (name == "save" and cfg["model"] == "gdn") else {}),
         }
     schedule = _schedule([m[0] for m in modes], cfg["rounds"])

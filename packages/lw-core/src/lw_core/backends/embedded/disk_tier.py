@@ -403,7 +403,7 @@ class DiskTier:
             out["disk_bytes"] = self._bytes
         return out
 
-    def close(self, flush_s: float = 10.0) -> None:
+    def close(self, flush_s: float = 30.0) -> None:
         """Write what is queued (at most ``flush_s``), then stop the writer thread."""
         if self._closed:
             return

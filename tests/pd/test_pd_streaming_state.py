@@ -259,9 +259,11 @@ def test_streamed_hit_of_a_state_model_ends_at_the_handed_off_boundary_and_its_s
     from test_scheduler_pd import _req
 
     from lw_core.plan import ObjectLayout
-    from lw_vllm.meta import LayerwiseWorkerMeta
+    from lw_vllm.metrics import Collector
+    from lw_vllm.recurrent_states import RecurrentStates
     from lw_vllm.state_layout import state_keyspace
-    from lw_vllm.worker_side import WorkerSide
+    from lw_vllm.stream_loads import StreamLoads
+    from lw_vllm.worker_report import WorkerReport
 
     timeout_s = 5.0
     side, kc = _gdn_side(pool_dir, timeout_s)
@@ -287,19 +289,17 @@ def test_streamed_hit_of_a_state_model_ends_at_the_handed_off_boundary_and_its_s
         skeys = state_keyspace(side.keyspace, lay)
         prefiller_states = _store_at(side.backend, skeys, side.tags[0], lay, fill=True)
         decoder_states = _store_at(side.backend, skeys, side.tags[0], lay, fill=False)
-        worker = SimpleNamespace(_meta=plan, _recv=rx, keyspace=side.keyspace, tag=side.tags[0],
-                                 _failed_blocks=set(), _groups=None, _states=decoder_states, _failed_recving=set(),
-                                 _empty_done=set(), _report=LayerwiseWorkerMeta())
-        worker._state_tail = lambda xf: WorkerSide._state_tail(worker, xf)  # type: ignore[attr-defined]
-        worker._load_state = lambda xf: WorkerSide._load_state(worker, xf)  # type: ignore[attr-defined]
+        states = RecurrentStates(decoder_states, Collector())
+        loads = StreamLoads(rx, side.keyspace, side.tags[0], None, states, WorkerReport(), Collector())
+        nxt = [plan]
 
         def step() -> list:
-            WorkerSide._start_streams(worker)  # type: ignore[arg-type]
-            worker._meta = side.build_connector_meta(empty)
+            loads.start(nxt[0])
+            nxt[0] = side.build_connector_meta(empty)
             return rx.take_done(idle_wait_s=0.01)
 
         assert step() == [] and rx.busy  # started although neither the chunks nor the state exist
-        assert not worker._failed_recving
+        assert not loads.take_failed_recving()
         keys = side.keyspace.keys(side.tags[0], hashes)
         hs = side.backend.reserve(keys, PAGE)
         side.backend.write(hs, [0] * 3, [np.full(PAGE, 10 + i, np.uint8) for i in range(3)])

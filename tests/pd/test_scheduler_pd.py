@@ -380,8 +380,10 @@ def test_streaming_receive_ends_at_the_answer_when_a_chunk_never_comes(meta, poo
     import numpy as np
 
     from lw_core.plan import ObjectLayout
+    from lw_vllm.metrics import Collector
+    from lw_vllm.stream_loads import StreamLoads
     from lw_vllm.stream_recv import StreamReceiver
-    from lw_vllm.worker_side import WorkerSide
+    from lw_vllm.worker_report import WorkerReport
 
     timeout_s = 5.0
     side = _side(pool_dir, use_layerwise=True, pd_streaming=True, metaserver_timeout_s=timeout_s)
@@ -393,15 +395,13 @@ def test_streaming_receive_ends_at_the_answer_when_a_chunk_never_comes(meta, poo
         assert (n, is_async) == (3 * BLOCK + 4, True)  # the whole prompt but its last token, streamed
         blocks = [5, 6, 7, 8]
         side.update_state_after_alloc(dreq, SimpleNamespace(get_block_ids=lambda: (blocks,)), n)
-        worker = SimpleNamespace(_meta=None, _recv=rx, keyspace=side.keyspace, tag=side.tags[0], _failed_blocks=set(),
-                                 _groups=None)
+        loads = StreamLoads(rx, side.keyspace, side.tags[0], None, None, WorkerReport(), Collector())
         empty = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
                                 scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
                                                                       resumed_req_ids=set(), num_computed_tokens=[]))
 
         def step() -> list:
-            worker._meta = side.build_connector_meta(empty)
-            WorkerSide._start_streams(worker)  # type: ignore[arg-type]
+            loads.start(side.build_connector_meta(empty))
             return rx.take_done(idle_wait_s=0.01)
 
         assert step() == [] and rx.busy  # the receive started; nothing is in the pool yet

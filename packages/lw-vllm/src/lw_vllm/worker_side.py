@@ -8,30 +8,35 @@ background saves (``pool.saves_in_background``: kv_both, dense models), where ``
 hands the step's saves to the pipeline's background finisher and the requests the scheduler frees
 late are reported in ``finished_sending`` once none of their saves is running; a preempted
 request's saves are waited for in ``handle_preemptions``, before vLLM reuses its blocks.
+
+Collaborators this side builds and owns: ``LoadSources`` (load_sources: which objects a load
+reads), ``WorkerReport`` (worker_report: what goes back to vLLM each pass), and with the KV caches
+(``register_kv_caches``) the pipeline, ``RecurrentStates`` (recurrent_states: a hybrid's Mamba / gated delta-net states) and
+``StreamLoads`` (stream_loads: streaming PD receives and a hybrid's loads).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from lw_core.config import PoolConfig
 from lw_core.pipeline import LayerPipeline, SaveResult
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_core.tp_split import TpSplitError
-from lw_vllm import kv_layout, pool, state_layout
+from lw_vllm import kv_layout, pool
 from lw_vllm.copier import TorchCopier, block_order
 from lw_vllm.group_copier import GroupCopier
 from lw_vllm.load_sources import LoadSources
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector, PoolCounters
 from lw_vllm.pool_events import events_enabled
+from lw_vllm.recurrent_states import RecurrentStates
 from lw_vllm.save_book import SaveBook
-from lw_vllm.state_loads import StateLoads
-from lw_vllm.state_store import StateStore
+from lw_vllm.stream_loads import StreamLoads
 from lw_vllm.stream_recv import IDLE_WAIT_S, StreamReceiver
+from lw_vllm.worker_report import WorkerReport
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +73,7 @@ class WorkerSide:
         self._free_late: set[str] = set()  # finished requests vLLM frees once we report them
         self._saved_total: dict[str, int] = {}  # chunks committed per request so far (save_book)
         self._events = events_enabled(vllm_config)
-        self._failed_blocks: set[int] = set()
-        self._report = LayerwiseWorkerMeta()
+        self.report = WorkerReport()
         self._load_t0 = self._load_t1 = 0.0  # wall clock: this step's load start / last layer in
         # Heads and tokens' order in a block (in the keys; the split reads by it), checked against
         # the tensors in register_kv_caches.
@@ -78,17 +82,16 @@ class WorkerSide:
         self.sources = LoadSources(vllm_config, kv_cache_config, cfg, self.keyspace, self.tag, self.tp_rank,
                                    self.tp_size, self.block_order, self.layout)
         self.role = role
-        self._recv: StreamReceiver | None = None  # streaming PD decoder (cfg.pd_streaming), or a hybrid's loads
         # Hybrid models (several KV cache groups): chunks are named by the anchor group's blocks and
-        # the copier maps them to each layer's group (group_copier); loads go through the receiver,
-        # and a failed one is reported per request (vLLM cannot map a hybrid's block ids back).
+        # the copier maps them to each layer's group (group_copier); loads go through the receiver
+        # (stream_loads), and a failed one is reported per request (vLLM cannot map a hybrid's block
+        # ids back).
         self.hybrid = len(kv_cache_config.kv_cache_groups) > 1
         self._groups: GroupCopier | None = None
-        self._failed_recving: set[str] = set()
-        self._empty_done: set[str] = set()
-        # Recurrent-state models whose states the pool restores (state_layout): built with the caches.
-        self._states: StateStore | None = None
-        self._state_loads: StateLoads | None = None  # their loads, off the forward thread
+        # Built with the caches: recurrent states the pool restores (state_layout); receives
+        # (streaming PD decoder, cfg.pd_streaming, or a hybrid's loads).
+        self.states: RecurrentStates | None = None
+        self.streams: StreamLoads | None = None
 
     # --- set-up ---
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -121,11 +124,8 @@ class WorkerSide:
         self.backend = pool.acquire_backend(self.cfg)
         pool.check_streaming(self.cfg, self.backend)
         self._pool_counters = PoolCounters(self.backend)
-        if pool.state_groups(self.kv_cache_config) and state_layout.why_not_restorable(self.kv_cache_config) is None:
-            sl = state_layout.state_layout(self.kv_cache_config)
-            self._states = StateStore(self.backend, state_layout.state_keyspace(self.keyspace, sl), self.tag, sl,
-                                      kv_caches, num_blocks)
-            self._state_loads = StateLoads(self._states)
+        self.states = RecurrentStates.of_model(self.kv_cache_config, self.backend, self.keyspace, self.tag, kv_caches,
+                                               num_blocks, self.stats)
         self.pipe = LayerPipeline(
             self.backend,
             copier,
@@ -142,8 +142,10 @@ class WorkerSide:
             stream_publish=self.cfg.pd_streaming and self.role in ("kv_producer", "kv_both"),
         )
         if (self.cfg.pd_streaming and self.role in ("kv_consumer", "kv_both")) or self.hybrid:
-            self._recv = StreamReceiver(self.backend, copier, layout, self.cfg.metaserver_timeout_s,
-                                        threads=self.cfg.stream_recv_threads)
+            recv = StreamReceiver(self.backend, copier, layout, self.cfg.metaserver_timeout_s,
+                                  threads=self.cfg.stream_recv_threads)
+            self.streams = StreamLoads(recv, self.keyspace, self.tag, self._groups, self.states, self.report,
+                                       self.stats)
         log.info(
             "lw-vllm: %d layers, %d bytes per block and layer (%s, %s blocks), %s mode, tag %s",
             len(names), page, self.layout, self.block_order, "layerwise" if self.cfg.use_layerwise else "bulk",
@@ -185,67 +187,16 @@ class WorkerSide:
             self._load_t1 = time.time()
 
     def _start_streams(self) -> None:
-        meta, recv = self._meta, self._recv
-        if meta is not None and meta.stream_cancels and recv is not None:
-            recv.cancel(set(meta.stream_cancels))
-            meta.stream_cancels = []
+        meta = self._meta
         if meta is None:
             return
-        streams, meta.stream_loads = meta.stream_loads, []  # start_load_kv may run twice a step
-        committed = set(meta.stream_prefilled)  # loads of committed objects (their state is there now)
-        for x in streams:
-            if recv is None:  # the scheduler asked although this worker has no receiver: a bug, recompute
-                log.error("lw-vllm: %s: streaming load without pd_streaming on this worker; recomputing", x.req_id)
-                self._failed_blocks |= set(x.block_ids)
-                continue
-            if self._groups is not None:
-                if not x.hashes:  # the scheduler could not plan it: vLLM recomputes the request
-                    self._failed_recving.add(x.req_id)
-                    self._empty_done.add(x.req_id)
-                    continue
-                self._groups.add_rows(x.block_ids, x.more)
-            if x.state and self._states is not None and x.req_id not in committed:
-                # Streaming PD: the prefiller saves the state after its forward; it lands last.
-                recv.start(x.req_id, self.keyspace.keys(self.tag, x.hashes), x.block_ids, self._state_tail(x),
-                           self._states.layout.nbytes)
-                continue
-            if x.state and not self._start_state(x):
-                continue
-            recv.start(x.req_id, self.keyspace.keys(self.tag, x.hashes), x.block_ids)
-        if meta.stream_prefilled and recv is not None:  # after the starts: the answer may come in their step
-            recv.prefilled(set(meta.stream_prefilled))
-            meta.stream_prefilled = []
-
-    def _start_state(self, x: Xfer) -> bool:
-        """Start reading the state after ``x``'s last chunk into ``x.state``'s blocks, beside the
-        receive of its chunks (``state_loads``); ``False`` (the request's load failed, vLLM
-        recomputes it) when this worker keeps no states."""
-        if self._state_loads is not None:
-            self._state_loads.start(x.req_id, x.hashes[-1], x.state)
-            return True
-        log.warning("lw-vllm: %s: recurrent state of its %d-chunk hit not loaded (this worker keeps no states); "
-                    "vLLM recomputes it", x.req_id, len(x.hashes))
-        self._failed_recving.add(x.req_id)
-        self._empty_done.add(x.req_id)
-        self._report.failed[x.req_id] = self._report.failed.get(x.req_id, 0) + len(x.block_ids)
-        return False
-
-    def _state_tail(self, x: Xfer) -> Callable[[], str | None]:
-        """Streaming PD: the receive's last object (``stream_recv.Tail``), the state after ``x``'s
-        last chunk into ``x.state``'s blocks; one that does not land fails the receive (recompute)."""
-        states, h, blocks = self._states, x.hashes[-1], list(x.state)
-        assert states is not None
-        return lambda: states.load(h, blocks)
-
-    def _save_states(self, meta: LayerwiseMeta) -> None:
-        saves, meta.state_saves = meta.state_saves, []
-        if self._states is None or not self.saves_here:
+        if self.streams is not None:
+            self.streams.start(meta)
             return
-        done = [self._states.save(sx.chunk_hash, sx.blocks) for sx in saves]
-        log.debug("lw-vllm: boundary states %s", list(zip((sx.req_id for sx in saves), done)))
-        saved = done.count("saved")
-        self.stats.add(saved_objects=saved, saved_bytes=saved * self._states.layout.nbytes,
-                       save_failed_objects=done.count("failed"))
+        streams, meta.stream_loads = meta.stream_loads, []
+        for x in streams:  # the scheduler asked although this worker has no receiver: a bug, recompute
+            log.error("lw-vllm: %s: streaming load without pd_streaming on this worker; recomputing", x.req_id)
+            self.report.failed_blocks |= set(x.block_ids)
 
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Streaming receives that ended (``finished_recving``); their failed blocks go out in
@@ -255,53 +206,9 @@ class WorkerSide:
             late = self._free_late | set(self._meta.free_late if self._meta is not None else ())
             for rid in finished_req_ids - busy - late:
                 self._saved_total.pop(rid, None)
-        recv = self._recv
-        if recv is None:
+        if self.streams is None:
             return None
-        if finished_req_ids:
-            recv.cancel(finished_req_ids)
-        idle = self._meta is not None and self._meta.idle
-        done = recv.take_done(IDLE_WAIT_S if idle else 0.0)
-        states: dict[str, str | None] = {}
-        if self._state_loads is not None:
-            lost = self._state_loads.failed_running()
-            if lost:  # the load fails whole: its chunks need not arrive
-                recv.cancel(lost)
-            done, states = self._state_loads.settle(done, IDLE_WAIT_S if idle and self._state_loads.busy else 0.0)
-        empty, self._empty_done = self._empty_done, set()
-        if not done:
-            return empty or None
-        failed_blocks = 0
-        for d in done:
-            bad = d.failed_blocks
-            # One object per chunk received (the receiver reads this rank's objects only).
-            objects, nbytes, good = d.good, d.nbytes, d.good
-            if d.req_id in states:
-                err = states[d.req_id]
-                if err is None:  # one pool object more, counted like the chunks
-                    assert self._states is not None
-                    objects, nbytes = objects + 1, nbytes + self._states.layout.nbytes
-                else:  # the chunks are of no use without it: vLLM recomputes the request
-                    log.warning("lw-vllm: %s: recurrent state of its %d-block hit not loaded (%s); vLLM recomputes it",
-                                d.req_id, len(d.block_ids), err)
-                    bad, good = d.block_ids, 0
-            if self._groups is not None:
-                if bad:
-                    self._failed_recving.add(d.req_id)
-            else:
-                self._failed_blocks |= set(bad)
-            self._report.load_span[d.req_id] = d.span
-            self._report.loaded[d.req_id] = self._report.loaded.get(d.req_id, 0) + good
-            self._report.loaded_bytes[d.req_id] = self._report.loaded_bytes.get(d.req_id, 0) + nbytes
-            self.stats.add(loaded_objects=objects, loaded_bytes=nbytes)
-            failed_blocks += len(bad)
-            if bad:
-                self._report.failed[d.req_id] = self._report.failed.get(d.req_id, 0) + len(bad)
-                if len(d.failed_blocks):
-                    log.warning("lw-vllm: %s: %d of %d streamed KV blocks did not arrive (%s); vLLM recomputes them",
-                                d.req_id, len(d.failed_blocks), len(d.block_ids), d.error or "unknown")
-        self.stats.add(load_failed_blocks=failed_blocks)
-        return {d.req_id for d in done} | empty
+        return self.streams.finish(finished_req_ids, self._meta is not None and self._meta.idle)
 
     def take_finished_sending(self) -> set[str] | None:
         """Background saves: the requests vLLM frees late (``meta.free_late``) with no save running
@@ -349,8 +256,7 @@ class WorkerSide:
 
     def take_failed_recving(self) -> set[str]:
         """Hybrid models: requests whose load failed (any block): vLLM recomputes them whole."""
-        out, self._failed_recving = self._failed_recving, set()
-        return out
+        return self.streams.take_failed_recving() if self.streams is not None else set()
 
     def plan_load(self, x: Xfer) -> ReqLoad | None:
         """The pipeline's load for ``x`` (``load_sources``); ``None``, with its blocks failed, when
@@ -359,8 +265,7 @@ class WorkerSide:
             return self.sources.req_load(x)
         except TpSplitError as e:  # the scheduler only asks for sizes that split: a bug, not a hang
             log.error("lw-vllm: %s: cannot load KV saved at another TP size, recomputing: %s", x.req_id, e)
-            self._failed_blocks |= set(x.block_ids)
-            self._report.failed[x.req_id] = self._report.failed.get(x.req_id, 0) + len(x.block_ids)
+            self.report.fail_blocks(x.req_id, x.block_ids)
             return None
 
     def _start_save(self) -> None:
@@ -398,15 +303,17 @@ class WorkerSide:
             self.pipe.save_layer(idx)
 
     def wait_for_save(self) -> None:
-        pipe = self.pipe
-        if pipe is None or self._meta is None:
+        pipe, meta = self.pipe, self._meta
+        if pipe is None or meta is None:
             return
         if self._loading:
             self._finish_load(pipe)
-        if self._meta.state_saves:
-            self._save_states(self._meta)
+        if meta.state_saves:  # the boundary states the step's forward wrote (recurrent_states)
+            saves, meta.state_saves = meta.state_saves, []
+            if self.states is not None and self.saves_here:
+                self.states.save(saves)
         self._start_save()
-        if self.background and not self._meta.saves_in_step:
+        if self.background and not meta.saves_in_step:
             pipe.finish_save_in_background(self._book)
         else:
             t0 = time.monotonic()
@@ -423,7 +330,7 @@ class WorkerSide:
                 self._book_save(res, book)
 
     def _book_save(self, res: SaveResult, book: SaveBook) -> None:
-        book.credit(res, self._report, self._saved_total)
+        book.credit(res, self.report.meta, self._saved_total)
         self.stats.add(saved_objects=len(res.committed_keys), saved_bytes=res.saved_bytes,
                        save_failed_objects=len(res.failed_keys), save_errors=1 if res.errors else 0,
                        save_deadline_misses=len(res.deadline_misses))
@@ -435,16 +342,13 @@ class WorkerSide:
         self._loading = False
         res = pipe.finish_load()
         failed = set(res.failed_block_ids)
-        self._failed_blocks |= failed
+        self.report.failed_blocks |= failed
         span = (self._load_t0, self._load_t1 or time.time())
         for rid, blocks in self._load_blocks.items():
-            self._report.load_span[rid] = span
             bad = sum(1 for b in blocks if b in failed)
-            self._report.loaded[rid] = self._report.loaded.get(rid, 0) + len(blocks) - bad
-            nbytes = (len(blocks) - bad) * pipe.layout.nbytes
-            self._report.loaded_bytes[rid] = self._report.loaded_bytes.get(rid, 0) + nbytes
+            self.report.loaded(rid, span, len(blocks) - bad, (len(blocks) - bad) * pipe.layout.nbytes)
             if bad:
-                self._report.failed[rid] = self._report.failed.get(rid, 0) + bad
+                self.report.failed(rid, bad)
         self._load_blocks.clear()
         self.stats.add(loaded_objects=res.loaded_objects, loaded_bytes=res.loaded_bytes,
                        load_failed_blocks=len(failed), load_errors=1 if res.errors else 0,
@@ -469,23 +373,18 @@ class WorkerSide:
                 self.stats.add(**counts)
 
     def take_load_errors(self) -> set[int]:
-        out, self._failed_blocks = self._failed_blocks, set()
-        return out
+        return self.report.take_load_errors()
 
     def take_report(self) -> LayerwiseWorkerMeta | None:
-        rep = self._report
-        if not (rep.loaded or rep.failed or rep.saved):
-            return None
-        self._report = LayerwiseWorkerMeta()
-        return rep
+        return self.report.take()
 
     def shutdown(self) -> None:
-        if self._recv is not None:
-            self._recv.close()
-            self._recv = None
-        if self._state_loads is not None:
-            self._state_loads.close()
-            self._state_loads = None
+        if self.streams is not None:
+            self.streams.close()
+            self.streams = None
+        if self.states is not None:
+            self.states.close()
+            self.states = None
         if self.pipe is not None:
             self.pipe.close()
             self.pipe = None

@@ -18,6 +18,7 @@ from lw_core.pipeline import SaveResult  # noqa: E402
 from lw_vllm import pool, request_stats  # noqa: E402
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta  # noqa: E402
 from lw_vllm.save_book import SaveBook  # noqa: E402
+from lw_vllm.save_ledger import SaveLedger  # noqa: E402
 from lw_vllm.scheduler_side import SchedulerSide  # noqa: E402
 from lw_vllm.worker_side import WorkerSide  # noqa: E402
 
@@ -151,6 +152,7 @@ def _worker(tmp_path) -> tuple[WorkerSide, _Pipe]:
     w = WorkerSide(vc, kc, cfg, "kv_both")
     pipe = _Pipe()
     w.pipe = pipe  # type: ignore[assignment]
+    w.ledger = SaveLedger(pipe, w.background, w.report, w.stats, cfg.save_timeout_s)  # type: ignore[arg-type]
     return w, pipe
 
 

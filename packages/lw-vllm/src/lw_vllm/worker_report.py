@@ -2,8 +2,8 @@
 the scheduler part (``LayerwiseWorkerMeta``: blocks loaded and failed, chunks saved, per request)
 and the blocks whose load failed (``get_block_ids_with_load_errors``; vLLM recomputes them).
 
-One object shared by the collaborators that write into it (the worker's own loads and saves,
-``stream_loads``), so the report each of them fills is the one ``take`` hands out next.
+One object shared by the collaborators that write into it (the worker's own loads, ``stream_loads``,
+``save_ledger``), so the report each of them fills is the one ``take`` hands out next.
 """
 
 from __future__ import annotations

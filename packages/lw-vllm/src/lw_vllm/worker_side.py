@@ -11,7 +11,8 @@ request's saves are waited for in ``handle_preemptions``, before vLLM reuses its
 
 Collaborators this side builds and owns: ``LoadSources`` (load_sources: which objects a load
 reads), ``WorkerReport`` (worker_report: what goes back to vLLM each pass), and with the KV caches
-(``register_kv_caches``) the pipeline, ``RecurrentStates`` (recurrent_states: a hybrid's Mamba / gated delta-net states) and
+(``register_kv_caches``) the pipeline, ``SaveLedger`` (save_ledger: save results, late frees),
+``RecurrentStates`` (recurrent_states: a hybrid's Mamba / gated delta-net states) and
 ``StreamLoads`` (stream_loads: streaming PD receives and a hybrid's loads).
 """
 
@@ -22,7 +23,7 @@ import time
 from typing import Any
 
 from lw_core.config import PoolConfig
-from lw_core.pipeline import LayerPipeline, SaveResult
+from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_core.tp_split import TpSplitError
 from lw_vllm import kv_layout, pool
@@ -34,8 +35,9 @@ from lw_vllm.metrics import Collector, PoolCounters
 from lw_vllm.pool_events import events_enabled
 from lw_vllm.recurrent_states import RecurrentStates
 from lw_vllm.save_book import SaveBook
+from lw_vllm.save_ledger import SaveLedger
 from lw_vllm.stream_loads import StreamLoads
-from lw_vllm.stream_recv import IDLE_WAIT_S, StreamReceiver
+from lw_vllm.stream_recv import StreamReceiver
 from lw_vllm.worker_report import WorkerReport
 
 log = logging.getLogger(__name__)
@@ -70,8 +72,6 @@ class WorkerSide:
         self._load_blocks: dict[str, list[int]] = {}
         self._book = SaveBook()  # this step's saves (background ones come back with theirs)
         self.background = pool.saves_in_background(cfg, role, kv_cache_config)
-        self._free_late: set[str] = set()  # finished requests vLLM frees once we report them
-        self._saved_total: dict[str, int] = {}  # chunks committed per request so far (save_book)
         self._events = events_enabled(vllm_config)
         self.report = WorkerReport()
         self._load_t0 = self._load_t1 = 0.0  # wall clock: this step's load start / last layer in
@@ -88,8 +88,9 @@ class WorkerSide:
         # ids back).
         self.hybrid = len(kv_cache_config.kv_cache_groups) > 1
         self._groups: GroupCopier | None = None
-        # Built with the caches: recurrent states the pool restores (state_layout); receives
-        # (streaming PD decoder, cfg.pd_streaming, or a hybrid's loads).
+        # Built with the caches: save results and late frees; recurrent states the pool restores
+        # (state_layout); receives (streaming PD decoder, cfg.pd_streaming, or a hybrid's loads).
+        self.ledger: SaveLedger | None = None
         self.states: RecurrentStates | None = None
         self.streams: StreamLoads | None = None
 
@@ -141,6 +142,7 @@ class WorkerSide:
             save_timeout_s=self.cfg.save_timeout_s,
             stream_publish=self.cfg.pd_streaming and self.role in ("kv_producer", "kv_both"),
         )
+        self.ledger = SaveLedger(self.pipe, self.background, self.report, self.stats, self.cfg.save_timeout_s)
         if (self.cfg.pd_streaming and self.role in ("kv_consumer", "kv_both")) or self.hybrid:
             recv = StreamReceiver(self.backend, copier, layout, self.cfg.metaserver_timeout_s,
                                   threads=self.cfg.stream_recv_threads)
@@ -201,58 +203,20 @@ class WorkerSide:
     def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Streaming receives that ended (``finished_recving``); their failed blocks go out in
         this same pass through ``take_load_errors`` (vLLM calls it right after)."""
-        if finished_req_ids:  # their saves ended in their step, or they are freed late (kept till then)
-            busy = self._busy_requests() if self.background and self.pipe is not None else set()
-            late = self._free_late | set(self._meta.free_late if self._meta is not None else ())
-            for rid in finished_req_ids - busy - late:
-                self._saved_total.pop(rid, None)
+        if finished_req_ids and self.ledger is not None:  # their saves ended, or they are freed late
+            self.ledger.forget(finished_req_ids, self._meta)
         if self.streams is None:
             return None
         return self.streams.finish(finished_req_ids, self._meta is not None and self._meta.idle)
 
     def take_finished_sending(self) -> set[str] | None:
-        """Background saves: the requests vLLM frees late (``meta.free_late``) with no save running
-        any more; their saves' results go into this same pass's report. On an idle step a running
-        save is waited for a little instead of letting vLLM spin through empty steps."""
-        pipe, meta = self.pipe, self._meta
-        if not self.background or pipe is None:
-            return None
-        if meta is not None and meta.free_late:
-            self._free_late |= set(meta.free_late)
-            meta.free_late = []
-        if not self._free_late:
-            self._collect_background_saves()
-            return None
-        busy = self._busy_requests()
-        if busy & self._free_late and meta is not None and meta.idle:
-            pipe.wait_background_saves(IDLE_WAIT_S)
-            busy = self._busy_requests()
-        done = self._free_late - busy
-        self._free_late -= done
-        self._collect_background_saves()  # after the busy check: every save of ``done`` is in
-        for rid in done:
-            self._saved_total.pop(rid, None)
-        return done or None
-
-    def _busy_requests(self) -> set[str]:
-        assert self.pipe is not None
-        busy: set[str] = set()
-        for book in self.pipe.pending_background_saves():
-            busy |= book.reqs
-        return busy
+        """Background saves: the requests freed late with no save running any more (``SaveLedger``)."""
+        return self.ledger.take_finished(self._meta) if self.ledger is not None else None
 
     def handle_preemptions(self, meta: Any) -> None:
-        """vLLM frees a preempted request's blocks at once: wait for its background saves before
-        this step's forward may reuse them (their deadlines bound the wait)."""
-        preempted = set(getattr(meta, "preempted", None) or ())
-        if not preempted or self.pipe is None or not self.background:
-            return
-        if self._busy_requests() & preempted:
-            t0 = time.monotonic()
-            if not self.pipe.wait_background_saves(3 * self.cfg.save_timeout_s + 1.0):
-                log.error("lw-vllm: background saves of preempted requests %s still running after their deadlines",
-                          sorted(preempted))
-            self.stats.observe("save_wait_s", [time.monotonic() - t0])
+        """vLLM frees a preempted request's blocks at once: wait for its background saves first."""
+        if self.ledger is not None:
+            self.ledger.wait_preempted(set(getattr(meta, "preempted", None) or ()))
 
     def take_failed_recving(self) -> set[str]:
         """Hybrid models: requests whose load failed (any block): vLLM recomputes them whole."""
@@ -313,30 +277,9 @@ class WorkerSide:
             if self.states is not None and self.saves_here:
                 self.states.save(saves)
         self._start_save()
-        if self.background and not meta.saves_in_step:
-            pipe.finish_save_in_background(self._book)
-        else:
-            t0 = time.monotonic()
-            res = pipe.finish_save()
-            if res.committed_keys or res.failed_keys:
-                self.stats.observe("save_wait_s", [time.monotonic() - t0])
-            self._book_save(res, self._book)
+        assert self.ledger is not None  # built with the pipeline
+        self.ledger.finish(self._book, in_step=meta.saves_in_step)
         self._book = SaveBook()
-        self._collect_background_saves()
-
-    def _collect_background_saves(self) -> None:
-        if self.pipe is not None and self.background:
-            for res, book in self.pipe.take_background_saves():
-                self._book_save(res, book)
-
-    def _book_save(self, res: SaveResult, book: SaveBook) -> None:
-        book.credit(res, self.report.meta, self._saved_total)
-        self.stats.add(saved_objects=len(res.committed_keys), saved_bytes=res.saved_bytes,
-                       save_failed_objects=len(res.failed_keys), save_errors=1 if res.errors else 0,
-                       save_deadline_misses=len(res.deadline_misses))
-        if res.errors:
-            log.warning("lw-vllm: saves failed (those chunks are not published; the requests go on): %s",
-                        "; ".join(res.errors[:3]))
 
     def _finish_load(self, pipe: LayerPipeline) -> None:
         self._loading = False

@@ -135,10 +135,12 @@ def test_a_whole_fetch_past_its_deadline_is_unavailable_and_its_buffer_is_never_
         with pytest.raises(BackendUnavailable, match="batch_get_into"):
             b.open(["t0"])
         assert len(b.gets._late) == 1  # kept (and registered): the late call may still write it
-        late = b.gets._late[0]
+        (late,) = b.gets._late.held()
         assert slow.done.wait(10)  # the late call finished writing into the retired buffer
         assert np.array_equal(late, data["t0"])  # it did write there: handing it out would race
+        time.sleep(0.1)  # the late call's future is done just after it returns
         (h,) = b.open(["t0"])  # the next fetch has a buffer of its own
+        assert len(b.gets._late) == 0  # the late call returned: its buffer was unregistered, let go
         v = b.view(h, 0, 128 * KiB)
         assert bytes(v) == data["t0"].tobytes()
         assert np.shares_memory(np.frombuffer(v, np.uint8), late) is False

@@ -2,21 +2,30 @@
 
 Mooncake's calls can block (a master that is gone, a peer that stopped answering): each runs on a
 worker thread and the caller waits at most ``timeout_s``, then gets ``BackendUnavailable``. A call
-that timed out may still be copying: staging it used is retired (never reused), see
-``lw_mooncake.buffers.Staging``.
+that timed out may still be copying: staging it used is retired (never reused) until the call
+returns (``CallTimedOut.pending``), see ``lw_mooncake.buffers.LateBuffers``.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from lw_core.backend import BackendUnavailable
 
 T = TypeVar("T")
+
+
+class CallTimedOut(BackendUnavailable):
+    """A call past its deadline. ``pending`` is done once the call itself has returned (until then
+    it may still read or write the buffers it was given)."""
+
+    def __init__(self, text: str, pending: Future[Any]) -> None:
+        super().__init__(text)
+        self.pending = pending
 
 
 class Deadlines:
@@ -39,7 +48,8 @@ class Deadlines:
             return fut.result(timeout=t)
         except FutureTimeout:
             self.timeouts += 1
-            raise BackendUnavailable(f"mooncake {what} did not answer within {t:g} s ({self.where})") from None
+            fut.cancel()  # still queued behind stuck calls: it never runs (and is done now)
+            raise CallTimedOut(f"mooncake {what} did not answer within {t:g} s ({self.where})", fut) from None
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -34,7 +34,7 @@ class StagedGets:
         self.staging_size = staging_size
         self._staging = Staging(client.store, staging_size, client.calls, "get")
         self.counts: Counter[str] = Counter()
-        self._late: list[np.ndarray] = []  # buffers of whole gets past their deadline (never read)
+        self._late = self._staging.late  # buffers of failed whole gets (never read)
 
     def ranges(self, batch: list[Range], *, missing_ok: bool = False) -> set[str]:
         """Ranged gets of ``(key, offset, into)``. ``missing_ok``: keys whose object is missing or
@@ -54,8 +54,8 @@ class StagedGets:
                     "get_into_ranges", self.client.store.get_into_ranges, [int(buf.ctypes.data)], [keys],
                     [[[p for p, _, _ in by_key[k]] for k in keys]], [[[o for _, o, _ in by_key[k]] for k in keys]],
                     [[[a.nbytes for _, _, a in by_key[k]] for k in keys]])
-            except BackendUnavailable:
-                self._staging.retire()
+            except BackendUnavailable as e:
+                self._staging.retire(e)
                 raise
             for k, got in zip(keys, res[0]):
                 if missing_ok and any(n != arr.nbytes and not (n <= -900 or n == -1)
@@ -79,6 +79,7 @@ class StagedGets:
         object gone since its size was read is left out; the buffer of a call past its deadline is
         retired (kept, never read), as the late call may still write it."""
         self.client.check_open()
+        self._late.prune()
         offs = np.cumsum([0] + [sizes[k] for k in keys[:-1]]).tolist()
         total = offs[-1] + sizes[keys[-1]] if keys else 0
         if total > self.staging_size:
@@ -86,17 +87,25 @@ class StagedGets:
         buf = np.empty(total, np.uint8)
         base = int(buf.ctypes.data)
         store, calls = self.client.store, self.client.calls
-        rc = calls.call("register_buffer (whole get)", store.register_buffer, base, total)
+        try:
+            rc = calls.call("register_buffer (whole get)", store.register_buffer, base, total)
+        except BackendUnavailable as e:
+            self._late.keep(buf, e)  # a late registration: unregistered once it returns
+            raise
         if rc != 0:
             raise to_error(rc, f"register_buffer of {total} bytes (whole get)")
         try:
             res = calls.call("batch_get_into", store.batch_get_into, keys, [base + o for o in offs],
                              [sizes[k] for k in keys])
-        except BackendUnavailable:
-            self._late.append(buf)  # still registered: the late call may write it
+        except BackendUnavailable as e:
+            self._late.keep(buf, e)  # still registered: a late call may write it until it returns
             raise
-        if calls.call("unregister_buffer (whole get)", store.unregister_buffer, base) != 0:
-            self._late.append(buf)  # left registered: never freed under Mooncake
+        try:
+            rc = calls.call("unregister_buffer (whole get)", store.unregister_buffer, base)
+        except BackendUnavailable:
+            rc = -1
+        if rc != 0:
+            self._late.keep_forever(buf)  # left registered: never freed under Mooncake
         for k, o, n in zip(keys, offs, res):
             if n == sizes[k]:
                 fetched[k] = buf[o : o + n]

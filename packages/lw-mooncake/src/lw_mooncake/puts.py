@@ -51,8 +51,8 @@ class StagedPuts:
             try:
                 return list(self.client.calls.call("batch_put_from", self.client.store.batch_put_from,
                                                    [k for k, _ in items], ptrs, sizes, *self.client.put_args()))
-            except BackendUnavailable:
-                self._staging.retire()
+            except BackendUnavailable as e:
+                self._staging.retire(e)
                 raise
 
     def put_all(self, items: list[Item]) -> list[int]:
@@ -111,8 +111,8 @@ class StagedPuts:
             try:
                 res = sessions.ranges(keys, [entries[k][0] for k in keys], [entries[k][1] for k in keys],
                                       [entries[k][2] for k in keys])
-            except BackendUnavailable:
-                self._staging.retire()
+            except BackendUnavailable as e:
+                self._staging.retire(e)
                 raise
         status = {k: (r if r < 0 else 0 if r == sum(entries[k][1]) else SHORT_WRITE) for k, r in zip(keys, res)}
         return [status[k] for k, _, _ in batch]

@@ -177,7 +177,7 @@ NOT_IN_PLAIN_INSTALL: dict[str, dict[str, tuple[set[str], str]]] = {
         "lw_core.backends.embedded", "lw_core.pipeline")},
     "lw-vllm": {m: _VLLM for m in (
         "lw_vllm.connector", "lw_vllm.copier", "lw_vllm.device_path", "lw_vllm.device_streams", "lw_vllm.group_blocks",
-        "lw_vllm.load_sources", "lw_vllm.meta",
+        "lw_vllm.late_frees", "lw_vllm.load_sources", "lw_vllm.meta",
         "lw_vllm.metrics", "lw_vllm.pd_coordinator", "lw_vllm.pool_lookup", "lw_vllm.recurrent_states",
         "lw_vllm.save_book", "lw_vllm.save_ledger", "lw_vllm.scheduler_side", "lw_vllm.staging", "lw_vllm.state_plan",
         "lw_vllm.stream_loads", "lw_vllm.worker_report", "lw_vllm.worker_side")},

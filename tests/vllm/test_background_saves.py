@@ -87,7 +87,7 @@ def test_scheduler_frees_a_saving_request_late_and_writes_its_stats_when_sending
             side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None, finished_sending={"r-save"}))
         recs = {r["req_id"]: r for r in map(json.loads, stats.read_text().splitlines())}
         assert recs["r-save"]["saved_chunks"] == 3 and "r-none" in recs
-        assert side.sending == {}
+        assert side.late.sending == {}
     finally:
         side.shutdown()
 

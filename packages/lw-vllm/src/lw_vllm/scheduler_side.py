@@ -31,7 +31,8 @@ report of the request's last step has arrived, so a prefill's ``saved_chunks`` c
 committed before its answer (``request_stats.StatsLog``).
 
 Collaborators this side builds and owns: ``PoolLookup`` (pool_lookup: lookups under a deadline),
-``PdCoordinator`` (pd_coordinator: PD), ``StatsLog`` (request_stats). It keeps the live requests'
+``PdCoordinator`` (pd_coordinator: PD), ``StatsLog`` (request_stats), ``LateFrees`` (late_frees:
+finished requests whose blocks wait for their background saves). It keeps the live requests'
 ``ReqState`` and the step-plan count.
 """
 
@@ -46,6 +47,7 @@ from lw_core.config import PoolConfig
 from lw_core.keys import chunk_hashes
 from lw_vllm import pool, state_layout
 from lw_vllm.group_blocks import GroupBlocks
+from lw_vllm.late_frees import LateFrees
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector
 from lw_vllm.pd_coordinator import PdCoordinator, parent_id
@@ -114,11 +116,9 @@ class SchedulerSide:
         self.can_load = (role == "kv_both" or (role == "kv_consumer" and cfg.consumer_is_to_load)
                          or (role == "kv_producer" and cfg.producer_is_to_load))
         self.can_save = role in ("kv_both", "kv_producer") or (role == "kv_consumer" and cfg.consumer_is_to_put)
-        # Background saves (pool.saves_in_background): a finished request that had saves planned keeps
-        # its blocks until every worker reports them done (finished_sending); ``sending`` holds it.
-        self.background = pool.saves_in_background(cfg, role, kv_cache_config)
-        self.sending: dict[str, ReqState] = {}
-        self._free_late: list[str] = []
+        # Background saves: a finished request that had saves planned keeps its blocks until every
+        # worker reports them done (finished_sending).
+        self.late = LateFrees(pool.saves_in_background(cfg, role, kv_cache_config))
         if self.inert:
             self.can_load = self.can_save = False
         self.backend = pool.acquire_backend(cfg)
@@ -278,9 +278,7 @@ class SchedulerSide:
         self.pd.begin_step(self._builds, empty)
         self.stats.flush(older_than=self._builds - 1 - self._lag)
         meta = LayerwiseMeta()
-        meta.free_late, self._free_late = self._free_late, []
-        if self.background:
-            meta.preempted = list(getattr(so, "preempted_req_ids", None) or ())
+        self.late.plan(meta, so)
         bs = self.block_size
         scheduled: list[tuple[ReqState, int]] = []
         for nr in so.scheduled_new_reqs:
@@ -361,15 +359,14 @@ class SchedulerSide:
         wm = getattr(out, "kv_connector_worker_meta", None)
         if isinstance(wm, LayerwiseWorkerMeta):
             self._apply_report(wm)
-        for rid in getattr(out, "finished_sending", None) or ():  # background saves done: vLLM frees now
-            if rid in self.sending:
-                self.stats.finished(self.sending.pop(rid), self._builds)
+        for st in self.late.sent(getattr(out, "finished_sending", None) or ()):  # background saves done
+            self.stats.finished(st, self._builds)
         # vLLM finishes requests before it hands the connector the step's report (same call).
         self.stats.flush()
 
     def _apply_report(self, wm: LayerwiseWorkerMeta) -> None:
         def get(rid: str) -> ReqState | None:
-            return self.reqs.get(rid) or self.sending.get(rid) or self.stats.finishing(rid)
+            return self.reqs.get(rid) or self.late.get(rid) or self.stats.finishing(rid)
 
         for rid, n in wm.loaded.items():
             if (st := get(rid)) is not None:
@@ -399,11 +396,7 @@ class SchedulerSide:
         if self.states is not None:
             self.states.forget(req.request_id)
         self.pd.request_finished(req.request_id, st)
-        if st is not None and self.background and st.save_planned:
-            # Its saves may still read these blocks: vLLM frees them when every worker lists the
-            # request in finished_sending (workers learn of it from the next step's free_late).
-            self.sending[req.request_id] = st
-            self._free_late.append(req.request_id)
+        if st is not None and self.late.hold(st):  # its background saves may still read these blocks
             return True, None
         if st is not None:
             self.stats.finished(st, self._builds)
@@ -414,9 +407,8 @@ class SchedulerSide:
         return self.request_finished(req, list(block_ids[self.groups.anchor]) if block_ids else [])
 
     def shutdown(self) -> None:
-        for st in self.sending.values():
+        for st in self.late.drain():
             self.stats.finished(st, self._builds)
-        self.sending.clear()
         self.stats.close()
         self.pd.close()
         self.lookup.close()

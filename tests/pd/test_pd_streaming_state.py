@@ -290,13 +290,24 @@ def test_streamed_hit_of_a_state_model_ends_at_the_handed_off_boundary_and_its_s
         prefiller_states = _store_at(side.backend, skeys, side.tags[0], lay, fill=True)
         decoder_states = _store_at(side.backend, skeys, side.tags[0], lay, fill=False)
         states = RecurrentStates(decoder_states, Collector())
-        loads = StreamLoads(rx, side.keyspace, side.tags[0], None, states, WorkerReport(), Collector())
+        counts = Collector()
+        loads = StreamLoads(rx, side.keyspace, side.tags[0], None, states, WorkerReport(), counts)
         nxt = [plan]
+        seen: list = []  # the receives StreamLoads took from the receiver
+        take = rx.take_done
+
+        def take_and_keep(idle_wait_s: float = 0.0) -> list:
+            seen.extend(out := take(idle_wait_s))
+            return out
+
+        rx.take_done = take_and_keep  # type: ignore[method-assign]
 
         def step() -> list:
             loads.start(nxt[0])
             nxt[0] = side.build_connector_meta(empty)
-            return rx.take_done(idle_wait_s=0.01)
+            before = len(seen)
+            loads.finish(set(), idle=True)
+            return seen[before:]
 
         assert step() == [] and rx.busy  # started although neither the chunks nor the state exist
         assert not loads.take_failed_recving()
@@ -319,10 +330,14 @@ def test_streamed_hit_of_a_state_model_ends_at_the_handed_off_boundary_and_its_s
         if state_saved:
             assert (d.good, d.failed_blocks, d.error) == (3, [], None), d
             assert d.nbytes == 3 * PAGE + lay.nbytes  # the chunks and the state (the worker's loaded_bytes)
+            assert d.tail_landed  # the state is one more loaded object
+            got = counts.take()
+            assert got is not None and (got.data["loaded_objects"], got.data["loaded_bytes"]) == (4, d.nbytes), got
             assert all((rx.copier.kv[0][attn_blocks[i]] == 10 + i).all() for i in range(3))
             assert _same_state(prefiller_states, 3, decoder_states, state_block)
         else:
             assert (d.good, d.failed_blocks) == (0, attn_blocks[:3]) and "recurrent state" in d.error, d
+            assert not d.tail_landed
             assert not _same_state(prefiller_states, 3, decoder_states, state_block)
     finally:
         rx.close()

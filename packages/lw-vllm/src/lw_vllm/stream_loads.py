@@ -94,8 +94,9 @@ class StreamLoads:
         failed_blocks = 0
         for d in done:
             bad = d.failed_blocks
-            # One object per chunk received (the receiver reads this rank's objects only).
-            objects, nbytes, good = d.good, d.nbytes, d.good
+            # One object per chunk received (the receiver reads this rank's objects only), and a
+            # streamed state (the receive's tail) one more, as a state read beside it is below.
+            objects, nbytes, good = d.good + d.tail_landed, d.nbytes, d.good
             if d.req_id in states:
                 err = states[d.req_id]
                 if err is None:  # one pool object more, counted like the chunks

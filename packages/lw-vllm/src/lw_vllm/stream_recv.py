@@ -74,6 +74,7 @@ class RecvDone:
     span: tuple[float, float]  # wall clock: receive start, end
     error: str | None = None
     nbytes: int = 0  # bytes read from the pool (into the KV cache)
+    tail_landed: bool = False  # the receive's tail (a recurrent state) landed: one object more
 
     @property
     def failed_blocks(self) -> list[int]:
@@ -102,6 +103,7 @@ class Receive:
         self.keys, self.block_ids, self.deadline, self.stop = list(keys), list(block_ids), deadline, stop
         self.tail = tail  # landed once every chunk did (module docstring); None once it has
         self.tail_nbytes = tail_nbytes  # counted in ``nbytes`` once it landed
+        self.tail_landed = False
         self._next_tail = 0.0
         self._tail_pause = OPEN_BACKOFF_S[0]
         self.handles: list[Any] = [None] * len(self.keys)  # opened so far
@@ -186,7 +188,7 @@ class Receive:
             after_done = self.prefilled.is_set()  # the prefiller saved it before its answer
             why = self.tail()
             if why is None:
-                self.tail = None
+                self.tail, self.tail_landed = None, True
                 self.nbytes += self.tail_nbytes
                 return self._end(self.limit, self.error)
             if after_done:
@@ -392,7 +394,8 @@ class StreamReceiver:
         good, error = r.result or (0, "receive ended without a result")
         with self._lock:
             self._running.pop(job.req_id, None)
-            self._done.append(RecvDone(job.req_id, r.block_ids, good, (job.t0, time.time()), error, r.nbytes))
+            self._done.append(RecvDone(job.req_id, r.block_ids, good, (job.t0, time.time()), error, r.nbytes,
+                                       r.tail_landed))
             self._ended.notify_all()
 
     def prefilled(self, req_ids: set[str]) -> None:

@@ -28,12 +28,10 @@ def main() -> None:
     ap.add_argument("--object-bytes", type=int, default=768 << 10)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--readers", type=int, default=disk_tier.READERS)
-    ap.add_argument("--run", type=int, default=disk_tier.RUN, help="segments a reader reads in one call")
     ap.add_argument("--warm", action="store_true", help="leave the files in the page cache (the CPU's share)")
     ap.add_argument("--rounds", type=int, default=1, help="hits in the same process (later ones recycle buffers)")
     args = ap.parse_args()
     disk_tier.READERS = args.readers
-    disk_tier.RUN = args.run
     n, size, nl = args.objects, args.object_bytes, args.layers
     root = tempfile.mkdtemp(prefix="lw-disk-probe-", dir=args.dir)
     path = os.path.join(root, "tier")

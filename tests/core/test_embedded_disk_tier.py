@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from lw_core.backend import BackendError, ObjectMissing
+from lw_core.backend import BackendError
 from lw_core.backends.embedded import EmbeddedBackend, disk_tier
 from lw_core.backends.embedded import disk_format as fmt
 from lw_core.backends.embedded.disk_tier import DiskHandle, DiskTier
@@ -187,7 +187,7 @@ def test_another_process_files_are_found_and_counted_against_the_capacity(tmp_pa
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garble_payload", "garble_header", "other_key"])
-def test_a_damaged_file_is_a_miss_or_a_failed_read_and_removed_never_wrong_bytes(tmp_path, damage):
+def test_a_damaged_file_is_a_miss_and_removed_never_wrong_bytes(tmp_path, damage):
     with _open(tmp_path) as b:
         _fill(b, 7)  # k0 and k1 are demoted
     p = os.path.join(str(tmp_path / "disk"), fmt.file_name(b"k0"))
@@ -203,14 +203,7 @@ def test_a_damaged_file_is_a_miss_or_a_failed_read_and_removed_never_wrong_bytes
     with open(p, "wb") as f:
         f.write(raw)
     with _open(tmp_path) as b:
-        if damage == "garble_payload":  # the header checks out: a hit whose read fails
-            (h,) = b.open(["k0"])
-            assert h is not None
-            with pytest.raises(ObjectMissing, match="checksum mismatch"):
-                b.read([h], [0], [np.zeros(OBJ, np.uint8)])
-            b.release([h])
-        else:
-            assert b.open(["k0"]) == [None]
+        assert b.open(["k0"]) == [None]
         assert b.stats()["disk_corrupt"] == 1 and not os.path.exists(p)
         assert b.lookup(["k0"]) == 0
 

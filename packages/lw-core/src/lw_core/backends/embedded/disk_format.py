@@ -1,18 +1,15 @@
 """The disk tier's directory, file format and read handle (``disk_tier``): one file per object,
 named by a hash of its key.
 
-A file is a header, then the object's bytes. The header (format 3): magic, format version, the
-key's length, the object's size, a random generation (nonce) written per demotion, the segment
-size (``SEGMENT``, 64 KiB), the header's size, the header's own checksum (BLAKE2b), the key, then
-one CRC-32 per segment of the payload; it is zero-padded to a multiple of ``HEADER_BYTES`` (4 KiB:
-one block for any object up to about 60 MiB), so the payload and every segment start on a 4 KiB
-boundary. ``read_header`` checks only the header (identity, sizes, the checksum over fields, key
-and segment table); each segment is checked against its CRC-32 when it is read (``check_segment``),
-so a layer's range can be handed out once the few segments under it are read and checked, without
-reading the rest of the file first. A file is written under a temporary name (``TMP_PREFIX``),
-fsync'd, then renamed: a reader never sees a partial one, and one that is short, foreign or
-damaged anyway fails ``parse_header`` (a miss at open) or ``check_segment`` (a failed read).
-Files of formats 1 and 2 (one checksum over the whole payload) fail ``parse_header``: a miss.
+A file is a fixed ``HEADER_BYTES`` header, then the object's bytes (so the payload starts on a
+4 KiB boundary, as ``O_DIRECT`` wants). The header: magic, format version, the key's length, the
+object's size, a random generation (nonce) written per demotion, the payload's checksum (CRC-32
+in format 2, what is written; BLAKE2b-256 in format 1, still read), the header's own checksum
+(BLAKE2b), then the key. The payload's checksum only has to catch damage (the key's identity is the
+header's, under its own checksum), and CRC-32 runs at several GB/s where BLAKE2b runs at about one
+per core: a hit checks each file's payload on its first open, at the disk's speed. A file is written under a temporary name
+(``TMP_PREFIX``), fsync'd, then renamed: a reader never sees a partial one, and one that is short,
+foreign or damaged anyway fails ``parse_header`` or ``check_payload`` and is treated as a miss.
 
 The directory (``prepare_dir``) must be ours, not a symlink, not writable by group or others, and
 new, empty or marked as a disk tier (``MARKER``): anything else is refused, naming
@@ -28,97 +25,43 @@ import stat
 import struct
 import time
 import zlib
+from typing import Protocol
 
 from lw_core.backend import BackendError
 from lw_core.backends.embedded import files
 
 MAGIC = b"LWDISK\x00\x01"
-VERSION = 3  # a CRC-32 per segment; formats 1 and 2 (one payload checksum) are misses
-VERSIONS = (3,)
-HEADER_BYTES = 4096  # the header's unit: its size is a multiple of this, so the payload is aligned
-SEGMENT = 64 << 10  # bytes per checked segment (a power of two, a multiple of HEADER_BYTES)
-MAX_SEGMENT = 64 << 20
-MAX_HEADER = 64 << 20  # a header claiming more is damage, not read
+VERSION = 2  # written; format 1 (a BLAKE2b payload checksum) is still read
+VERSIONS = (1, 2)
+HEADER_BYTES = 4096
 SUFFIX = ".obj"
 TMP_PREFIX = ".tmp-"
 MARKER = "LW_DISK_TIER"
 MARKER_TEXT = b"lw-pool disk tier 1\n"
-# magic, version, key length, payload bytes, generation, segment bytes, header bytes, header checksum
-_HEAD = struct.Struct("<8sIIQQII16s")
+# magic, version, key length, payload bytes, generation, payload checksum, header checksum
+_HEAD = struct.Struct("<8sIIQQ32s16s")
 MAX_KEY = HEADER_BYTES - _HEAD.size
 STALE_TMP_S = 600.0  # a temporary file this old is a dead demotion's, whoever made it
+CHUNK = 8 << 20  # checksum reads, so verifying a big object never allocates its size twice
 
 
 class BadFile(Exception):
     """A file that is not a whole, intact object of the disk tier (or not the key asked for)."""
 
 
-def segments(nbytes: int, seg: int = SEGMENT) -> int:
-    """How many segments a payload of ``nbytes`` has."""
-    return -(-nbytes // seg)
-
-
-def header_bytes(klen: int, nbytes: int, seg: int = SEGMENT) -> int:
-    """The header's size for a key of ``klen`` bytes and a payload of ``nbytes``."""
-    raw = _HEAD.size + klen + 4 * segments(nbytes, seg)
-    return -(-raw // HEADER_BYTES) * HEADER_BYTES
-
-
-def file_bytes(klen: int, nbytes: int) -> int:
-    """The size of the file of a payload of ``nbytes`` under a key of ``klen`` bytes."""
-    return header_bytes(klen, nbytes) + nbytes
-
-
-class Header:
-    """A parsed, checked header; ``crcs``: the CRC-32 of each segment."""
-
-    __slots__ = ("bkey", "nbytes", "generation", "seg", "head_bytes", "crcs")
-
-    def __init__(self, bkey: bytes, nbytes: int, generation: int, seg: int, head_bytes: int, crcs: tuple[int, ...]) -> None:
-        self.bkey = bkey
-        self.nbytes = nbytes
-        self.generation = generation
-        self.seg = seg
-        self.head_bytes = head_bytes
-        self.crcs = crcs
-
-    @property
-    def nsegs(self) -> int:
-        return len(self.crcs)
-
-    def span(self, s: int) -> tuple[int, int]:
-        """Segment ``s``'s payload offsets: [lo, hi)."""
-        lo = s * self.seg
-        return lo, min(lo + self.seg, self.nbytes)
-
-
 class DiskHandle:
-    """A read handle on one object of the disk tier (``disk_tier`` owns every field but ``key``
-    and ``nbytes``): the open file (kept until ``release``, closed by the last read in flight
-    after it), its checked header, and, for an object held in memory, ``data`` (a buffer the tier
-    recycles) with ``state`` (per segment: ``PENDING``, ``READING``, ``OK``, ``BAD``); segments
-    are read into ``data`` ahead of the reads that want them and handed out once checked."""
+    """A read handle on one object of the disk tier: the open file (kept until ``release``) and,
+    for a small object, its payload as read and checked at open (``data``, a buffer the tier
+    recycles after ``release`` once no view of it is left; reads are served from it, so a hit reads
+    the file once)."""
 
-    PENDING, READING, OK, BAD = 0, 1, 2, 3
+    __slots__ = ("key", "nbytes", "_fd", "data")
 
-    __slots__ = ("key", "nbytes", "_fd", "data", "head", "name", "ident", "check", "state", "left", "inflight",
-                 "closing", "bad")
-
-    def __init__(self, key: str, head: Header, fd: int, name: str, ident: tuple[int, int], check: bool,
-                 data: mmap.mmap | None = None) -> None:
+    def __init__(self, key: str, nbytes: int, fd: int, data: mmap.mmap | None = None) -> None:
         self.key = key
-        self.nbytes = head.nbytes
+        self.nbytes = nbytes
         self._fd = fd
         self.data = data
-        self.head = head
-        self.name = name
-        self.ident = ident  # (inode, generation) of the file opened
-        self.check = check  # compare each segment's CRC-32 (False: this file was checked whole before)
-        self.state = bytearray(head.nsegs) if data is not None else None
-        self.left = head.nsegs  # segments not yet read and checked (held objects)
-        self.inflight = 0  # reads using the fd (and ``data``) right now
-        self.closing: tuple[int, mmap.mmap | None] | None = None  # released while reads were in flight
-        self.bad: str | None = None  # why a read of this object failed (it is a miss from then on)
 
     def __repr__(self) -> str:
         return f"DiskHandle({self.key!r}, nbytes={self.nbytes}, {'open' if self._fd >= 0 else 'closed'})"
@@ -129,75 +72,125 @@ def file_name(bkey: bytes) -> str:
     return hashlib.blake2b(bkey, digest_size=20).hexdigest() + SUFFIX
 
 
-def segment_crcs(data: memoryview | bytes | bytearray, seg: int = SEGMENT) -> tuple[int, ...]:
-    """The CRC-32 of each segment of ``data``."""
-    m = memoryview(data).cast("B")
-    return tuple(zlib.crc32(m[lo : lo + seg]) for lo in range(0, m.nbytes, seg))
+class _Crc32:
+    """CRC-32 (zlib) with hashlib's ``update``/``digest``; the digest is 4 bytes, zero-padded
+    to the header's 32-byte field."""
+
+    __slots__ = ("crc",)
+
+    def __init__(self) -> None:
+        self.crc = 0
+
+    def update(self, data: memoryview | bytes | bytearray | mmap.mmap) -> None:
+        self.crc = zlib.crc32(data, self.crc)
+
+    def digest(self) -> bytes:
+        return self.crc.to_bytes(4, "little") + bytes(28)
 
 
-def check_segment(head: Header, s: int, data: memoryview | bytes | bytearray | mmap.mmap) -> bool:
-    """Whether ``data`` (segment ``s``'s bytes) has the CRC-32 the header holds for it."""
-    return zlib.crc32(data) == head.crcs[s]
+class _Hasher(Protocol):
+    def update(self, data: memoryview | bytes | bytearray | mmap.mmap, /) -> None: ...
+
+    def digest(self) -> bytes: ...
 
 
-def _head_sum(fields: bytes, bkey: bytes, table: bytes) -> bytes:
-    return hashlib.blake2b(fields + bkey + table, digest_size=16).digest()
+def _hasher(version: int) -> _Hasher:
+    return _Crc32() if version >= 2 else hashlib.blake2b(digest_size=32)
 
 
-def build_header(bkey: bytes, nbytes: int, generation: int, crcs: tuple[int, ...], seg: int = SEGMENT) -> bytes:
-    """The header of an object of ``nbytes`` under ``bkey`` whose segments have CRC-32s ``crcs``
-    (zero-padded to ``header_bytes``)."""
+def payload_digest(data: memoryview | bytes | bytearray | mmap.mmap, version: int = VERSION) -> bytes:
+    """The payload checksum a header of format ``version`` holds."""
+    h = _hasher(version)
+    h.update(data)
+    return h.digest()
+
+
+def _head_sum(fields: bytes, bkey: bytes) -> bytes:
+    return hashlib.blake2b(fields + bkey, digest_size=16).digest()
+
+
+def build_header(bkey: bytes, nbytes: int, generation: int, digest: bytes, version: int = VERSION) -> bytes:
+    """The header block (``HEADER_BYTES``, zero-padded) of an object of ``nbytes`` under ``bkey``."""
     if len(bkey) > MAX_KEY:
         raise ValueError(f"disk tier: key of {len(bkey)} bytes is longer than {MAX_KEY}")
-    if len(crcs) != segments(nbytes, seg):
-        raise ValueError(f"disk tier: {len(crcs)} segment checksums for {segments(nbytes, seg)} segments")
-    size = header_bytes(len(bkey), nbytes, seg)
-    fields = _HEAD.pack(MAGIC, VERSION, len(bkey), nbytes, generation, seg, size, b"")[: _HEAD.size - 16]
-    table = struct.pack(f"<{len(crcs)}I", *crcs)
-    head = fields + _head_sum(fields, bkey, table) + bkey + table
-    return head + bytes(size - len(head))
+    fields = _HEAD.pack(MAGIC, version, len(bkey), nbytes, generation, digest, b"")[: _HEAD.size - 16]
+    head = fields + _head_sum(fields, bkey) + bkey
+    return head + bytes(HEADER_BYTES - len(head))
 
 
-def _fields(raw: bytes) -> tuple[int, int, int, int, int, int, bytes]:
+class Header:
+    """A parsed, checked header."""
+
+    __slots__ = ("bkey", "nbytes", "generation", "digest", "version")
+
+    def __init__(self, bkey: bytes, nbytes: int, generation: int, digest: bytes, version: int = VERSION) -> None:
+        self.bkey = bkey
+        self.nbytes = nbytes
+        self.generation = generation
+        self.digest = digest
+        self.version = version
+
+
+def parse_header(raw: bytes, file_size: int, bkey: bytes | None = None) -> Header:
+    """Check a header against its file's size (and the key expected, when given)."""
     if len(raw) < _HEAD.size:
         raise BadFile(f"header is {len(raw)} bytes (torn)")
-    magic, version, klen, nbytes, gen, seg, size, hsum = _HEAD.unpack_from(raw)
+    magic, version, klen, nbytes, gen, digest, hsum = _HEAD.unpack_from(raw)
     if magic != MAGIC:
         raise BadFile("bad magic (not a disk-tier object)")
     if version not in VERSIONS:
         raise BadFile(f"format version {version} (expected one of {VERSIONS})")
-    if klen > MAX_KEY or not HEADER_BYTES <= seg <= MAX_SEGMENT or seg & (seg - 1):
-        raise BadFile(f"key length {klen} or segment size {seg} out of range")
-    if size != header_bytes(klen, nbytes, seg) or size > MAX_HEADER:
-        raise BadFile(f"header size {size} does not match its fields")
-    return klen, nbytes, gen, seg, size, hsum, bytes(raw[: _HEAD.size - 16])
-
-
-def parse_header(raw: bytes, file_size: int, bkey: bytes | None = None) -> Header:
-    """Check a header (all ``header_bytes`` of it) against its file's size (and the key
-    expected, when given)."""
-    klen, nbytes, gen, seg, size, hsum, fields = _fields(raw)
-    if len(raw) < size:
-        raise BadFile(f"header is {len(raw)} bytes of {size} (torn)")
+    if klen > MAX_KEY or _HEAD.size + klen > len(raw):
+        raise BadFile(f"key length {klen} out of range")
     key = bytes(raw[_HEAD.size : _HEAD.size + klen])
-    n = segments(nbytes, seg)
-    table = bytes(raw[_HEAD.size + klen : _HEAD.size + klen + 4 * n])
-    if _head_sum(fields, key, table) != hsum:
+    if _head_sum(bytes(raw[: _HEAD.size - 16]), key) != hsum:
         raise BadFile("header checksum mismatch")
     if bkey is not None and key != bkey:
         raise BadFile("key mismatch (another key's file, or a hash collision)")
-    if file_size != size + nbytes:
-        raise BadFile(f"file has {file_size} bytes, header says {size + nbytes} (torn)")
-    return Header(key, nbytes, gen, seg, size, struct.unpack(f"<{n}I", table))
+    if file_size != HEADER_BYTES + nbytes:
+        raise BadFile(f"file has {file_size} bytes, header says {HEADER_BYTES + nbytes} (torn)")
+    return Header(key, nbytes, gen, digest, version)
 
 
 def read_header(fd: int, bkey: bytes | None = None) -> Header:
-    """Read and check the header of the open file ``fd`` (one read, two for a header over 4 KiB)."""
-    raw = os.pread(fd, HEADER_BYTES, 0)
-    size = _fields(raw)[4]
-    if size > len(raw):
-        raw = os.pread(fd, size, 0)
-    return parse_header(raw, os.fstat(fd).st_size, bkey)
+    """Read and check the header of the open file ``fd``."""
+    return parse_header(os.pread(fd, HEADER_BYTES, 0), os.fstat(fd).st_size, bkey)
+
+
+def read_payload(fd: int, head: Header, *, check: bool) -> bytes:
+    """The whole payload (at most ``CHUNK`` bytes) in one read, its checksum compared with the
+    header's when ``check``."""
+    data = os.pread(fd, head.nbytes, HEADER_BYTES)
+    if len(data) != head.nbytes:
+        raise BadFile("payload is short (torn)")
+    if check and payload_digest(data, head.version) != head.digest:
+        raise BadFile("payload checksum mismatch")
+    return data
+
+
+def read_payload_into(fd: int, head: Header, buf: mmap.mmap, *, check: bool) -> None:
+    """``read_payload`` into ``buf`` (``head.nbytes`` long; a recycled buffer, so a hit does not
+    fault in fresh pages for every payload it holds)."""
+    if len(buf) != head.nbytes:
+        raise ValueError(f"disk tier: a buffer of {len(buf)} bytes for a payload of {head.nbytes}")
+    if os.preadv(fd, [buf], HEADER_BYTES) != head.nbytes:
+        raise BadFile("payload is short (torn)")
+    if check and payload_digest(buf, head.version) != head.digest:
+        raise BadFile("payload checksum mismatch")
+
+
+def check_payload(fd: int, head: Header) -> None:
+    """Read the whole payload once and compare its checksum with the header's."""
+    h = _hasher(head.version)
+    pos, end = HEADER_BYTES, HEADER_BYTES + head.nbytes
+    while pos < end:
+        chunk = os.pread(fd, min(CHUNK, end - pos), pos)
+        if not chunk:
+            raise BadFile("payload is short (torn)")
+        h.update(chunk)
+        pos += len(chunk)
+    if h.digest() != head.digest:
+        raise BadFile("payload checksum mismatch")
 
 
 def scan_dir(path: str, *, headers: bool) -> tuple[list[tuple[int, str, int]], list[tuple[str, Exception]]]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import time
 from typing import Any, NoReturn
 
 from lw_core.backend import BackendError
@@ -28,6 +29,8 @@ MEDIA_DRAM = 1  # batch_alloc's medium
 INFO_READABLE, INFO_ANY = 1, 0
 # batch_write_finish results: 0 commits the object, 1 drops it.
 FINISH_OK, FINISH_FAILED = 0, 1
+
+LEASE_RETRY_PAUSE_S = (0.002, 0.05)  # first and longest pause between tries of a refused lease
 
 COUNTERS = ("lookups", "lookup_hits", "reserved", "reserve_skipped", "committed", "aborted", "opened",
             "open_misses", "released", "bytes_written", "bytes_read", "copy_calls", "errors", "unavailable")
@@ -58,6 +61,30 @@ class StoreClient:
             if errors.is_unavailable(code):
                 self._stats["unavailable"] += 1
         raise errors.error_for(code, what)
+
+    def add_lease(self, names: list[str], lease_ms: int, retry_s: float = 0.0) -> list[int]:
+        """``batch_add_lease`` of ``names`` for ``lease_ms``: one code per name (0: leased). Names
+        this client refuses for a moment (``errors.LEASE_REFUSED``: it still tracks an earlier
+        object's range at that address) are tried again, with growing pauses, for up to
+        ``retry_s``; what is still refused then keeps its code."""
+        store = self.live()
+        res = list(store.batch_add_lease(names, lease_ms))
+        if retry_s <= 0 or len(res) != len(names):
+            return res
+        deadline = time.monotonic() + retry_s
+        pause = LEASE_RETRY_PAUSE_S[0]
+        while True:
+            todo = [i for i, r in enumerate(res) if r == errors.LEASE_REFUSED]
+            left = deadline - time.monotonic()
+            if not todo or left <= 0:
+                return res
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, LEASE_RETRY_PAUSE_S[1])
+            again = list(store.batch_add_lease([names[i] for i in todo], lease_ms))
+            if len(again) != len(todo):
+                return res
+            for i, r in zip(todo, again):
+                res[i] = r
 
     def count(self, **inc: int) -> None:
         with self._lock:

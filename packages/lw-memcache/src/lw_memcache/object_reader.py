@@ -58,12 +58,14 @@ class ObjectReader:
         self.client.count(lookups=1, lookup_hits=n)
         return n
 
-    def open(self, keys: Sequence[str]) -> list[MemcacheHandle | None]:
+    def open(self, keys: Sequence[str], *, retry_s: float = 0.0) -> list[MemcacheHandle | None]:
+        """Lease and place ``keys``; ``None`` where that fails. A lease the client refuses for a
+        moment is tried again for up to ``retry_s`` (``StoreClient.add_lease``)."""
         store = self.client.live()
         out: list[MemcacheHandle | None] = [None] * len(keys)
         if not keys:
             return out
-        res = store.batch_add_lease(list(keys), self.read_lease_ms)
+        res = self.client.add_lease(list(keys), self.read_lease_ms, retry_s)
         if res and all(errors.is_unavailable(r) for r in res):
             self.client.fail(res[0], "open (batch_add_lease)")
         leased = [i for i, r in enumerate(res) if r == 0]

@@ -10,6 +10,10 @@ Invariants:
   trailer holds that token (``adopt``); else the read fails with ``ObjectMissing``.
 * Leases on committed objects are ``ObjectReader``'s (``open``/``release``), so ``close`` drops
   them with the others.
+* A read whose lease the client refuses for a moment (``errors.LEASE_REFUSED``: a segment or
+  object placed where an object this client leased just before was removed) tries it again for up
+  to ``LEASE_RETRY_S`` before it fails; the failure says which objects were refused and which are
+  not committed (still being written, aborted, or evicted).
 """
 
 from __future__ import annotations
@@ -23,11 +27,18 @@ from lw_core.backend import BackendError, ObjectMissing
 from lw_core.backends.segment_stream import head_key, seg_key, wait_published
 from lw_core.backends.segment_stream.checks import check_lengths, check_range
 from lw_core.backends.segment_stream.head import HEAD, unpack_head
+from lw_memcache import errors
 from lw_memcache.client import INFO_READABLE, StoreClient
 from lw_memcache.copies import Copier
 from lw_memcache.handles import MemcacheStreamHandle, Seg, nbytes_of
 from lw_memcache.object_reader import ObjectReader
 from lw_memcache.streaming import HEAD_MAGIC, TRAILER, trailer_token
+
+# How long a read tries again a lease the client refuses for a moment (errors.LEASE_REFUSED). The
+# client clears the range about 0.8 s after its release on an idle machine; a reader that lost the
+# CPU for more than a second before its copy (so the writer's reaper removed that segment within
+# the 0.8 s, REMOVE_GRACE_S after the commit) lost the next chunks placed there without the retry.
+LEASE_RETRY_S = 3.0
 
 
 class StreamReader:
@@ -96,10 +107,11 @@ class StreamReader:
                 h.dead = True  # a committed object's handle, released: it holds nothing any more
         return list(handles)
 
-    def adopt(self, hs: Sequence[MemcacheStreamHandle]) -> None:
+    def adopt(self, hs: Sequence[MemcacheStreamHandle], *, retry_s: float = 0.0) -> None:
         """Handles whose object is committed now: lease it and keep the handle if the trailer holds
-        its token (else a later reservation committed the key: this one is dead)."""
-        got = self.objects.open([h.key for h in hs])
+        its token (else a later reservation committed the key: this one is dead). A lease refused
+        for a moment is tried again for up to ``retry_s`` (a poll tries again anyway)."""
+        got = self.objects.open([h.key for h in hs], retry_s=retry_s)
         pairs = [(h, o) for h, o in zip(hs, got) if o is not None]
         if not pairs:
             return
@@ -143,7 +155,7 @@ class StreamReader:
             if idx:
                 # Not leased and not dead: a handle on a reservation, so it has a token (_streams).
                 names = [seg_key(hs[j].key, cast(bytes, hs[j].token), offsets[j] + sizes[j]) for j in idx]
-                res = store.batch_add_lease(names, self.read_lease_ms)
+                res = self.client.add_lease(names, self.read_lease_ms, LEASE_RETRY_S)
                 leased = [k for k, r in zip(names, res) if r == 0]
                 if leased:
                     infos = dict(zip(leased, store.batch_get_key_info(leased, INFO_READABLE)))
@@ -153,12 +165,14 @@ class StreamReader:
                             segs[j] = Seg(k, sizes[j], int(info.gva_list()[0]), offsets[j], False)
                 missing = [hs[j] for j in idx if j not in segs]
                 if missing:  # not published as such; maybe committed meanwhile
-                    self.adopt(missing)
+                    self.adopt(missing, retry_s=LEASE_RETRY_S)
                     short = [h.key for h in missing if not h.leased]
                     if short:
-                        raise ObjectMissing(
+                        refused = {hs[j].key for j, r in zip(idx, res) if r == errors.LEASE_REFUSED}
+                        raise self._missing(
+                            store, short, refused,
                             f"memcache: streaming read of {len(short)} object(s) beyond their published bytes (or not at "
-                            f"the writer's write ranges), or their reservation is gone: {short[:3]}"
+                            f"the writer's write ranges), or their reservation is gone",
                         )
             whole = [j for j in range(len(hs)) if j not in segs]
             if whole:
@@ -177,15 +191,35 @@ class StreamReader:
                 res = store.batch_is_exist([segs[j].key for j in js])
                 gone = [j for j, r in zip(js, res) if r != 1]
                 if gone:  # removed before or while being copied: committed (then read the object) or aborted
-                    self.adopt([hs[j] for j in gone])
+                    self.adopt([hs[j] for j in gone], retry_s=LEASE_RETRY_S)
                     lost = [hs[j].key for j in gone if not hs[j].leased]
                     if lost:
-                        raise ObjectMissing(f"memcache: {len(lost)} segment(s) went while being read (aborted): "
-                                            f"their bytes are not used: {lost[:3]}")
+                        raise self._missing(store, lost, set(),
+                                            f"memcache: {len(lost)} segment(s) went while being read: their bytes are not used")
                     self.copier.copy([hs[j] for j in gone], [offsets[j] for j in gone], [dsts[j] for j in gone], to_store=False)
         finally:
             if leased:
                 store.batch_remove_lease(leased)
+
+    def _missing(self, store: Any, keys: list[str], refused: set[str], what: str) -> ObjectMissing:
+        """The error for streaming reads of ``keys`` that got no bytes (``refused``: those whose
+        segment this client was still refused after ``LEASE_RETRY_S``), saying where each object is."""
+        try:
+            exists = list(store.batch_is_exist(keys))
+        except Exception:  # noqa: BLE001 - only the message needs it
+            exists = []
+        committed = [k for k, r in zip(keys, exists) if r == 1]
+        parts = [f"{what}: {keys[:3]}"]
+        if refused:
+            parts.append(f"this client was refused the lease (code {errors.LEASE_REFUSED}, 'failed to register gva "
+                         f"interval') on the published segment of {sorted(refused)[:3]} for {LEASE_RETRY_S} s")
+        if committed:
+            parts.append(f"committed, but this client could not lease it or it is another reservation's: {committed[:3]}")
+        if len(exists) == len(keys):
+            gone = [k for k, r in zip(keys, exists) if r != 1]
+            if gone:
+                parts.append(f"not committed (still being written, aborted, or evicted): {gone[:3]}")
+        return ObjectMissing("; ".join(parts))
 
 
 class _Polls:

@@ -3,7 +3,14 @@ a writer process streams 150 prompts (2 chunks x 4 layers of 64 KiB, a layer eve
 process reads each one as a streaming decoder does (open, then per layer wait and read). No chunk
 may be lost and every byte must be the writer's. Before the writer kept its heads and segments for
 a grace after the commit, readers whose lease straddled the removal lost 6 and 12 of 300 chunks in
-two runs (their client could then lease nothing placed at that address again)."""
+two runs (their client could then lease nothing placed at that address again). Before a read
+tried again a lease the client refuses for a moment (tests/memcache/test_memcache_lease_refused.py),
+a full CI run lost 2 of 300 to a reader that lost the CPU for over a second.
+
+The 64 MB pool fills up (the prompts are 150 MB with their segments): the MetaService's eviction
+check, once a second, makes room, and under load it runs late. The writer waits for room, as
+``reserve`` does by default (a writer that refused at once, ``full_wait_s=0``, died there under
+load and the test failed with a broken pipe)."""
 
 from __future__ import annotations
 
@@ -27,7 +34,7 @@ import sys, time
 import numpy as np
 from lw_core.backend import publish_layers
 from lw_memcache.backend import MemcacheBackend
-b = MemcacheBackend(sys.argv[1], streaming=True, full_wait_s=0)
+b = MemcacheBackend(sys.argv[1], streaming=True, full_wait_s=10)
 N, NL, LB = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 print("ready", flush=True)
 for i in range(N):

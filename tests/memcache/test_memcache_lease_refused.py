@@ -15,16 +15,12 @@ the space of the object it just removed."""
 
 from __future__ import annotations
 
-import queue
 import re
-import subprocess
-import sys
-import threading
 import time
 
 import numpy as np
 import pytest
-from mc_support import HAVE_MEMCACHE, needs_memcache
+from mc_support import HAVE_MEMCACHE, ScriptProcess, needs_memcache
 
 from lw_core.backend import ObjectMissing, wait_layers
 from lw_core.backends.segment_stream import seg_key
@@ -67,37 +63,6 @@ def layer_fill(layer: int) -> np.ndarray:
     return np.full(LB, 7 * layer + 1, np.uint8)
 
 
-class Writer:
-    def __init__(self, conf: str) -> None:
-        self.p = subprocess.Popen([sys.executable, "-c", WRITER, conf], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, text=True)
-        self.q: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [self.q.put(x) for x in self.p.stdout] + [self.q.put(None)], daemon=True).start()
-        assert self._line(60) == "ready"
-
-    def _line(self, timeout_s: float) -> str:
-        while True:
-            line = self.q.get(timeout=timeout_s)
-            if line is None:
-                raise RuntimeError(f"writer exited with {self.p.wait(10)}")
-            if line.startswith(("ok", "ready")):  # the library logs to stdout too
-                return line.strip()
-
-    def do(self, cmd: str, timeout_s: float = 30) -> str:
-        self.p.stdin.write(cmd + "\n")
-        self.p.stdin.flush()
-        return self._line(timeout_s)
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            try:
-                self.do("close -", 60)
-                self.p.wait(30)
-            except (RuntimeError, queue.Empty, OSError, subprocess.TimeoutExpired):
-                self.p.kill()
-                self.p.wait(10)
-
-
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     """A fresh pool whose memory only the reader (this process) lends, and one writer process."""
@@ -116,7 +81,7 @@ def pool(tmp_path_factory):
         conf = m.workdir / "mmc-writer.conf"
         conf.write_text(re.sub(r"^(ock\.mmc\.local_service\.dram\.size\s*=).*$", r"\1 0", m.local_conf.read_text(),
                                flags=re.M))
-        w = Writer(str(conf))
+        w = ScriptProcess(WRITER, str(conf), close="close -")
         yield be, w
     finally:
         if w is not None:

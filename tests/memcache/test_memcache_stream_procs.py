@@ -12,17 +12,14 @@ or orphaned reservation's space is handed out again at the same address, as asse
 from __future__ import annotations
 
 import os
-import queue
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 import pytest
-from mc_support import HAVE_MEMCACHE, needs_memcache
+from mc_support import HAVE_MEMCACHE, ScriptProcess, needs_memcache
 
 from lw_core.backend import ObjectMissing, wait_layers
 
@@ -64,35 +61,9 @@ def layer_bytes(seed: int, layer: int) -> np.ndarray:
     return np.random.default_rng(seed * 100 + layer).integers(0, 256, LB, dtype=np.uint8)
 
 
-class Writer:
+class Writer(ScriptProcess):
     def __init__(self, conf: str, seed: int, write_lease_ms: int = 30_000) -> None:
-        self.p = subprocess.Popen([sys.executable, "-c", WRITER, conf, str(write_lease_ms), str(seed)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-        self.q: queue.Queue = queue.Queue()
-        threading.Thread(target=lambda: [self.q.put(x) for x in self.p.stdout] + [self.q.put(None)], daemon=True).start()
-        assert self._line(60) == "ready"
-
-    def _line(self, timeout_s: float) -> str:
-        while True:
-            line = self.q.get(timeout=timeout_s)
-            if line is None:
-                raise RuntimeError(f"writer exited with {self.p.wait(10)}")
-            if line.startswith(("ok", "ready")):  # the library logs to stdout too
-                return line.strip()
-
-    def do(self, cmd: str, timeout_s: float = 30) -> str:
-        self.p.stdin.write(cmd + "\n")
-        self.p.stdin.flush()
-        return self._line(timeout_s)
-
-    def stop(self) -> None:
-        if self.p.poll() is None:
-            try:
-                self.do("close", 60)
-                self.p.wait(30)
-            except (RuntimeError, queue.Empty, OSError, subprocess.TimeoutExpired):
-                self.p.kill()
-                self.p.wait(10)
+        super().__init__(WRITER, conf, str(write_lease_ms), str(seed))
 
 
 @pytest.fixture(scope="module")

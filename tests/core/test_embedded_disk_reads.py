@@ -14,9 +14,11 @@ import pytest
 
 from lw_core.backends.embedded import disk_format as fmt
 from lw_core.backends.embedded import disk_tier
+from lw_core.backends.embedded.disk_payload_reads import aligned
 from lw_core.backends.embedded.disk_tier import DiskTier
 
 OBJ = 100_000
+BUF = aligned(OBJ)  # a payload buffer: direct I/O reads whole 4 KiB blocks
 
 
 def _tier(tmp_path, n: int) -> tuple[DiskTier, dict[bytes, bytes]]:
@@ -54,7 +56,7 @@ def test_open_many_opens_in_order_and_damaged_files_among_many_are_misses(tmp_pa
         for k, h in zip(asked, hs):
             if h is None:
                 continue
-            assert h.key == k.decode() and h.data[:] == data[k]
+            assert h.key == k.decode() and h.data[: h.nbytes] == data[k]
             out = bytearray(OBJ)
             t.read(h, 0, out)
             assert out == data[k]
@@ -118,7 +120,7 @@ def test_a_format_1_file_with_a_blake2b_checksum_is_still_read(tmp_path):
                 f.write(head + body)
         assert fmt.payload_digest(payload, 1) != fmt.payload_digest(payload)  # two different checksums
         ok, bad = t.open_many(["old-0", "old-1"], [b"old-0", b"old-1"])
-        assert ok is not None and ok.data[:] == payload and bad is None
+        assert ok is not None and ok.data[: ok.nbytes] == payload and bad is None
         t.release(ok)
     finally:
         t.close()
@@ -152,7 +154,7 @@ def test_released_payload_buffers_are_recycled_and_serve_the_next_hits_own_bytes
         bufs = {id(a.data), id(b.data)}
         t.release(a)
         t.release(b)
-        assert t._free_bytes == 2 * OBJ and t._kept == 0
+        assert t._free_bytes == 2 * BUF and t._kept == 0
         c, d = t.open_many([k.decode() for k in keys[2:]], keys[2:])
         assert c is not None and d is not None
         assert {id(c.data), id(d.data)} == bufs and t._free_bytes == 0  # no fresh pages
@@ -180,7 +182,7 @@ def test_a_buffer_a_view_still_points_into_is_never_recycled(tmp_path):
         assert h2 is not None and bytes(t.view(h2, 0, OBJ)) == data[b"k1"]
         assert bytes(v) == data[b"k0"] and arr.tobytes() == data[b"k0"][10:110]  # not overwritten
         t.release(h2)
-        assert t._free_bytes == OBJ
+        assert t._free_bytes == BUF
     finally:
         t.close()
 
@@ -191,18 +193,18 @@ def test_a_damaged_file_read_into_a_recycled_buffer_is_still_a_miss(tmp_path):
         (h,) = t.open_many(["k0"], [b"k0"])
         assert h is not None
         t.release(h)
-        assert t._free_bytes == OBJ
+        assert t._free_bytes == BUF
         _garble(_path(tmp_path, b"k1"), fmt.HEADER_BYTES + 17)
         with open(_path(tmp_path, b"k2"), "r+b") as f:  # torn
             f.truncate(fmt.HEADER_BYTES + OBJ // 2)
         assert t.open_many(["k1", "k2"], [b"k1", b"k2"]) == [None, None]
-        assert t.stats()["disk_corrupt"] == 2 and t._kept == 0 and t._free_bytes == OBJ
+        assert t.stats()["disk_corrupt"] == 2 and t._kept == 0 and t._free_bytes == BUF
     finally:
         t.close()
 
 
 def test_recycled_buffers_stay_within_free_bytes(tmp_path, monkeypatch):
-    monkeypatch.setattr(disk_tier, "FREE_BYTES", OBJ + OBJ // 2)
+    monkeypatch.setattr(disk_tier, "FREE_BYTES", BUF + BUF // 2)
     t, data = _tier(tmp_path, 3)
     try:
         keys = list(data)
@@ -210,6 +212,6 @@ def test_recycled_buffers_stay_within_free_bytes(tmp_path, monkeypatch):
         for h in hs:
             assert h is not None
             t.release(h)
-        assert t._free_bytes == OBJ and t._kept == 0
+        assert t._free_bytes == BUF and t._kept == 0
     finally:
         t.close()

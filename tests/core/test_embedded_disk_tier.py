@@ -278,6 +278,7 @@ def test_a_foreign_non_empty_directory_is_refused_naming_the_key(tmp_path):
         ({"embedded_disk_capacity_bytes": 2**60}, ["embedded_disk_capacity_bytes", "<= 17592186044416"]),
         ({"embedded_disk_path": ""}, ["embedded_disk_path", "directory path"]),
         ({"embedded_disk_path": 3}, ["embedded_disk_path"]),
+        ({"embedded_disk_direct_io": "yes"}, ["embedded_disk_direct_io", "bool"]),
         ({"embedded_path": "/x/pool", "embedded_disk_path": "/x/pool"}, ["embedded_disk_path", "embedded_path"]),
     ],
 )
@@ -296,6 +297,11 @@ def test_config_keys_default_off_and_reach_the_backend(tmp_path):
     ).backend_keys
     with EmbeddedBackend.from_keys(keys) as b:
         assert b._disk is not None and b._disk.capacity == DISK and b.stats()["disk_objects"] == 0
+        assert not b._disk.reads.direct  # embedded_disk_direct_io is off by default
+    keys = parse_config({"embedded_path": str(tmp_path / "pool"), "embedded_capacity_bytes": DRAM,
+                         "embedded_disk_path": str(tmp_path / "disk"), "embedded_disk_direct_io": True}).backend_keys
+    with EmbeddedBackend.from_keys(keys) as b:
+        assert b._disk is not None and b._disk.reads.direct
     with pytest.raises(ValueError, match="disk_capacity_bytes=1 is not accepted"):
         EmbeddedBackend(str(tmp_path / "pool"), capacity_bytes=DRAM, disk_path=str(tmp_path / "d2"), disk_capacity_bytes=1)
 

@@ -62,6 +62,7 @@ def test_quick_json_run_reports_pool_hits_and_positive_times() -> None:
         (["--backend", "embedded,embedded"], "--backend"),
         (["--backend", "memcache", "--disk-dir", "/tmp"], "embedded"),
         (["--disk-dir", "/nonexistent-dir-of-lw-bench"], "--disk-dir"),
+        (["--disk-direct-io"], "--disk-dir"),
     ],
 )
 def test_bad_arguments_fail_naming_the_flag(argv: list[str], needle: str) -> None:

@@ -54,6 +54,7 @@ def test_disk_modes_share_the_tier_and_the_hit_gets_a_new_empty_dram_pool(tmp_pa
     modes = {name: (extra, pc) for name, extra, pc in bench_serve._modes(cfg, EXTRAS)}
     (save, save_pc), (hit, hit_pc) = modes[disk.SAVE], modes[disk.HIT]
     assert save["embedded_disk_path"] == hit["embedded_disk_path"] == cfg["disk_dir"]
+    assert save["embedded_disk_direct_io"] is hit["embedded_disk_direct_io"] is False  # buffered unless asked
     assert os.path.dirname(cfg["disk_dir"]) == str(tmp_path)
     assert save["embedded_capacity_bytes"] == cfg["disk_dram_bytes"] < cfg["pool_capacity_bytes"]
     assert not save_pc and hit_pc
@@ -65,6 +66,13 @@ def test_disk_modes_share_the_tier_and_the_hit_gets_a_new_empty_dram_pool(tmp_pa
     flush = [it for it in items if it["id"].startswith("flush/")]
     assert len(flush) == disk.flush_count(cfg) and all(it["id"].startswith("flush/128/") for it in flush)
     assert len(flush) * 128 * cfg["kv_bytes_per_token"] > cfg["disk_dram_bytes"]
+
+
+def test_disk_direct_io_reaches_both_disk_engines(tmp_path) -> None:
+    cfg = _cfg(tmp_path, "--lengths", "64", "--disk-dir", str(tmp_path), "--disk-direct-io")
+    modes = {name: extra for name, extra, _ in bench_serve._modes(cfg, EXTRAS)}
+    assert modes[disk.SAVE]["embedded_disk_direct_io"] is modes[disk.HIT]["embedded_disk_direct_io"] is True
+    assert "embedded_disk_direct_io" not in modes["save"]  # the DRAM-only engines have no tier
 
 
 def _rec(mode: str, rid: str, ttft: float, L: int, bs: int = 32) -> dict:

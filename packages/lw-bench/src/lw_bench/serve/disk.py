@@ -34,8 +34,8 @@ TARGET = 0.8  # tier read bandwidth / sequential read
 _READ = 4 << 20
 
 
-def configure(cfg: dict[str, Any], disk_dir: str) -> None:
-    """Add the tier's directory and sizes to ``cfg``."""
+def configure(cfg: dict[str, Any], disk_dir: str, *, direct_io: bool = False) -> None:
+    """Add the tier's directory, sizes and read mode (``direct_io``) to ``cfg``."""
     if not os.path.isdir(disk_dir):
         raise SystemExit(f"lw-bench serve: --disk-dir={disk_dir!r} is not a directory")
     kv, lmax = cfg["kv_bytes_per_token"], max(cfg["lengths"])
@@ -43,12 +43,13 @@ def configure(cfg: dict[str, Any], disk_dir: str) -> None:
     cfg["disk_dram_bytes"] = max(1 << 20, (lmax + cfg["block_size"]) * kv * 5 // 4)
     saved = (cfg["reps"] + 1) * sum(cfg["lengths"]) + 3 * lmax
     cfg["disk_capacity_bytes"] = max(64 << 20, 2 * saved * kv)
+    cfg["disk_direct_io"] = direct_io
 
 
 def modes(cfg: dict[str, Any]) -> list[tuple[str, dict[str, Any] | None, bool]]:
     """``(name, extra config, vLLM prefix cache on)``; ``disk/hit``'s DRAM path is set per engine (``fresh_dram``)."""
     tier = {"embedded_disk_path": cfg["disk_dir"], "embedded_disk_capacity_bytes": cfg["disk_capacity_bytes"],
-            "use_layerwise": True}
+            "embedded_disk_direct_io": bool(cfg.get("disk_direct_io")), "use_layerwise": True}
     return [
         (SAVE, {**tier, "embedded_path": cfg["pool_path"] + "-disk-save",
                 "embedded_capacity_bytes": cfg["disk_dram_bytes"]}, False),
@@ -147,6 +148,7 @@ def rows(cfg: dict[str, Any], r: dict[str, Any], dram_hit: str, seq_gbps: list[f
     return {
         "path": cfg["disk_dir"],
         "dram_bytes": cfg["disk_dram_bytes"],
+        "direct_io": bool(cfg.get("disk_direct_io")),
         "hit_ttft_s": hit,
         "vs_dram_hit": {L: div(hit[L], dram[L]) for L in lengths},
         "vs_recompute": {L: div(hit[L], rec[L]) for L in lengths},
@@ -164,7 +166,8 @@ def rows(cfg: dict[str, Any], r: dict[str, Any], dram_hit: str, seq_gbps: list[f
 def print_rows(d: dict[str, Any], lengths: list[str]) -> None:
     def f(x: float | None) -> str:
         return "-" if x is None else f"{x:.3f}"
-    print(f"disk tier ({d['path']}; saver's DRAM {d['dram_bytes'] >> 20} MiB): disk hit from a new, empty DRAM pool")
+    reads = "direct I/O" if d.get("direct_io") else "buffered reads"
+    print(f"disk tier ({d['path']}; saver's DRAM {d['dram_bytes'] >> 20} MiB; {reads}): disk hit from a new, empty DRAM pool")
     print("  prefix  disk-hit ms  / DRAM hit  / recompute  tier GB/s  / seq read")
     for L in lengths:
         t = d["hit_ttft_s"][L]

@@ -140,6 +140,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also measure the embedded pool's disk tier, in a fresh directory under DIR (a local disk, "
                         "not tmpfs): disk hits from a new, empty DRAM pool against DRAM hits, recompute and DIR's "
                         "sequential read (see lw_bench.serve.disk); needs embedded in --backend")
+    p.add_argument("--disk-direct-io", action="store_true",
+                   help="the disk engines read the tier with direct I/O (embedded_disk_direct_io: true)")
     p.add_argument("--pool-path", default=None, help="embedded pool directory (default: a fresh one on /dev/shm, removed after)")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write TTFT vs prefix length per mode (needs matplotlib)")
     p.add_argument("--save", default=None, metavar="OUT.json", help="also write the JSON object to this file (the table is still printed)")
@@ -229,7 +231,9 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "backends": names,
     }
     if getattr(args, "disk_dir", None):
-        disk.configure(cfg, args.disk_dir)
+        disk.configure(cfg, args.disk_dir, direct_io=bool(getattr(args, "disk_direct_io", False)))
+    elif getattr(args, "disk_direct_io", False):
+        raise SystemExit("lw-bench serve: --disk-direct-io needs --disk-dir")
     return cfg
 
 

@@ -42,6 +42,7 @@ class ServeBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     disk_dir: str | None = None
     disk_dram_bytes: Positive | None = None
     disk_capacity_bytes: Positive | None = None
+    disk_direct_io: bool = False  # --disk-direct-io: the tier read with embedded_disk_direct_io
 
 
 class Samples(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -91,6 +92,7 @@ class DiskRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     path: str  # the tier's directory
     dram_bytes: Positive  # the disk/save engine's DRAM pool
+    direct_io: bool = False  # the tier's reads: direct I/O (--disk-direct-io) or buffered
     hit_ttft_s: ByLength  # disk hit, first request
     vs_dram_hit: ByLength  # / the embedded DRAM hit at the same depth
     vs_recompute: ByLength

@@ -100,6 +100,8 @@ class EmbeddedKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # The opt-in disk tier (embedded/disk_tier.py): unset, objects evicted from DRAM are dropped.
     embedded_disk_path: str | None = None
     embedded_disk_capacity_bytes: DiskCapacityBytes = 16 << 30
+    # A hit's payloads not in the page cache are read with O_DIRECT (embedded/disk_payload_reads.py).
+    embedded_disk_direct_io: bool = False
 
 
 def _check_embedded(keys: EmbeddedKeys) -> str | None:

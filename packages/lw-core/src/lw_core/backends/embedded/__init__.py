@@ -22,6 +22,8 @@ with explicit arguments, and holds only its settings, its own counters and the r
 * ``verify``   -- ``Verifier``: the shared counters and the full-index consistency check.
 * ``disk_tier`` -- ``DiskTier``: the opt-in local-disk tier (``embedded_disk_path``): evicted objects
   are demoted to files by a writer thread, found again by lookup/open, read with ``pread``.
+* ``disk_payload_reads`` -- ``PayloadReads``: a hit's payload from the page cache when it is all
+  there, else with direct I/O (``O_DIRECT``), else buffered.
 * ``disk_format`` -- the disk tier's directory (its ``LW_DISK_TIER`` marker) and file format.
 * ``tiered``   -- ``TieredReads``: lookup, open, read, view, intact, release over DRAM then disk.
 * ``txn``      -- ``Tx``, one write transaction plus the counter record.

@@ -43,6 +43,7 @@ class EmbeddedSettings(msgspec.Struct, frozen=True, kw_only=True):
     lock_timeout_s: Seconds
     disk_path: Annotated[str, Meta(min_length=1)] | None
     disk_capacity_bytes: DiskCapacityBytes
+    disk_direct_io: bool
 
 
 class EmbeddedBackend:
@@ -61,11 +62,13 @@ class EmbeddedBackend:
         populate: bool = True,
         disk_path: str | None = None,
         disk_capacity_bytes: int = DISK_CAPACITY_DEFAULT,
+        disk_direct_io: bool = False,
     ) -> None:
         st = convert_strict(
             {"path": path, "capacity_bytes": capacity_bytes, "lease_ttl_s": lease_ttl_s,
              "reservation_timeout_s": reservation_timeout_s, "lock_timeout_s": lock_timeout_s,
-             "disk_path": disk_path, "disk_capacity_bytes": disk_capacity_bytes},
+             "disk_path": disk_path, "disk_capacity_bytes": disk_capacity_bytes,
+             "disk_direct_io": disk_direct_io},
             EmbeddedSettings, prefix="EmbeddedBackend: ",
         )
         self.path = os.path.abspath(st.path)
@@ -113,7 +116,8 @@ class EmbeddedBackend:
                 self._teardown()
                 raise BackendError(f"embedded pool: embedded_disk_path={dpath!r} is embedded_path itself: give the disk tier its own directory")
             try:
-                self._disk = DiskTier(dpath, st.disk_capacity_bytes, queue_bytes=min(DISK_QUEUE_BYTES, st.disk_capacity_bytes))
+                self._disk = DiskTier(dpath, st.disk_capacity_bytes, queue_bytes=min(DISK_QUEUE_BYTES, st.disk_capacity_bytes),
+                                      direct_io=st.disk_direct_io)
             except BaseException:
                 self._teardown()
                 raise
@@ -126,7 +130,7 @@ class EmbeddedBackend:
         """Open the pool a parsed config's ``EmbeddedKeys`` (``lw_core.backends.builtin``) names."""
         return cls(
             keys.embedded_path, capacity_bytes=keys.embedded_capacity_bytes, disk_path=keys.embedded_disk_path,
-            disk_capacity_bytes=keys.embedded_disk_capacity_bytes, **kwargs,
+            disk_capacity_bytes=keys.embedded_disk_capacity_bytes, disk_direct_io=keys.embedded_disk_direct_io, **kwargs,
         )
 
     def close(self) -> None:

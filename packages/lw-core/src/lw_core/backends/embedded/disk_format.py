@@ -29,6 +29,7 @@ from typing import Protocol
 
 from lw_core.backend import BackendError
 from lw_core.backends.embedded import files
+from lw_core.backends.embedded.disk_payload_reads import PayloadReads, aligned
 
 MAGIC = b"LWDISK\x00\x01"
 VERSION = 2  # written; format 1 (a BLAKE2b payload checksum) is still read
@@ -168,15 +169,18 @@ def read_payload(fd: int, head: Header, *, check: bool) -> bytes:
     return data
 
 
-def read_payload_into(fd: int, head: Header, buf: mmap.mmap, *, check: bool) -> None:
-    """``read_payload`` into ``buf`` (``head.nbytes`` long; a recycled buffer, so a hit does not
-    fault in fresh pages for every payload it holds)."""
-    if len(buf) != head.nbytes:
+def read_payload_into(fd: int, head: Header, buf: mmap.mmap, *, check: bool, reads: PayloadReads) -> None:
+    """``read_payload`` into ``buf`` (a recycled buffer of ``aligned(head.nbytes)`` bytes, so a
+    hit does not fault in fresh pages for every payload it holds), through ``reads`` (buffered,
+    or direct I/O: ``PayloadReads``)."""
+    if len(buf) != aligned(head.nbytes):
         raise ValueError(f"disk tier: a buffer of {len(buf)} bytes for a payload of {head.nbytes}")
-    if os.preadv(fd, [buf], HEADER_BYTES) != head.nbytes:
-        raise BadFile("payload is short (torn)")
-    if check and payload_digest(buf, head.version) != head.digest:
-        raise BadFile("payload checksum mismatch")
+    if reads.into(fd, HEADER_BYTES, buf, head.nbytes) != head.nbytes:
+        raise BadFile("payload is short or long (torn or replaced)")
+    if check:
+        with memoryview(buf) as m, m[: head.nbytes] as payload:
+            if payload_digest(payload, head.version) != head.digest:
+                raise BadFile("payload checksum mismatch")
 
 
 def check_payload(fd: int, head: Header) -> None:

@@ -18,7 +18,8 @@ as much CPU as reading and checking them (192 MiB: 0.16 s fresh, 0.11 s recycled
 ``scripts/disk_tier_read_probe.py``). A torn,
 foreign or damaged file is removed and is a miss. Files are evicted, least recently used first, to
 stay under ``capacity``. Hits are not promoted back into DRAM (the page cache keeps hot files in
-memory). Other processes' demotions
+memory), unless ``direct_io``: then a held payload comes from the page cache only when it is all
+there, else straight from the disk (``O_DIRECT``: ``PayloadReads``). Other processes' demotions
 are found by name on a miss, and the writer thread lists the directory every ``RESCAN_S`` so the
 capacity holds for the whole directory.
 """
@@ -40,6 +41,7 @@ from lw_core.backend import BackendError, Buffer, ObjectMissing
 from lw_core.backends.embedded import disk_format as fmt
 from lw_core.backends.embedded import files
 from lw_core.backends.embedded.disk_format import DiskHandle
+from lw_core.backends.embedded.disk_payload_reads import PayloadReads, aligned
 from lw_core.backends.embedded.records import bytes_view, log
 
 COUNTERS = ("disk_hits", "disk_bytes_read", "demotions", "demotion_drops", "disk_evictions", "disk_corrupt")
@@ -59,9 +61,10 @@ def write_all(fd: int, data: bytes | memoryview) -> None:
 
 class DiskTier:
     """The disk tier in directory ``path``, at most ``capacity`` bytes of files; demotions wait in
-    a queue of at most ``queue_bytes``. ``fsync``: sync each file before it becomes visible."""
+    a queue of at most ``queue_bytes``. ``fsync``: sync each file before it becomes visible.
+    ``direct_io``: a held payload not in the page cache is read with ``O_DIRECT`` (``PayloadReads``)."""
 
-    def __init__(self, path: str, capacity: int, *, queue_bytes: int, fsync: bool = True) -> None:
+    def __init__(self, path: str, capacity: int, *, queue_bytes: int, fsync: bool = True, direct_io: bool = False) -> None:
         self.path = os.path.abspath(path)
         self.capacity = capacity
         self.queue_bytes = queue_bytes
@@ -82,6 +85,7 @@ class DiskTier:
         self._kept = 0  # bytes of payloads open handles hold (``KEEP_BYTES`` at most)
         self._free: dict[int, list[mmap.mmap]] = {}  # released payload buffers by size (``FREE_BYTES``)
         self._free_bytes = 0
+        self.reads = PayloadReads(self.path, direct=direct_io)  # payloads: buffered, or the page cache else direct I/O
         fmt.prepare_dir(self.path)
         self._scan()
         self._thread = threading.Thread(target=self._run, name="lw-disk-tier", daemon=True)
@@ -223,13 +227,15 @@ class DiskTier:
             return None
         data = None
         try:
+            if self.reads.direct:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead of what direct I/O reads
             head = fmt.read_header(fd, bkey)
             ident = (os.fstat(fd).st_ino, head.generation)
             check = self._verified.get(name) != ident
             if head.nbytes <= fmt.CHUNK and self._keep(head.nbytes):
                 buf = self._take(head.nbytes)
                 try:
-                    fmt.read_payload_into(fd, head, buf, check=check)
+                    fmt.read_payload_into(fd, head, buf, check=check, reads=self.reads)
                 except BaseException:
                     self._unkeep(head.nbytes)
                     self._give(buf)
@@ -267,15 +273,17 @@ class DiskTier:
             self._kept -= n
 
     def _take(self, n: int) -> mmap.mmap:
-        """A buffer of ``n`` bytes: a released one when there is one (its pages already mapped),
-        else fresh anonymous memory, whose pages the kernel maps as the read fills them (no zeroing
-        pass under the GIL, as ``bytearray(n)`` would make)."""
+        """A buffer for a payload of ``n`` bytes (``aligned(n)`` long, page-aligned: direct I/O
+        fills it): a released one when there is one (its pages already mapped), else fresh
+        anonymous memory, whose pages the kernel maps as the read fills them (no zeroing pass
+        under the GIL, as ``bytearray(n)`` would make)."""
+        size = aligned(n)
         with self._cv:
-            free = self._free.get(n)
+            free = self._free.get(size)
             if free:
-                self._free_bytes -= n
+                self._free_bytes -= size
                 return free.pop()
-        return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
 
     def _give(self, buf: mmap.mmap) -> None:
         """Keep ``buf`` for a later hit, unless a view still points into it (then it stays that

@@ -6,6 +6,7 @@ here (ext4): dropping a synced file from the page cache sends its next read to t
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -132,5 +133,29 @@ def test_a_filesystem_that_refuses_direct_io_is_read_through_the_page_cache_logg
         assert not t.reads.direct and first >= 1 and no_direct.refused == first  # learnt, not tried again
         assert t.reads.counts["buffered"] == 8 and t.reads.counts["direct"] == 0
         assert sum("refuses direct I/O" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        t.close()
+
+
+class _NoCachestat:
+    """libc whose ``cachestat`` fails as on a filesystem that does not support it."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def syscall(self, *args: object) -> int:
+        self.calls += 1
+        ctypes.set_errno(errno.EOPNOTSUPP)
+        return -1
+
+
+def test_a_page_cache_that_cannot_be_asked_about_sends_reads_to_the_disk_and_keeps_the_files(tmp_path, monkeypatch):
+    libc = _NoCachestat()
+    monkeypatch.setattr(disk_payload_reads, "_LIBC", libc)
+    t, data = _tier(tmp_path, 3)  # just written: in the page cache, but nobody can tell
+    try:
+        _hit(t, data)
+        assert libc.calls == 3 and t.reads.counts == {"direct": 3}
+        assert t.stats()["disk_corrupt"] == 0 and len(os.listdir(t.path)) == 4  # three objects and the marker
     finally:
         t.close()

@@ -59,7 +59,8 @@ _have_cachestat = platform.system() == "Linux"
 
 def resident(fd: int, offset: int, n: int) -> bool:
     """Whether all ``n`` bytes at ``offset`` (page-aligned) of ``fd`` are in the page cache
-    (``cachestat``; False where the kernel lacks it). Neither a read that must not block
+    (``cachestat``). False where it cannot say (a kernel without it, a sandbox or filesystem that
+    refuses it): the read then goes to the disk, never fails for it. Neither a read that must not block
     (``RWF_NOWAIT``: it starts reading what is missing into the page cache, which the direct read
     then reads again) nor ``mincore`` (a mapping per file: its unmapping stalls every thread of the
     process) would do."""
@@ -68,11 +69,9 @@ def resident(fd: int, offset: int, n: int) -> bool:
         return n <= 0
     rng, st = _Range(offset, n), _Stat()
     if _LIBC.syscall(_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) != 0:
-        e = ctypes.get_errno()
-        if e in (errno.ENOSYS, errno.EPERM):  # an older kernel, or a sandbox that forbids it
+        if ctypes.get_errno() in (errno.ENOSYS, errno.EPERM):  # an older kernel, or a sandbox that forbids it
             _have_cachestat = False
-            return False
-        raise OSError(e, f"cachestat: {os.strerror(e)}")
+        return False
     return bool(st.nr_cache >= -(-n // mmap.PAGESIZE))
 
 

@@ -12,7 +12,7 @@ import fcntl
 import logging
 import os
 
-import numpy as np
+from disk_support import demoted_tier
 
 from lw_core.backends.embedded import disk_format as fmt
 from lw_core.backends.embedded import disk_payload_reads
@@ -22,13 +22,7 @@ OBJ = 300_001  # not a multiple of 4 KiB: the direct read asks for whole blocks 
 
 
 def _tier(tmp_path, n: int, *, direct_io: bool = True) -> tuple[DiskTier, dict[bytes, bytes]]:
-    t = DiskTier(str(tmp_path / "disk"), 64 << 20, queue_bytes=32 << 20, direct_io=direct_io)
-    rng = np.random.default_rng(11)
-    data = {f"k{i}".encode(): rng.integers(0, 256, OBJ, dtype=np.uint8).tobytes() for i in range(n)}
-    for k, v in data.items():
-        t.offer(k, memoryview(v))
-    assert t.flush()
-    return t, data
+    return demoted_tier(tmp_path, n, OBJ, seed=11, direct_io=direct_io)
 
 
 def _drop_cache(t: DiskTier) -> None:

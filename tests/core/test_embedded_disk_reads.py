@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 import pytest
+from disk_support import demoted_tier
 
 from lw_core.backends.embedded import disk_format as fmt
 from lw_core.backends.embedded import disk_tier
@@ -22,13 +23,7 @@ BUF = aligned(OBJ)  # a payload buffer: direct I/O reads whole 4 KiB blocks
 
 
 def _tier(tmp_path, n: int) -> tuple[DiskTier, dict[bytes, bytes]]:
-    t = DiskTier(str(tmp_path / "disk"), 64 << 20, queue_bytes=32 << 20)
-    rng = np.random.default_rng(7)
-    data = {f"k{i}".encode(): rng.integers(0, 256, OBJ, dtype=np.uint8).tobytes() for i in range(n)}
-    for k, v in data.items():
-        t.offer(k, memoryview(v))
-    assert t.flush()
-    return t, data
+    return demoted_tier(tmp_path, n, OBJ, seed=7)
 
 
 def _path(tmp_path, bkey: bytes) -> str:

@@ -38,7 +38,6 @@ from collections import Counter
 from lw_core.backends.embedded.records import log
 
 ALIGN = 4096  # O_DIRECT's alignment of buffers, offsets and lengths (any block size up to a page)
-READS = ("cached", "direct", "buffered")  # where payloads came from (``counts``)
 
 
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -87,8 +86,19 @@ class PayloadReads:
     def __init__(self, path: str, *, direct: bool) -> None:
         self.path = path
         self.direct = direct and hasattr(os, "O_DIRECT")
-        self.counts: Counter[str] = Counter()
+        self.counts: Counter[str] = Counter()  # where payloads came from: cached, direct, buffered
         self._lock = threading.Lock()
+
+    def opened(self, fd: int) -> None:
+        """Set up a file just opened, before its header is read: with ``direct``, the kernel's
+        readahead off (it would read into the page cache what the direct read then reads again); a
+        filesystem that cannot is left as it is (an error here is no sign of a damaged file)."""
+        if not self.direct:
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        except OSError:
+            pass
 
     def into(self, fd: int, offset: int, buf: mmap.mmap, n: int) -> int:
         """Read the ``n`` bytes at ``offset`` (a multiple of ``ALIGN``) of ``fd`` into the start of

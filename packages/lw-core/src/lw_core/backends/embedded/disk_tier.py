@@ -52,15 +52,6 @@ RESCAN_S = 30.0  # how often the writer thread lists the directory (other proces
 DISK_STATS = (*COUNTERS, "disk_objects", "disk_bytes")  # what ``stats`` reports
 
 
-def no_readahead(fd: int) -> None:
-    """Turn the kernel's readahead off for ``fd``; a filesystem that cannot is left as it is (an
-    error here is no sign of a damaged file)."""
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    except OSError:
-        pass
-
-
 def write_all(fd: int, data: bytes | memoryview) -> None:
     """Write all of ``data`` (tests replace this to simulate a full disk or a kill mid-write)."""
     m = memoryview(data)
@@ -236,8 +227,7 @@ class DiskTier:
             return None
         data = None
         try:
-            if self.reads.direct:
-                no_readahead(fd)  # of what direct I/O reads
+            self.reads.opened(fd)
             head = fmt.read_header(fd, bkey)
             ident = (os.fstat(fd).st_ino, head.generation)
             check = self._verified.get(name) != ident

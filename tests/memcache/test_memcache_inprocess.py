@@ -42,7 +42,7 @@ def test_open_backend_in_process_layerwise_round_trip(pool, make_client):
         other.ok("release", keys=keys)
         theirs = [f"lw1/inproc/theirs/{i}" for i in range(4)]
         assert all(other.ok("reserve", keys=theirs, layers=L, layer_nbytes=N))
-        other.ok("write_layers", keys=theirs, layers=list(range(L)), layer_nbytes=N)
+        other.write(theirs, range(L), N)
         other.ok("commit", keys=theirs)
 
         hs = backend.open(theirs + ["lw1/inproc/none"])

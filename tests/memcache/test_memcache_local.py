@@ -69,7 +69,7 @@ def test_holder_keeps_objects_after_their_writer_is_killed(tmp_path, make_client
         keys = [f"lw1/test/held/{i}" for i in range(16)]
         w = make_client(extra)
         assert all(w.ok("reserve", keys=keys, layers=2, layer_nbytes=32 << 10))
-        w.ok("write_layers", keys=keys, layers=[0, 1], layer_nbytes=32 << 10)
+        w.write(keys, [0, 1], 32 << 10)
         w.ok("commit", keys=keys)
         w.kill()
         r = make_client(extra)

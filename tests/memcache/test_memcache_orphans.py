@@ -88,14 +88,14 @@ def test_a_live_writers_fresh_reservation_is_not_taken_for_an_orphan(pool, make_
     b = make_client(pool.extra_config, write_lease_ms=1500)
     assert _reserve(w, key)
     assert not _reserve(b, key)  # being written: b sees it unfinished
-    w.ok("write_layers", keys=[key], layers=list(range(L)), layer_nbytes=N)
+    w.write([key], range(L), N)
     w.ok("commit", keys=[key])
     w.ok("remove", keys=[key])  # evicted
     time.sleep(1.8)  # longer than b's write lease since b's sighting
     assert _reserve(w, key)  # the writer saves the key again (its space: the same address)
     assert not _reserve(b, key)  # a fresh reservation: not orphaned, b leaves it to its writer
     assert b.ok("stats")["reserved"] == 0
-    w.ok("write_layers", keys=[key], layers=list(range(L)), layer_nbytes=N)
+    w.write([key], range(L), N)
     w.ok("commit", keys=[key])
     assert all(b.ok("open", keys=[key]))
     assert b.read([(key, 0, L * N)]) == [b"".join(expected(key, i, N) for i in range(L))]
@@ -111,7 +111,7 @@ def test_seeing_the_key_committed_forgets_the_earlier_reservation(pool, make_cli
     t0 = time.monotonic()
     assert _reserve(w, key)
     assert not _reserve(b, key)  # b's sighting of the first reservation
-    w.ok("write_layers", keys=[key], layers=list(range(L)), layer_nbytes=N)
+    w.write([key], range(L), N)
     w.ok("commit", keys=[key])
     assert not _reserve(b, key)  # committed: b forgets its sighting
     time.sleep(max(0.0, t0 + 1.2 - time.monotonic()))

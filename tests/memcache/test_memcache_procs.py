@@ -24,7 +24,7 @@ def _save_eventually(c, keys, n, timeout_s) -> bool:
         rest = [k for k in keys if k not in done]
         got = [k for k, ok in zip(rest, c.ok("reserve", keys=rest, layers=L, layer_nbytes=n)) if ok]
         if got:
-            c.ok("write_layers", keys=got, layers=list(range(L)), layer_nbytes=n)
+            c.write(got, range(L), n)
             c.ok("commit", keys=got)
             done.update(got)
         return len(done) == len(keys)
@@ -34,7 +34,7 @@ def _save_eventually(c, keys, n, timeout_s) -> bool:
 
 def _write_all(w, keys, layers=range(L)):
     assert all(w.ok("reserve", keys=keys, layers=L, layer_nbytes=N))
-    w.ok("write_layers", keys=keys, layers=list(layers), layer_nbytes=N)
+    w.write(keys, layers, N)
 
 
 def test_round_trip_across_processes_per_layer_and_whole(pool, make_client):
@@ -128,7 +128,7 @@ def test_metaservice_killed_fails_fast_and_restart_is_picked_up(pool, make_clien
     assert r.ok("lookup", keys=keys) in (0, 5)
     fresh = _keys("meta-after", 3)
     assert wait_until(lambda: all(w.call("reserve", keys=fresh, layers=L, layer_nbytes=N).get("value") or [False]), 30)
-    w.ok("write_layers", keys=fresh, layers=list(range(L)), layer_nbytes=N)
+    w.write(fresh, range(L), N)
     w.ok("commit", keys=fresh)
     assert r.ok("lookup", keys=fresh) == 3
     assert all(r.ok("open", keys=fresh))
@@ -143,7 +143,7 @@ def _offer_100_mib(c, n) -> int:
         ok = c.ok("reserve", keys=keys, layers=L, layer_nbytes=n)
         got = [k for k, o in zip(keys, ok) if o]
         refused += len(keys) - len(got)
-        c.ok("write_layers", keys=got, layers=list(range(L)), layer_nbytes=n)
+        c.write(got, range(L), n)
         c.ok("commit", keys=got)
     return refused
 

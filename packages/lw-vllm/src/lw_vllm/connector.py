@@ -170,6 +170,12 @@ class LayerwiseStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
+    def has_pending_block_frees(self) -> bool:
+        """Asked by vLLM's scheduler before it preempts a request for lack of blocks: ``True``
+        while finished requests' blocks are held for their background saves (they come back
+        within the saves' deadlines), so it waits for those instead of preempting."""
+        return self._sched is not None and self._sched.has_pending_block_frees()
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The pool's chunks stored and found gone since the last call (``pool_events``)."""
         return self._sched.events.take() if self._sched is not None else ()

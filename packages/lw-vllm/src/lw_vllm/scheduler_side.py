@@ -403,6 +403,11 @@ class SchedulerSide:
         # Its saves (if any) completed inside their step: nothing still reads these blocks.
         return False, None
 
+    def has_pending_block_frees(self) -> bool:
+        """Finished requests' blocks held for their background saves (``LateFrees``) come back
+        soon: vLLM waits for them rather than preempting a running request."""
+        return self.late.pending()
+
     def request_finished_all_groups(self, req: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         return self.request_finished(req, list(block_ids[self.groups.anchor]) if block_ids else [])
 

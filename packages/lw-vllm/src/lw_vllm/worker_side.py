@@ -7,7 +7,8 @@ otherwise), per attention layer ``wait_for_layer_load`` then ``save_kv_layer``, 
 background saves (``pool.saves_in_background``: kv_both, dense models), where ``wait_for_save``
 hands the step's saves to the pipeline's background finisher and the requests the scheduler frees
 late are reported in ``finished_sending`` once none of their saves is running; a preempted
-request's saves are waited for in ``handle_preemptions``, before vLLM reuses its blocks.
+request's saves stop reading its blocks in ``handle_preemptions`` (waited for, then cancelled),
+before vLLM reuses them.
 
 Collaborators this side builds and owns: ``LoadSources`` (load_sources: which objects a load
 reads), ``WorkerReport`` (worker_report: what goes back to vLLM each pass), and with the KV caches
@@ -214,7 +215,8 @@ class WorkerSide:
         return self.ledger.take_finished(self._meta) if self.ledger is not None else None
 
     def handle_preemptions(self, meta: Any) -> None:
-        """vLLM frees a preempted request's blocks at once: wait for its background saves first."""
+        """vLLM frees a preempted request's blocks at once: its background saves stop reading them
+        first (``SaveLedger.wait_preempted``)."""
         if self.ledger is not None:
             self.ledger.wait_preempted(set(getattr(meta, "preempted", None) or ()))
 

@@ -150,7 +150,8 @@ def test_proxy_runs_without_numpy_lmdb_tqdm():
 
 def test_embedded_backend_without_its_extra_names_the_extra(tmp_path):
     code = (
-        "from lw_core.backend import BackendError, open_backend; from lw_core.config import parse_config\n"
+        "from lw_core.backend import BackendError; from lw_core.backends.registry import open_backend\n"
+        "from lw_core.config import parse_config\n"
         f"cfg = parse_config({{'embedded_path': {str(tmp_path / 'pool')!r}}})\n"
         "try:\n    open_backend(cfg)\nexcept BackendError as e:\n    print(e)\n"
     )

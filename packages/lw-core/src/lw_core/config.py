@@ -17,7 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from lw_core.backends import registry
-from lw_core.backends.builtin import MAX_CAPACITY_BYTES, default_embedded_path
+from lw_core.backends.embedded_defaults import MAX_CAPACITY_BYTES, default_embedded_path
 from lw_core.validation import convert_strict
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")

@@ -16,12 +16,13 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.
 from lw_core.backends.memory import MemoryBackend  # noqa: E402
 from lw_core.config import parse_config  # noqa: E402
 from lw_core.pipeline import SaveResult  # noqa: E402
-from lw_vllm import pool, request_stats  # noqa: E402
+from lw_vllm import pool  # noqa: E402
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta  # noqa: E402
-from lw_vllm.save_book import SaveBook  # noqa: E402
-from lw_vllm.save_ledger import SaveLedger  # noqa: E402
-from lw_vllm.scheduler_side import SchedulerSide  # noqa: E402
-from lw_vllm.worker_side import WorkerSide  # noqa: E402
+from lw_vllm.scheduler import request_stats  # noqa: E402
+from lw_vllm.scheduler.scheduler_side import SchedulerSide  # noqa: E402
+from lw_vllm.worker.save_book import SaveBook  # noqa: E402
+from lw_vllm.worker.save_ledger import SaveLedger  # noqa: E402
+from lw_vllm.worker.worker_side import WorkerSide  # noqa: E402
 
 BLOCK = 16
 

@@ -55,14 +55,14 @@ class LayerwiseStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = None
         self.stats = Collector()
         if role == KVConnectorRole.SCHEDULER:
-            from lw_vllm.scheduler_side import SchedulerSide
+            from lw_vllm.scheduler.scheduler_side import SchedulerSide
 
             # vLLM reads its load-failure policy right after creating this connector.
             self._kv_transfer_config.kv_load_failure_policy = self.cfg.kv_load_failure_policy
             # The scheduler part records what only it sees (lookup errors, metaserver waits) in stats.
             self._sched = SchedulerSide(vllm_config, kv_cache_config, self.cfg, kv_role, self.stats)
         else:
-            from lw_vllm.worker_side import WorkerSide
+            from lw_vllm.worker.worker_side import WorkerSide
 
             self._worker = WorkerSide(vllm_config, kv_cache_config, self.cfg, kv_role, self.stats)
 

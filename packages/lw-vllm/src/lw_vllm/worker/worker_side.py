@@ -27,19 +27,20 @@ from lw_core.config import PoolConfig
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_core.tp_split import TpSplitError
-from lw_vllm import kv_layout, pool
-from lw_vllm.copier import TorchCopier, block_order
-from lw_vllm.group_copier import GroupCopier
-from lw_vllm.load_sources import LoadSources
+from lw_vllm import pool
+from lw_vllm.device.copier import TorchCopier, block_order
+from lw_vllm.hybrid.group_copier import GroupCopier
+from lw_vllm.identity import kv_layout
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector, PoolCounters
+from lw_vllm.pd.stream_recv import StreamReceiver
 from lw_vllm.pool_events import events_enabled
-from lw_vllm.recurrent_states import RecurrentStates
-from lw_vllm.save_book import SaveBook
-from lw_vllm.save_ledger import SaveLedger
-from lw_vllm.stream_loads import StreamLoads
-from lw_vllm.stream_recv import StreamReceiver
-from lw_vllm.worker_report import WorkerReport
+from lw_vllm.worker.load_sources import LoadSources
+from lw_vllm.worker.recurrent_states import RecurrentStates
+from lw_vllm.worker.save_book import SaveBook
+from lw_vllm.worker.save_ledger import SaveLedger
+from lw_vllm.worker.stream_loads import StreamLoads
+from lw_vllm.worker.worker_report import WorkerReport
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ from collections.abc import Collection
 from lw_core.pipeline import LayerPipeline, SaveResult
 from lw_vllm.meta import LayerwiseMeta
 from lw_vllm.metrics import Collector
-from lw_vllm.save_book import SaveBook
-from lw_vllm.stream_recv import IDLE_WAIT_S
-from lw_vllm.worker_report import WorkerReport
+from lw_vllm.pd.stream_recv import IDLE_WAIT_S
+from lw_vllm.worker.save_book import SaveBook
+from lw_vllm.worker.worker_report import WorkerReport
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from lw_vllm.meta import LayerwiseMeta
-from lw_vllm.request_state import ReqState
+from lw_vllm.request.request_state import ReqState
 
 
 class LateFrees:

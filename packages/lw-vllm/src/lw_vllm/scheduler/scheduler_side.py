@@ -45,18 +45,19 @@ from typing import Any
 
 from lw_core.config import PoolConfig
 from lw_core.keys import chunk_hashes
-from lw_vllm import pool, state_layout
-from lw_vllm.group_blocks import GroupBlocks
-from lw_vllm.late_frees import LateFrees
+from lw_vllm import pool
+from lw_vllm.hybrid import state_layout
+from lw_vllm.hybrid.group_blocks import GroupBlocks
+from lw_vllm.hybrid.state_plan import StatePlan
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector
-from lw_vllm.pd_coordinator import PdCoordinator, parent_id
-from lw_vllm.pd_metaserver import MetaserverClient
+from lw_vllm.pd.pd_coordinator import PdCoordinator, parent_id
+from lw_vllm.pd.pd_metaserver import MetaserverClient
 from lw_vllm.pool_events import PoolEvents, events_enabled
-from lw_vllm.pool_lookup import PoolLookup
-from lw_vllm.request_state import RemotePhase, ReqState
-from lw_vllm.request_stats import StatsLog
-from lw_vllm.state_plan import StatePlan
+from lw_vllm.request.request_state import RemotePhase, ReqState
+from lw_vllm.scheduler.late_frees import LateFrees
+from lw_vllm.scheduler.pool_lookup import PoolLookup
+from lw_vllm.scheduler.request_stats import StatsLog
 
 log = logging.getLogger(__name__)
 

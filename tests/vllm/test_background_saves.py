@@ -266,7 +266,7 @@ def test_a_preempted_requests_save_stalled_in_the_store_never_commits_the_next_o
     from lw_core.pipeline.host_copier import HostCopier
     from lw_core.plan import ObjectLayout, ReqSave
     from lw_vllm.metrics import Collector
-    from lw_vllm.worker_report import WorkerReport
+    from lw_vllm.worker.worker_report import WorkerReport
 
     timeout_s, queued = 0.2, 15  # the queue takes far longer than a wait for the preempted saves
     layout = ObjectLayout(layer_nbytes=(64, 64))

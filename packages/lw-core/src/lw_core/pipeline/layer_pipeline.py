@@ -77,10 +77,22 @@ class LayerPipeline:
             staging=StagingPool(copier.wait, alloc=getattr(copier, "host_buffer", None)),
             sleep=sleep,
         )
+        self._register_host()
         self._load: LoadStep | None = None
         self._save: SaveStep | None = None
         self._finisher = SaveFinisher()
         self._closed = False
+
+    def _register_host(self) -> None:
+        """Hand the backend's host memory to a copier that registers it with its device."""
+        regions = getattr(self.ctx.backend, "host_regions", None)
+        register = getattr(self.ctx.copier, "register_host", None)
+        if regions is None or register is None:
+            return
+        try:
+            register(regions())
+        except Exception:
+            log.exception("registering the pool's host memory with the device failed; copies go through staging")
 
     @property
     def backend(self) -> Backend[Any]:

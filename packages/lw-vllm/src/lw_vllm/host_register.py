@@ -68,6 +68,7 @@ class HostRegistry:
         self.ops = ops
         self._lock = threading.Lock()
         self._regions: list[Region] = []
+        self._failed: set[tuple[int, int]] = set()  # ranges that could not be registered: not tried again
         self.failures = 0
 
     def register(self, buffers: Sequence[Any]) -> None:
@@ -79,8 +80,8 @@ class HostRegistry:
             if end <= start:
                 continue
             with self._lock:
-                if any(r.addr <= start < r.addr + r.nbytes for r in self._regions):
-                    continue  # registered already (another pipeline over the same pool)
+                if (start, end) in self._failed or any(r.addr <= start < r.addr + r.nbytes for r in self._regions):
+                    continue  # registered already (another pipeline over the same pool), or refused
             pieces = [(a, min(PIECE_MAX, end - a)) for a in range(start, end, PIECE_MAX)]
             done: list[int] = []
             try:
@@ -92,6 +93,7 @@ class HostRegistry:
                     self._unregister(a)
                 with self._lock:
                     self.failures += 1
+                    self._failed.add((start, end))
                 log.warning("lw-vllm: could not register %d bytes of pool memory with %s (%s); its copies go "
                             "through pinned staging", end - start, self.ops.device, e)
                 continue

@@ -243,13 +243,13 @@ def measure(cfg: dict[str, Any]) -> pipeline_result.PipelineBenchResult:
     import time
 
     import numpy as np
-    from tqdm import tqdm
 
+    from lw_bench.pipeline_steps import StepLoop, run_scenarios
     from lw_core.pipeline import LayerPipeline
     from lw_core.pipeline.host_copier import HostCopier
     from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 
-    layers, blocks, bb, reps, depths = cfg["layers"], cfg["blocks"], cfg["block_bytes"], cfg["reps"], cfg["depths"]
+    layers, blocks, bb = cfg["layers"], cfg["blocks"], cfg["block_bytes"]
     layout = ObjectLayout(layer_nbytes=(bb,) * layers)
     total = layout.nbytes * blocks
     keys = [f"bench/{i}" for i in range(blocks)]
@@ -267,100 +267,52 @@ def measure(cfg: dict[str, Any]) -> pipeline_result.PipelineBenchResult:
             saved = pipe.finish_save()
         if len(saved.committed_keys) + len(saved.skipped_keys) != blocks:
             raise SystemExit(f"lw-bench pipeline: could not fill the pool: {saved.errors}")
-        loads = [ReqLoad("bench", keys, list(range(blocks)))]
-        failures: list[int] = []
-        errors: list[str] = []
-        verified = True
-        waits: dict[str, list[float]] = {}
 
-        def step(pipe: Any, compute: Any, tag: str) -> float:
-            nonlocal verified
+        def reset() -> None:
             dst.kv[0][:1] = 0  # cheap marker: a run that loads nothing would leave it 0
-            t0 = time.perf_counter()
-            pipe.start_load(loads)
-            if pipe.layerwise:
-                for layer in range(layers):
-                    pipe.wait_layer(layer)
-                    compute()
-            elif compute is not None:
-                for _ in range(layers):
-                    compute()
-            res = pipe.finish_load()
-            dt = time.perf_counter() - t0
-            failures.append(len(res.failed_block_ids))
-            errors.extend(e for e in res.errors if e not in errors)
-            waits.setdefault(tag, []).append(sum(res.layer_wait_s))
-            if not all(np.array_equal(dst.kv[i], src.kv[i]) for i in range(layers)):
-                verified = False
-            return dt
 
-        def fresh(**kw: Any) -> Any:
-            return LayerPipeline(backend, dst, layout, layer_timeout_s=30.0, **kw)
-
-        bulk_pipe = fresh(layerwise=False)
-        step(bulk_pipe, None, "warmup")
-        t_transfer_layer = _median([step(bulk_pipe, None, "warmup") for _ in range(3)]) / layers
-        target = cfg["compute_ms"] / 1e3 if cfg["compute_ms"] else t_transfer_layer
-        n, kernel = _calibrate_matmul(target)
-        lw_pipes = {d: fresh(prefetch_depth=d) for d in depths}
-        samples: dict[str, list[float]] = {
-            k: [] for k in ["compute", "transfer", "bulk", *(f"layerwise_{d}" for d in depths), "raw_copy", "raw_overlap"]
-        }
+        loop = StepLoop([ReqLoad("bench", keys, list(range(blocks)))], layers, sync=lambda: None, reset=reset,
+                        verify=lambda: all(np.array_equal(dst.kv[i], src.kv[i]) for i in range(layers)))
         raw_src = [a.reshape(-1) for a in src.kv]
         raw_dst = [a.reshape(-1) for a in dst.kv]
 
-        def raw_copy() -> None:
+        def copy_all() -> None:
             for i in range(layers):
                 np.copyto(raw_dst[i], raw_src[i])
 
-        def raw_overlap() -> float:
-            # the machine's own limit: one plain numpy memcpy thread next to the same compute
+        def timed(fn: Any) -> float:
             t0 = time.perf_counter()
-            th = threading.Thread(target=raw_copy)
-            th.start()
-            for _ in range(layers):
-                kernel()
-            th.join()
+            fn()
             return time.perf_counter() - t0
 
-        try:
-            for p in lw_pipes.values():
-                step(p, kernel, "warmup")
-            with tqdm(total=reps * len(samples), desc="lw-bench pipeline", file=sys.stderr, unit="run") as bar:
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    for _ in range(layers):
-                        kernel()
-                    samples["compute"].append(time.perf_counter() - t0)
-                    bar.update()
-                    samples["transfer"].append(step(bulk_pipe, None, "transfer"))
-                    bar.update()
-                    samples["bulk"].append(step(bulk_pipe, kernel, "bulk"))
-                    bar.update()
-                    for d, p in lw_pipes.items():
-                        samples[f"layerwise_{d}"].append(step(p, kernel, str(d)))
-                        bar.update()
-                    t0 = time.perf_counter()
-                    raw_copy()
-                    samples["raw_copy"].append(time.perf_counter() - t0)
-                    bar.update()
-                    samples["raw_overlap"].append(raw_overlap())
-                    bar.update()
-        finally:
-            bulk_pipe.close()
-            for p in lw_pipes.values():
-                p.close()
+        def compute_all(kernel: Any) -> float:
+            return timed(lambda: [kernel() for _ in range(layers)])
+
+        def raw_overlap(kernel: Any) -> float:
+            # the machine's own limit: one plain numpy memcpy thread next to the same compute
+            def both() -> None:
+                th = threading.Thread(target=copy_all)
+                th.start()
+                for _ in range(layers):
+                    kernel()
+                th.join()
+
+            return timed(both)
+
+        samples, n, target = run_scenarios(
+            loop, lambda **kw: LayerPipeline(backend, dst, layout, layer_timeout_s=30.0, **kw), _calibrate_matmul, cfg,
+            compute_all=compute_all, raw_copy=lambda: timed(copy_all), raw_overlap=raw_overlap)
     finally:
         backend.close()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
     config = {"layers": layers, "blocks": blocks, "block_bytes": bb, "layer_bytes": bb * blocks,
-              "total_bytes": total, "reps": reps, "depths": depths, "backend": cfg["backend"],
+              "total_bytes": total, "reps": cfg["reps"], "depths": cfg["depths"], "backend": cfg["backend"],
               "backend_keys": cfg.get("backend_keys") or {},
               "compute_ms_target": target * 1e3, "matmul_n": n,
               "blas_threads_env": {k: os.environ.get(k) for k in _BLAS_ENV[:2]}}
-    return summarize(config, samples, waits, failures, errors, verified)
+    return summarize(config, samples, loop.waits, loop.failures, loop.errors, loop.verified)
 
 
 def summarize(config: dict[str, Any], samples: dict[str, list[float]], waits: dict[str, list[float]],

@@ -220,7 +220,7 @@ class TorchCopier:
 
     @property
     def register_failures(self) -> int:
-        return 0 if self.dev is None else self.dev.direct.registry.failures
+        return 0 if self.dev is None else self.dev.direct.register_failures
 
     @property
     def mechanism_counts(self) -> dict[str, int]:

@@ -155,6 +155,7 @@ class TorchDeviceOps:
             except ImportError:
                 pass
         self.can_batch_copy = self._driver is not None
+        self.process_wide = True  # one registry of host memory per device and process (lw_vllm.host_register)
 
     def new_stream(self) -> Any:
         return torch.Stream(device=self.device)

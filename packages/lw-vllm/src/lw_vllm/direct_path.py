@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from lw_vllm.device_streams import DeviceOps
-from lw_vllm.host_register import HostRegistry, Region
+from lw_vllm.host_register import Region, registry_for
 from lw_vllm.zero_copy import word_size
 
 MECHANISMS = ("auto", "kernel", "batch_dma", "staged")
@@ -50,15 +50,16 @@ class DirectPath:
     def __init__(self, ops: DeviceOps, mechanism: str = "auto"):
         self.ops = ops
         self.mechanism = check_mechanism(mechanism)
-        self.registry = HostRegistry(ops)
+        self.registry = registry_for(ops)
         self.counts = {"kernel": 0, "batch_dma": 0, "staged": 0}
+        self.register_failures = 0
 
     def register(self, buffers: Sequence[Any]) -> None:
         if self.mechanism != "staged":
-            self.registry.register(buffers)
+            self.register_failures += self.registry.register(buffers, id(self))
 
     def close(self) -> None:
-        self.registry.close()
+        self.registry.release(id(self))
 
     def _how(self, region: Region, segment: int) -> str | None:
         can_dma = bool(getattr(self.ops, "can_batch_copy", False))
@@ -77,7 +78,7 @@ class DirectPath:
         """How a batch of ``n``-byte host buffers moves directly, or None (staged path)."""
         if self.mechanism == "staged":
             return None
-        found = self.registry.locate(bufs, n)
+        found = self.registry.locate(bufs, n, id(self))
         if found is None:
             return None
         region, offsets = found

@@ -7,10 +7,15 @@ The registry keeps a numpy array over each range: the mapping cannot be unmapped
 registered (the embedded pool's ``close`` leaves a mapping that still has users), so a new mapping
 can never appear at a registered address. Registration pins (faults in) every page.
 
-A failed registration is logged once per range, counted in ``failures`` (the connector reports it
-as ``vllm:lw_pool_device_register_failures_total``) and leaves that range's copies on the staged
-path. ``locate`` says whether every buffer of a batch lies in one registered range, and where;
-``close`` unregisters everything.
+A failed registration is logged once per range, counted by the copier that asked
+(``register_failures``; the connector reports it as ``vllm:lw_pool_device_register_failures_total``)
+and leaves that range's copies on the staged path; the range is not tried again (its array is kept,
+so no other mapping can take its address meanwhile). ``locate`` says whether every buffer of a batch lies in one registered range, and where.
+
+A range can be registered only once per process, so on a real device every copier of the process
+shares one registry per device (``registry_for``; ops with ``process_wide`` set): each copier
+holds the ranges it registered, and ``release(holder)`` unregisters a range once no copier holds
+it. Test fakes get a registry of their own.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Region:
     nbytes: int
     arr: np.ndarray  # keeps the mapping alive while registered
     pieces: list[tuple[int, int]]
+    holders: set[int] = field(default_factory=set)  # ids of the copiers (direct paths) using it
     _view: torch.Tensor | None = None
     _view_tried: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -68,10 +74,12 @@ class HostRegistry:
         self.ops = ops
         self._lock = threading.Lock()
         self._regions: list[Region] = []
-        self._failed: set[tuple[int, int]] = set()  # ranges that could not be registered: not tried again
-        self.failures = 0
+        self._failed: dict[tuple[int, int], np.ndarray] = {}  # ranges refused: not tried again
 
-    def register(self, buffers: Sequence[Any]) -> None:
+    def register(self, buffers: Sequence[Any], holder: int) -> int:
+        """Register each buffer's page-aligned range (once per process) for ``holder``; returns how
+        many ranges could not be registered now."""
+        failed = 0
         for buf in buffers:
             arr = np.frombuffer(buf, dtype=np.uint8)
             addr, n = int(arr.ctypes.data), int(arr.nbytes)
@@ -80,25 +88,30 @@ class HostRegistry:
             if end <= start:
                 continue
             with self._lock:
-                if (start, end) in self._failed or any(r.addr <= start < r.addr + r.nbytes for r in self._regions):
-                    continue  # registered already (another pipeline over the same pool), or refused
-            pieces = [(a, min(PIECE_MAX, end - a)) for a in range(start, end, PIECE_MAX)]
-            done: list[int] = []
-            try:
-                for a, m in pieces:
-                    self.ops.register_host(a, m)
-                    done.append(a)
-            except Exception as e:
-                for a in done:
-                    self._unregister(a)
-                with self._lock:
-                    self.failures += 1
-                    self._failed.add((start, end))
-                log.warning("lw-vllm: could not register %d bytes of pool memory with %s (%s); its copies go "
-                            "through pinned staging", end - start, self.ops.device, e)
-                continue
-            with self._lock:
-                self._regions.append(Region(start, end - start, arr[start - addr : end - addr], pieces))
+                if (start, end) in self._failed:
+                    continue  # refused before: not tried again
+                known = [r for r in self._regions if r.addr <= start < r.addr + r.nbytes]
+                if known:  # registered already (another pipeline or copier over the same pool)
+                    known[0].holders.add(holder)
+                    continue
+                pieces = [(a, min(PIECE_MAX, end - a)) for a in range(start, end, PIECE_MAX)]
+                done: list[int] = []
+                try:
+                    for a, m in pieces:
+                        self.ops.register_host(a, m)
+                        done.append(a)
+                except Exception as e:
+                    for a in done:
+                        self._unregister(a)
+                    self._failed[(start, end)] = arr
+                    failed += 1
+                    log.warning("lw-vllm: could not register %d bytes of pool memory with %s (%s); its copies go "
+                                "through pinned staging", end - start, self.ops.device, e)
+                    continue
+                region = Region(start, end - start, arr[start - addr : end - addr], pieces, {holder})
+                self._regions.append(region)
+            region.device_view(self.ops)  # built now, on the registering thread, not at a first copy
+        return failed
 
     def _unregister(self, addr: int) -> None:
         try:
@@ -106,13 +119,14 @@ class HostRegistry:
         except Exception as e:
             log.warning("lw-vllm: unregistering pool memory at %#x failed: %s", addr, e)
 
-    def regions(self) -> list[Region]:
+    def regions(self, holder: int) -> list[Region]:
         with self._lock:
-            return list(self._regions)
+            return [r for r in self._regions if holder in r.holders]
 
-    def locate(self, bufs: Sequence[Any], n: int) -> tuple[Region, list[int]] | None:
-        """The registered range holding every ``n``-byte buffer of ``bufs`` and their offsets in it."""
-        regions = self.regions()
+    def locate(self, bufs: Sequence[Any], n: int, holder: int) -> tuple[Region, list[int]] | None:
+        """The range ``holder`` registered that holds every ``n``-byte buffer of ``bufs``, and
+        their offsets in it."""
+        regions = self.regions(holder)
         if not regions or not bufs:
             return None
         try:
@@ -125,9 +139,28 @@ class HostRegistry:
                 return r, [a - r.addr for a in addrs]
         return None
 
-    def close(self) -> None:
+    def release(self, holder: int) -> None:
+        """``holder`` is done with its ranges: unregister those nobody else holds."""
         with self._lock:
-            regions, self._regions = self._regions, []
-        for r in regions:
-            for a, _ in r.pieces:
-                self._unregister(a)
+            for r in self._regions:
+                r.holders.discard(holder)
+            gone = [r for r in self._regions if not r.holders]
+            self._regions = [r for r in self._regions if r.holders]
+            for r in gone:
+                for a, _ in r.pieces:
+                    self._unregister(a)
+
+
+_SHARED: dict[str, HostRegistry] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def registry_for(ops: DeviceOps) -> HostRegistry:
+    """The process's registry of ``ops.device`` (real devices), or a registry of its own (fakes)."""
+    if not getattr(ops, "process_wide", False):
+        return HostRegistry(ops)
+    with _SHARED_LOCK:
+        key = str(ops.device)
+        if key not in _SHARED:
+            _SHARED[key] = HostRegistry(ops)
+        return _SHARED[key]

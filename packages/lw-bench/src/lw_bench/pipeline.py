@@ -69,6 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(device copies through lw_vllm's TorchCopier, compute = a matmul on that device; needs torch); "
         "cpu-torch runs the device mode's code on CPU tensors (a smoke test, no overlap to show)",
     )
+    p.add_argument("--mechanism", default="auto", choices=["auto", "kernel", "batch_dma", "staged"],
+                   help="device mode: how the copier moves batches in registered pool memory (device_copy_mechanism; default auto)")
+    p.add_argument("--rates", action="store_true",
+                   help="device mode: also each mechanism's pool rate against the pinned-DMA ceiling at 16/64/256 KiB "
+                   "segments and the model-shaped size (32 layers x 512 blocks x 64 KiB)")
+    p.add_argument("--model-shaped", default="", metavar="SHAPE[,SHAPE]",
+                   help="device mode: also time a dense prefill of these shapes (llama3-8b, llama3-70b, tiny) against "
+                   "loading their prefix at the measured rates")
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,6 +91,10 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "pool_path": args.pool_path,
         "backend_keys": bench_store.parse_keys("pipeline", getattr(args, "backend_key", None)),
         "kv_device": getattr(args, "kv_device", "cpu") or "cpu",
+        "mechanism": getattr(args, "mechanism", "auto"),
+        "rates": bool(getattr(args, "rates", False)),
+        "model_shaped": [x.strip() for x in str(getattr(args, "model_shaped", "") or "").split(",") if x.strip()],
+        "quick": bool(args.quick),
     }
     if args.quick:
         cfg.update(layers=4, blocks=8, block_bytes=16 << 10, reps=1, depths="1,2")
@@ -104,6 +116,12 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     else:
         bench_store.check_keys("pipeline", cfg["backend"], cfg["backend_keys"])
         bench_store.plugin_of("pipeline", cfg["backend"])
+    if cfg["kv_device"] == "cpu" and (cfg["rates"] or cfg["model_shaped"] or cfg["mechanism"] != "auto"):
+        raise SystemExit("lw-bench pipeline: --rates, --model-shaped and --mechanism need --kv-device (a torch device, or cpu-torch)")
+    shapes = ("llama3-8b", "llama3-70b", "tiny")
+    bad = [x for x in cfg["model_shaped"] if x not in shapes]
+    if bad:
+        raise SystemExit(f"lw-bench pipeline: --model-shaped={bad[0]!r} is not a known shape; accepted: {', '.join(shapes)}")
     if cfg["kv_device"] != "cpu-torch" and not re.fullmatch(r"[a-z]+(:[0-9]+)?", str(cfg["kv_device"])):
         raise SystemExit(f"lw-bench pipeline: --kv-device={cfg['kv_device']!r} must be cpu, cpu-torch or a torch device such as cuda, cuda:0, npu:0")
     return cfg
@@ -194,6 +212,17 @@ def _print_table(r: dict[str, Any]) -> None:
         f"(copy {r['t_raw_copy_s'] * 1e3:.2f} ms alone, {r['t_raw_overlap_s'] * 1e3:.2f} ms with compute)"
     )
     print(f"  verified={r['verified']} load_failures={r['load_failures']}")
+    if r.get("mechanism_counts") is not None:
+        moved = ", ".join(f"{k} {v}" for k, v in r["mechanism_counts"].items() if v) or "nothing"
+        print(f"  copier mechanism {c.get('mechanism')}: load batches moved by {moved}")
+    from lw_bench.pipeline_tables import model_lines, rate_lines
+
+    if r.get("rates"):
+        print("pool rates against the pinned-DMA ceiling (same run):")
+        print("\n".join(rate_lines(r["rates"])))
+    if r.get("model_shaped"):
+        print("a pool hit against recomputing the prefix (dense prefill on the device):")
+        print("\n".join(model_lines(r["model_shaped"])))
 
 
 # --- the measurement (runs in the child; numpy is imported only here, after the BLAS env is set) ---

@@ -137,7 +137,7 @@ def test_a_direct_save_reads_the_block_after_its_compute_and_commits_after_its_c
     rec = Recording(pool, _copies_done(cs))
     torch.cuda._sleep(SLEEP_CYCLES)
     for layer in range(LAYERS):
-        kv[layer][SRC].fill_(layer + 1)  # the "attention" writing the blocks, behind the sleep
+        kv[layer][SRC] = layer + 1  # the "attention" writing the blocks, behind the sleep
     res = _save(rec, cs)
     assert res.ok, res.errors
     assert [c for c in rec.calls if c[0] == "commit"] == [("commit", len(KEYS), True)]

@@ -72,6 +72,8 @@ def measure_model(acc: Any, cfg: dict[str, Any], rates: list[RateRow] | None) ->
 
         rates = measure_rates(acc, cfg, only=["model"])
     model = [r for r in rates if r.case == "model"]
+    if not model:
+        return []  # the model-shaped case could not run here (pipeline_rates said why)
     ceiling = model[0].ceiling_load_gbps
     rows: list[ModelRow] = []
     for name in cfg["model_shaped"]:

@@ -202,9 +202,13 @@ class TorchDeviceOps:
     def register_host(self, addr: int, nbytes: int) -> None:
         if self.device.type != "cuda":
             raise NotImplementedError(f"registering host memory with a {self.device.type} device is not implemented")
-        cudart = torch.cuda.cudart()
-        with torch.cuda.device(self.device):
-            rc = _in_thread(lambda: cudart.cudaHostRegister(addr, nbytes, 3))  # portable | mapped
+        cudart, idx = torch.cuda.cudart(), self.device.index or 0
+
+        def register() -> Any:
+            torch.cuda.set_device(idx)  # the new thread's current device
+            return cudart.cudaHostRegister(addr, nbytes, 3)  # portable | mapped
+
+        rc = _in_thread(register)
         code = int(getattr(rc, "value", rc))
         if code != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed: {rc}")

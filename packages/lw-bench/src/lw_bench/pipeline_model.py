@@ -71,7 +71,7 @@ def measure_model(acc: Any, cfg: dict[str, Any], rates: list[RateRow] | None) ->
         from lw_bench.pipeline_rates import measure_rates
 
         rates = measure_rates(acc, cfg, only=["model"])
-    model = [r for r in rates if r.case == "model"]
+    model = [r for r in rates if r.case == "model" and r.load_gbps > 0]
     if not model:
         return []  # the model-shaped case could not run here (pipeline_rates said why)
     ceiling = model[0].ceiling_load_gbps

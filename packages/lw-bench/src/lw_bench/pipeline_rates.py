@@ -149,17 +149,22 @@ def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) 
                 cd = TorchCopier(dst, blocks, ops=acc.ops, mechanism=m)
                 copiers += [cs, cd]
                 key = f"{name}/{m}".replace(" ", "")  # a --pool-path pool may be reused by the next case
-                _save(acc, backend, cs, layout, [f"{key}/warm/{i}" for i in range(4)])
-                t_save = statistics.median(
-                    _save(acc, backend, cs, layout, [f"{key}/{r}/{i}" for i in range(blocks)]) for r in range(saves))
-                t_load, verified = _loads(acc, backend, cd, layout, [f"{key}/0/{i}" for i in range(blocks)], src, dst, reps)
+                error = None
+                try:
+                    _save(acc, backend, cs, layout, [f"{key}/warm/{i}" for i in range(4)])
+                    t_save = statistics.median(
+                        _save(acc, backend, cs, layout, [f"{key}/{r}/{i}" for i in range(blocks)]) for r in range(saves))
+                    t_load, verified = _loads(acc, backend, cd, layout, [f"{key}/0/{i}" for i in range(blocks)], src, dst, reps)
+                except (Exception, SystemExit) as e:  # one mechanism failing must not cost the others' figures
+                    error, t_save, t_load, verified = f"{type(e).__name__}: {e}"[:300], float("inf"), float("inf"), False
+                    print(f"lw-bench pipeline --rates: {name} {m}: {error}", file=sys.stderr)
                 used = {k: cs.mechanism_counts.get(k, 0) + cd.mechanism_counts.get(k, 0) for k in ("kernel", "batch_dma", "staged")}
                 load_gbps, save_gbps = total / t_load / 1e9, total / t_save / 1e9
                 rows.append(RateRow(
                     case=name, layers=layers, blocks=blocks, segment_bytes=bb, total_bytes=total, mechanism=m,
                     load_gbps=load_gbps, save_gbps=save_gbps, ceiling_load_gbps=ceil_load, ceiling_save_gbps=ceil_save,
                     load_of_ceiling=load_gbps / ceil_load, save_of_ceiling=save_gbps / ceil_save, used=used,
-                    verified=verified))
+                    verified=verified, error=error))
         finally:
             for c in copiers:
                 c.close()

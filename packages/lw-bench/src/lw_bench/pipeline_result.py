@@ -49,6 +49,7 @@ class RateRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     save_of_ceiling: float
     used: dict[str, int]  # batches each mechanism really moved (saves and loads)
     verified: bool
+    error: str | None = None  # the mechanism failed here (its rates are 0)
 
 
 class ModelRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -16,7 +16,7 @@ def rate_lines(rows: list[dict[str, Any]]) -> list[str]:
         used = ",".join(f"{k}={v}" for k, v in r["used"].items() if v) or "-"
         out.append(f"  {r['case']:>8} {r['mechanism']:>9} {r['load_gbps']:9.2f} {r['load_of_ceiling']:6.2f} "
                    f"{r['save_gbps']:9.2f} {r['save_of_ceiling']:6.2f} {r['ceiling_load_gbps']:5.1f}/{r['ceiling_save_gbps']:<5.1f}"
-                   f"  {used}{'' if r['verified'] else '  BYTES DIFFER'}")
+                   f"  {used}{'' if r['verified'] else '  NOT VERIFIED'}{'  ' + r['error'] if r.get('error') else ''}")
     return out
 
 

@@ -127,7 +127,7 @@ class FakeOps:
         return torch.from_numpy(arr) if self.views else None
 
     def index(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(values), dtype=torch.long)
+        return torch.from_numpy(np.array(values, dtype=np.int64))
 
     def kernel_h2d(self, layer, ids, region, woffs, word) -> None:
         self._add(("kernel_h2d", self.current_stream().name, self._layer(layer), ids.tolist(), word))
@@ -137,11 +137,11 @@ class FakeOps:
         self._add(("kernel_d2h", self.current_stream().name, self._layer(layer), ids.tolist(), word))
         scatter_from_kv(layer, ids, region, woffs, word)
 
-    def batch_copy(self, dsts: list[int], srcs: list[int], size: int, to_device: bool) -> None:
+    def batch_copy(self, dsts, srcs, size: int, to_device: bool) -> None:
         assert self.can_batch_copy, "batch_copy called although the ops do not offer it"
         self._add(("batch_copy", self.current_stream().name, len(dsts), size, to_device))
         for d, s in zip(dsts, srcs):
-            ctypes.memmove(d, s, size)
+            ctypes.memmove(int(d), int(s), size)
 
 
 def entries(log: list, kind: str) -> list[tuple[int, tuple]]:

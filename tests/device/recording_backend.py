@@ -38,3 +38,16 @@ class Recording:
         with self.called:
             self.called.wait_for(lambda: any(c[0] == name for c in self.calls), timeout_s)
             return [c for c in self.calls if c[0] == name]
+
+
+class ViewsOnly:
+    """The backend without ``view_addresses``: direct copies then take its ``view`` buffers."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.name = inner.name
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "view_addresses":
+            raise AttributeError(name)
+        return getattr(self.inner, name)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="no CUDA device here; scripts/device-check.sh runs these on a GPU machine"
 )
 
-from recording_backend import Recording  # noqa: E402
+from recording_backend import Recording, ViewsOnly  # noqa: E402
 
 from lw_core.backends.embedded import EmbeddedBackend  # noqa: E402
 from lw_core.pipeline import LayerPipeline  # noqa: E402
@@ -80,8 +80,10 @@ def _copies_done(*copiers: TorchCopier):
     return done
 
 
+@pytest.mark.parametrize("by", ["address", "views"])
 @pytest.mark.parametrize("mechanism", ["kernel", "batch_dma", "auto"])
-def test_save_and_load_move_directly_between_the_registered_arena_and_the_kv(pool, mechanism):
+def test_save_and_load_move_directly_between_the_registered_arena_and_the_kv(pool, mechanism, by):
+    pool = pool if by == "address" else ViewsOnly(pool)
     if mechanism == "batch_dma" and not TorchDeviceOps(DEV).can_batch_copy:
         pytest.skip("cuda-python's driver bindings (cuda.bindings) are not installed: no batched DMA")
     src, dst = _kv(True), _kv(False)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from fake_ops import FakeOps, entries, position
-from recording_backend import Recording
+from recording_backend import Recording, ViewsOnly
 
 from lw_core.backends.embedded import EmbeddedBackend
 from lw_core.pipeline import LayerPipeline
@@ -102,8 +102,10 @@ def test_a_failed_registration_is_logged_once_counted_and_copies_are_staged(pool
     assert "could not register" in caplog.records[0].message and "pinned staging" in caplog.records[0].message
 
 
+@pytest.mark.parametrize("by", ["address", "views"])
 @pytest.mark.parametrize("mechanism, kind", [("kernel", "kernel"), ("batch_dma", "batch_copy"), ("auto", "kernel")])
-def test_batches_in_the_registered_pool_move_directly_by_the_chosen_mechanism(pool, mechanism, kind):
+def test_batches_in_the_registered_pool_move_directly_by_the_chosen_mechanism(pool, mechanism, kind, by):
+    pool = pool if by == "address" else ViewsOnly(pool)
     log: list = []
     src, dst = _kv(True), _kv(False)
     cs, cd = _copier(src, log, mechanism), _copier(dst, log, mechanism)
@@ -246,14 +248,20 @@ class GatedViews(Recording):
         super().__init__(inner, lambda: True)
         self.offset, self.gate, self.returned = offset, threading.Event(), threading.Event()
 
+    def view_addresses(self, handles, offset, nbytes):
+        return self._gated(offset, lambda: self.inner.view_addresses(handles, offset, nbytes))
+
     def view(self, handle, offset, nbytes):
+        return self._gated(offset, lambda: self.inner.view(handle, offset, nbytes))
+
+    def _gated(self, offset, fn):
         if offset == self.offset:
             self.gate.wait(10.0)
             try:  # the step released its leases meanwhile: the view is refused, or not
-                return self.inner.view(handle, offset, nbytes)
+                return fn()
             finally:
                 self.returned.set()
-        return self.inner.view(handle, offset, nbytes)
+        return fn()
 
 
 def test_a_direct_load_that_comes_after_the_step_was_cancelled_never_lands(pool):

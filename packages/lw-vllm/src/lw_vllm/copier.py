@@ -218,6 +218,27 @@ class TorchCopier:
         if self.dev is not None:
             self.dev.register(buffers)
 
+    def addressable(self, layer: int, addrs: Any) -> bool:
+        """Whether pool windows of ``layer`` at these host addresses (a backend's
+        ``view_addresses``) can be copied by address (``to_kv_at``/``from_kv_at``): registered
+        memory on a device, and a direct mechanism."""
+        return self.dev is not None and self.dev.direct.addressable(addrs, self.block_nbytes(layer))
+
+    def to_kv_at(self, layer: int, block_ids: Sequence[int], addrs: Any) -> Token:
+        """``to_kv`` from pool windows given by their host addresses (see ``addressable``): no
+        per-window Python object, one submission for the batch."""
+        self._layer(layer)
+        self._check(block_ids, addrs, "addresses")
+        assert self.dev is not None, "addressable() is False on the CPU"
+        return self.dev.to_kv_at(layer, block_ids, addrs, self.block_nbytes(layer)) if len(block_ids) else None
+
+    def from_kv_at(self, layer: int, block_ids: Sequence[int], addrs: Any, after: Token = None) -> Token:
+        """``from_kv`` into pool windows given by their host addresses (see ``addressable``)."""
+        self._layer(layer)
+        self._check(block_ids, addrs, "addresses")
+        assert self.dev is not None, "addressable() is False on the CPU"
+        return self.dev.from_kv_at(layer, block_ids, addrs, self.block_nbytes(layer), after) if len(block_ids) else None
+
     @property
     def register_failures(self) -> int:
         return 0 if self.dev is None else self.dev.direct.register_failures

@@ -108,6 +108,39 @@ class DevicePath:
                     self.wait(self.ops.record(self.h2d_stream), self.copy_timeout_s)  # it may read the pool
                     raise
                 return self.ops.record(self.h2d_stream)
+        return self._staged_to_kv(layer, block_ids, srcs, n, shape, host)
+
+    def to_kv_at(self, layer: int, block_ids: Sequence[int], addrs: Any, n: int) -> Any:
+        """``to_kv`` of pool windows given by their host addresses (registered memory only)."""
+        plan = self.direct.plan_addrs(self.layers[layer], addrs, n)
+        if plan is None:
+            raise ValueError(f"TorchCopier: {len(addrs)} windows of layer {layer} are not all in registered pool memory")
+        with self._h2d_lock, self.ops.on(self.h2d_stream):
+            try:
+                self.direct.h2d(plan, self.layers[layer], block_ids)
+            except BaseException:
+                self._orphan(self.h2d_stream)
+                self.wait(self.ops.record(self.h2d_stream), self.copy_timeout_s)
+                raise
+            return self.ops.record(self.h2d_stream)
+
+    def from_kv_at(self, layer: int, block_ids: Sequence[int], addrs: Any, n: int, after: Any) -> Any:
+        """``from_kv`` into pool windows given by their host addresses (registered memory only)."""
+        plan = self.direct.plan_addrs(self.layers[layer], addrs, n)
+        if plan is None:
+            raise ValueError(f"TorchCopier: {len(addrs)} windows of layer {layer} are not all in registered pool memory")
+        with self._d2h_lock, self.ops.on(self.d2h_stream):
+            if after is not None:
+                self.ops.wait_event(self.d2h_stream, after)
+            try:
+                self.direct.d2h(plan, self.layers[layer], block_ids)
+            except BaseException:
+                self.wait(self.ops.record(self.d2h_stream), self.copy_timeout_s)
+                raise
+            return self.ops.record(self.d2h_stream)
+
+    def _staged_to_kv(self, layer: int, block_ids: Sequence[int], srcs: Sequence[Any], n: int,
+                      shape: tuple[int, int, int], host: Any) -> Any:
         own = None
         if host is None:  # pageable sources: one memcpy into a pinned buffer of ours
             self.direct.staged()

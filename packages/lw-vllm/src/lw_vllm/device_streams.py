@@ -75,7 +75,7 @@ class DeviceOps(Protocol):
     def host_tensor(self, arr: np.ndarray) -> torch.Tensor | None:
         """A uint8 tensor on the device over registered host memory ``arr`` (zero-copy), or None."""
 
-    def index(self, values: Sequence[int]) -> torch.Tensor:
+    def index(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
         """``values`` as an int64 tensor on the device, copied on the current stream without
         blocking the host."""
 
@@ -87,9 +87,9 @@ class DeviceOps(Protocol):
                    word: int) -> None:
         """Enqueue on the current stream: ``lw_vllm.zero_copy.scatter_from_kv``."""
 
-    def batch_copy(self, dsts: list[int], srcs: list[int], size: int, to_device: bool) -> None:
+    def batch_copy(self, dsts: np.ndarray, srcs: np.ndarray, size: int, to_device: bool) -> None:
         """Enqueue on the current stream one DMA submission of ``size`` bytes from each ``srcs[i]``
-        to ``dsts[i]`` (registered host <-> device addresses)."""
+        to ``dsts[i]`` (uint64 arrays of registered host <-> device addresses)."""
 
 
 def _in_thread(fn: Callable[[], Any]) -> Any:
@@ -124,9 +124,25 @@ class _CudaArray:
         }
 
 
-def _memmove_all(dsts: list[int], srcs: list[int], size: int) -> None:
+def _memmove_all(dsts: np.ndarray, srcs: np.ndarray, size: int) -> None:
     for d, s in zip(dsts, srcs):
-        ctypes.memmove(d, s, size)
+        ctypes.memmove(int(d), int(s), size)
+
+
+# cuMemcpyBatchAsync through ctypes, as vLLM's offloading does: the CUDA 12.8 ABI (with failIdx),
+# attributes with the source's access order only (the driver finds where each pointer lives).
+_BATCH_FN = ctypes.CFUNCTYPE(ctypes.c_uint, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_void_p)
+_SRC_ACCESS_ORDER_STREAM = 1
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint), ("id", ctypes.c_int)]
+
+
+class _MemcpyAttributes(ctypes.Structure):
+    _fields_ = [("srcAccessOrder", ctypes.c_uint), ("srcLocHint", _MemLocation), ("dstLocHint", _MemLocation),
+                ("flags", ctypes.c_uint)]
 
 
 def import_device_runtime(device: torch.device) -> None:
@@ -145,16 +161,18 @@ class TorchDeviceOps:
         import_device_runtime(device)
         self.device = device
         self._driver: Any = None
-        self._attrs: dict[bool, Any] = {}
+        self._batch: Any = None  # cuMemcpyBatchAsync (CUDA 12.8 ABI), called through ctypes
+        self._tls = threading.local()
         if device.type == "cuda":
             try:
                 from cuda.bindings import driver
 
-                if hasattr(driver, "cuMemcpyBatchAsync"):
-                    self._driver = driver
-            except ImportError:
+                err, ptr, _ = driver.cuGetProcAddress(b"cuMemcpyBatchAsync", 12080, 0)
+                if err == driver.CUresult.CUDA_SUCCESS and ptr:
+                    self._driver, self._batch = driver, _BATCH_FN(ptr)
+            except (ImportError, AttributeError, TypeError, ValueError):
                 pass
-        self.can_batch_copy = self._driver is not None
+        self.can_batch_copy = self._batch is not None
         self.process_wide = True  # one registry of host memory per device and process (lw_vllm.host_register)
 
     def new_stream(self) -> Any:
@@ -184,10 +202,10 @@ class TorchDeviceOps:
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def index(self, values: Sequence[int]) -> torch.Tensor:
+    def index(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
         # 8 bytes per value, from torch's pinned host cache (which keeps it until the copy is done),
         # copied on the current (side) stream without blocking the host.
-        ids = torch.tensor(list(values), dtype=torch.long, pin_memory=True)
+        ids = torch.from_numpy(np.asarray(values, dtype=np.int64)).pin_memory()
         return ids.to(self.device, non_blocking=True)
 
     def h2d(self, layer: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor) -> None:
@@ -206,7 +224,7 @@ class TorchDeviceOps:
 
         def register() -> Any:
             torch.cuda.set_device(idx)  # the new thread's current device
-            return cudart.cudaHostRegister(addr, nbytes, 3)  # portable | mapped
+            return cudart.cudaHostRegister(addr, nbytes, 2)  # mapped: the device addresses it (UVA)
 
         rc = _in_thread(register)
         code = int(getattr(rc, "value", rc))
@@ -247,36 +265,38 @@ class TorchDeviceOps:
                    word: int) -> None:
         scatter_from_kv(layer, ids, region, woffs, word)
 
-    def _attr(self, to_device: bool) -> Any:
-        a = self._attrs.get(to_device)
-        if a is None:
-            d = self._driver
-            a = d.CUmemcpyAttributes()
-            a.srcAccessOrder = d.CUmemcpySrcAccessOrder.CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
-            host, dev = d.CUmemLocation(), d.CUmemLocation()
-            host.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
-            dev.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            host.id = dev.id = self.device.index or 0
-            a.srcLocHint, a.dstLocHint = (host, dev) if to_device else (dev, host)
-            a.flags = d.CUmemcpyFlags.CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
-            self._attrs[to_device] = a
-        return a
-
-    def batch_copy(self, dsts: list[int], srcs: list[int], size: int, to_device: bool) -> None:
+    def _context(self) -> None:
+        """The driver API needs a current context in the calling thread; a worker thread that has
+        made no CUDA runtime call yet has none: make the device's primary context current."""
+        if getattr(self._tls, "ready", False):
+            return
         d = self._driver
-        if d is None:
-            raise NotImplementedError("batched DMA needs cuda-python's driver bindings (cuda.bindings.driver)")
-        # Inside ``on(stream)`` torch's current CUDA stream is that side stream.
-        stream = d.CUstream(torch.cuda.current_stream(self.device).cuda_stream)
-        attr = self._attr(to_device)
-        step = 8192
-        for a in range(0, len(dsts), step):
-            dp = [d.CUdeviceptr(p) for p in dsts[a : a + step]]
-            sp = [d.CUdeviceptr(p) for p in srcs[a : a + step]]
-            r = d.cuMemcpyBatchAsync(dp, sp, [size] * len(dp), len(dp), [attr], [0], 1, stream)
-            err = r[0] if isinstance(r, tuple) else r
+        err, ctx = d.cuCtxGetCurrent()
+        if err != d.CUresult.CUDA_SUCCESS or not int(ctx):
+            err, ctx = d.cuDevicePrimaryCtxRetain(d.CUdevice(self.device.index or 0))
             if err != d.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuMemcpyBatchAsync of {len(dp)} segments of {size} bytes failed: {err}")
+                raise RuntimeError(f"cuDevicePrimaryCtxRetain failed: {err}")
+            (err,) = d.cuCtxSetCurrent(ctx)
+            if err != d.CUresult.CUDA_SUCCESS:
+                raise RuntimeError(f"cuCtxSetCurrent failed: {err}")
+        self._tls.ready = True
+
+    def batch_copy(self, dsts: np.ndarray, srcs: np.ndarray, size: int, to_device: bool) -> None:
+        if self._batch is None:
+            raise NotImplementedError("batched DMA needs cuda-python's driver bindings (cuda.bindings.driver)")
+        self._context()
+        # Inside ``on(stream)`` torch's current CUDA stream is that side stream.
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        d = np.ascontiguousarray(dsts, dtype=np.uint64)
+        s = np.ascontiguousarray(srcs, dtype=np.uint64)
+        sizes = np.full(len(d), size, dtype=np.uint64)
+        attrs = _MemcpyAttributes(srcAccessOrder=_SRC_ACCESS_ORDER_STREAM)  # no hints: the driver looks
+        idx, fail = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        err = self._batch(d.ctypes.data, s.ctypes.data, sizes.ctypes.data, len(d), ctypes.addressof(attrs),
+                          ctypes.byref(idx), 1, ctypes.byref(fail), stream)
+        if err != 0:
+            raise RuntimeError(f"cuMemcpyBatchAsync of {len(d)} segments of {size} bytes failed: CUresult {err} "
+                               f"(first failed copy {fail.value})")
 
 
 class InlineOps:
@@ -326,8 +346,8 @@ class InlineOps:
     def host_tensor(self, arr: np.ndarray) -> torch.Tensor | None:
         return torch.from_numpy(arr)
 
-    def index(self, values: Sequence[int]) -> torch.Tensor:
-        return torch.tensor(list(values), dtype=torch.long)
+    def index(self, values: Sequence[int] | np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(np.array(values, dtype=np.int64))
 
     def kernel_h2d(self, layer: torch.Tensor, ids: torch.Tensor, region: torch.Tensor, woffs: torch.Tensor,
                    word: int) -> None:
@@ -337,5 +357,5 @@ class InlineOps:
                    word: int) -> None:
         scatter_from_kv(layer, ids, region, woffs, word)
 
-    def batch_copy(self, dsts: list[int], srcs: list[int], size: int, to_device: bool) -> None:
+    def batch_copy(self, dsts: np.ndarray, srcs: np.ndarray, size: int, to_device: bool) -> None:
         _memmove_all(dsts, srcs, size)

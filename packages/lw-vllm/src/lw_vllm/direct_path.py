@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from lw_vllm.device_streams import DeviceOps
@@ -43,7 +44,7 @@ def check_mechanism(mechanism: str) -> str:
 class Plan:
     how: str  # "kernel" or "batch_dma"
     region: Region
-    offsets: list[int]  # byte offset of each block in the region
+    offsets: np.ndarray  # int64 byte offset of each block in the region
 
 
 class DirectPath:
@@ -78,7 +79,19 @@ class DirectPath:
         """How a batch of ``n``-byte host buffers moves directly, or None (staged path)."""
         if self.mechanism == "staged":
             return None
-        found = self.registry.locate(bufs, n, id(self))
+        return self._plan(layer, self.registry.locate(bufs, n, id(self)))
+
+    def plan_addrs(self, layer: torch.Tensor, addrs: np.ndarray, n: int) -> Plan | None:
+        """The same for ``n``-byte windows given by their host addresses."""
+        if self.mechanism == "staged":
+            return None
+        return self._plan(layer, self.registry.locate_addrs(addrs, n, id(self)))
+
+    def addressable(self, addrs: np.ndarray, n: int) -> bool:
+        """Whether windows at these addresses can move directly (registered, not ``staged``)."""
+        return self.mechanism != "staged" and self.registry.locate_addrs(addrs, n, id(self)) is not None
+
+    def _plan(self, layer: torch.Tensor, found: tuple[Region, np.ndarray] | None) -> Plan | None:
         if found is None:
             return None
         region, offsets = found
@@ -101,7 +114,7 @@ class DirectPath:
         if plan.how == "batch_dma":
             from lw_vllm.zero_copy import segments
 
-            kv, host, size = segments(layer, ids, [plan.region.addr + o for o in plan.offsets])
+            kv, host, size = segments(layer, ids, plan.offsets + plan.region.addr)
             if to_device:
                 self.ops.batch_copy(kv, host, size, True)
             else:
@@ -109,9 +122,10 @@ class DirectPath:
         else:
             view = plan.region.device_view(self.ops)
             assert view is not None, "planned only with a view"
-            word = word_size(layer.data_ptr(), layer.shape[2], plan.region.nbytes, *plan.offsets)
+            g = int(np.gcd.reduce(plan.offsets)) if len(plan.offsets) else 0
+            word = word_size(layer.data_ptr(), layer.shape[2], plan.region.nbytes, g)
             ids_t = self.ops.index(ids)
-            woffs = self.ops.index([o // word for o in plan.offsets])
+            woffs = self.ops.index(plan.offsets // word)
             if to_device:
                 self.ops.kernel_h2d(layer, ids_t, view, woffs, word)
             else:

@@ -123,20 +123,26 @@ class HostRegistry:
         with self._lock:
             return [r for r in self._regions if holder in r.holders]
 
-    def locate(self, bufs: Sequence[Any], n: int, holder: int) -> tuple[Region, list[int]] | None:
+    def locate(self, bufs: Sequence[Any], n: int, holder: int) -> tuple[Region, np.ndarray] | None:
         """The range ``holder`` registered that holds every ``n``-byte buffer of ``bufs``, and
         their offsets in it."""
-        regions = self.regions(holder)
-        if not regions or not bufs:
+        if not bufs:
             return None
         try:
-            addrs = [address(b) for b in bufs]
+            addrs = np.fromiter((address(b) for b in bufs), dtype=np.int64, count=len(bufs))
         except (TypeError, ValueError):
             return None
-        lo, hi = min(addrs), max(addrs) + n
+        return self.locate_addrs(addrs, n, holder)
+
+    def locate_addrs(self, addrs: np.ndarray, n: int, holder: int) -> tuple[Region, np.ndarray] | None:
+        """The same for windows given by their host addresses (int64 array)."""
+        regions = self.regions(holder)
+        if not regions or not len(addrs):
+            return None
+        lo, hi = int(addrs.min()), int(addrs.max()) + n
         for r in regions:
             if r.addr <= lo and hi <= r.addr + r.nbytes:
-                return r, [a - r.addr for a in addrs]
+                return r, np.asarray(addrs, dtype=np.int64) - r.addr
         return None
 
     def release(self, holder: int) -> None:

@@ -16,7 +16,9 @@ bench's inline mode on CPU tensors (where they check the same address arithmetic
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 CHUNK_BYTES = 16 << 20
@@ -71,15 +73,12 @@ def scatter_from_kv(layer: torch.Tensor, ids: torch.Tensor, region: torch.Tensor
         hw.index_copy_(0, idx, g)  # the SMs write the host pages
 
 
-def segments(layer: torch.Tensor, block_ids: list[int], host_addrs: list[int]) -> tuple[list[int], list[int], int]:
+def segments(layer: torch.Tensor, block_ids: Sequence[int], host_addrs: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """The contiguous pieces of a batch for a DMA engine: per block and per outer segment, the KV
-    address and the host address, and the segment size (``inner`` bytes)."""
+    address and the host address (uint64 arrays), and the segment size (``inner`` bytes)."""
     outer, nb, inner = layer.shape
-    base = layer.data_ptr()
-    kv: list[int] = []
-    host: list[int] = []
-    for b, a in zip(block_ids, host_addrs):
-        for o in range(outer):
-            kv.append(base + (o * nb + b) * inner)
-            host.append(a + o * inner)
-    return kv, host, inner
+    ids = np.asarray(block_ids, dtype=np.uint64)
+    o = np.arange(outer, dtype=np.uint64)
+    kv = np.uint64(layer.data_ptr()) + (o[None, :] * np.uint64(nb) + ids[:, None]) * np.uint64(inner)
+    host = np.asarray(host_addrs, dtype=np.uint64)[:, None] + o[None, :] * np.uint64(inner)
+    return kv.ravel(), host.ravel(), inner

@@ -128,6 +128,17 @@ class StepContext:
     def call(self, pool: WorkerPool, fn: Callable[[], Any], on_late: Callable[[Any], None] | None = None) -> DeadlineCall:
         return DeadlineCall(pool, fn, on_late)
 
+    def addresses(self, layer: int, handles: list[Any], offset: int, nbytes: int) -> Any:
+        """The host addresses of the batch's view windows when the backend gives them
+        (``view_addresses``) and the copier can move them by address (``addressable``: a device
+        copier, registered pool memory), else None (the caller takes views)."""
+        where = getattr(self.backend, "view_addresses", None)
+        movable = getattr(self.copier, "addressable", None)
+        if where is None or movable is None:
+            return None
+        addrs = where(handles, offset, nbytes)
+        return addrs if addrs is not None and movable(layer, addrs) else None
+
     def release_later(self, pool: WorkerPool, handles: list[Any]) -> None:
         self.background.run(pool, "release", lambda: self.backend.release(handles))
 

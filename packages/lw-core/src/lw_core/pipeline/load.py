@@ -35,6 +35,18 @@ from lw_core.plan import ReqLoad, flatten, stagger_delay_us
 from lw_core.tp_split import HeadSplit
 
 
+class At:
+    """A batch's sources given by host addresses (``StepContext.addresses``), not buffers."""
+
+    __slots__ = ("addrs",)
+
+    def __init__(self, addrs: Any):
+        self.addrs = addrs
+
+    def __len__(self) -> int:
+        return len(self.addrs)
+
+
 class LoadStep:
     def __init__(self, ctx: StepContext, loads: Sequence[ReqLoad]):
         self.ctx = ctx
@@ -269,7 +281,11 @@ class LoadStep:
                     if self.cancelled or self.layer_cancelled[layer]:
                         return  # too late: the data must not reach the KV
                     try:
-                        token = ctx.copier.to_kv(layer, [self.blocks[i] for i in idx], srcs)
+                        blocks = [self.blocks[i] for i in idx]
+                        if isinstance(srcs, At):
+                            token = ctx.copier.to_kv_at(layer, blocks, srcs.addrs)  # type: ignore[attr-defined]
+                        else:
+                            token = ctx.copier.to_kv(layer, blocks, srcs)
                     except Exception as e:
                         log.exception("to_kv of layer %d failed", layer)
                         self._fail_locked(idx, f"layer {layer}: copy into the KV cache: {describe(e)}")
@@ -283,13 +299,18 @@ class LoadStep:
                 for b in bufs:
                     ctx.staging.put(b, token)
 
-    def _fetch(self, layer: int, idx: list[int]) -> tuple[list[Any], list[np.ndarray]]:
-        """Host sources of one batch: zero-copy views when the backend has them, else a staging read."""
+    def _fetch(self, layer: int, idx: list[int], by_address: bool = True) -> tuple[Any, list[np.ndarray]]:
+        """Host sources of one batch: the views' addresses when the copier moves them by address,
+        zero-copy views when the backend has them, else a staging read."""
         ctx = self.ctx
         off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
         if any(self.splits[i] is not None for i in idx):
             return self._fetch_split(layer, idx)
         hs = [self.item_handle[i] for i in idx]
+        if ctx.views.load and by_address:
+            addrs = ctx.addresses(layer, hs, off, n)
+            if addrs is not None:
+                return At(addrs), []
         if ctx.views.load:
             views = [ctx.backend.view(h, off, n) for h in hs]
             if all(v is not None for v in views):
@@ -333,7 +354,7 @@ class LoadStep:
             raise
         return dsts, [buf]
 
-    def _fetch_isolating(self, layer: int, idx: list[int]) -> tuple[list[int], list[Any], list[np.ndarray]]:
+    def _fetch_isolating(self, layer: int, idx: list[int]) -> tuple[list[int], Any, list[np.ndarray]]:
         """Fetch a batch; if the store refuses it, retry item by item so only the bad objects fail."""
         try:
             srcs, bufs = self._fetch(layer, idx)
@@ -345,7 +366,7 @@ class LoadStep:
         ok, srcs, bufs = [], [], []
         for i in idx:
             try:
-                s, b = self._fetch(layer, [i])
+                s, b = self._fetch(layer, [i], by_address=False)
             except BackendError as e:
                 self._fail([i], f"layer {layer}: read of {self.keys[i]}: {describe(e)}")
                 continue

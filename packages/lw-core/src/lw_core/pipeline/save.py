@@ -289,6 +289,15 @@ class SaveStep:
         off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
         hs = [self.handles[i] for i in idx]
         blocks = [self.blocks[i] for i in idx]
+        if ctx.views.save:
+            addrs = ctx.addresses(layer, hs, off, n)
+            if addrs is not None:  # the copier writes the objects by address
+                with self.lock:
+                    if self.cancelled:
+                        return
+                    tok = copier.from_kv_at(layer, blocks, addrs, after=token)  # type: ignore[attr-defined]
+                    self.pending.append((tok, layer, idx))  # done once it completes (``_settle``)
+                return
         views = None
         if ctx.views.save:
             views = [backend.view(h, off, n) for h in hs]

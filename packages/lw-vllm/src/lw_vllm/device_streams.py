@@ -271,14 +271,20 @@ class TorchDeviceOps:
         if getattr(self._tls, "ready", False):
             return
         d = self._driver
-        err, ctx = d.cuCtxGetCurrent()
-        if err != d.CUresult.CUDA_SUCCESS or not int(ctx):
-            err, ctx = d.cuDevicePrimaryCtxRetain(d.CUdevice(self.device.index or 0))
+
+        def ok(r: Any) -> Any:
+            err = r[0] if isinstance(r, tuple) else r
             if err != d.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuDevicePrimaryCtxRetain failed: {err}")
-            (err,) = d.cuCtxSetCurrent(ctx)
-            if err != d.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuCtxSetCurrent failed: {err}")
+                raise RuntimeError(f"CUDA driver call failed: {err}")
+            return r[1] if isinstance(r, tuple) and len(r) > 1 else None
+
+        ctx = ok(d.cuCtxGetCurrent())
+        try:
+            current = int(ctx)
+        except TypeError:
+            current = int(ctx.getPtr())
+        if not current:
+            ok(d.cuCtxSetCurrent(ok(d.cuDevicePrimaryCtxRetain(d.CUdevice(self.device.index or 0)))))
         self._tls.ready = True
 
     def batch_copy(self, dsts: np.ndarray, srcs: np.ndarray, size: int, to_device: bool) -> None:

@@ -6,10 +6,11 @@ registered (``lw_vllm.host_register``), the batch moves by one of two mechanisms
 copier's ``mechanism`` (the ``device_copy_mechanism`` key):
 
 * ``kernel``: the device's own gather/scatter over a zero-copy view of the registered range
-  (``lw_vllm.zero_copy``; torch indexing ops). It reaches about 0.8 of PCIe at any segment size,
-  but its SMs wait on PCIe for as long as the copy runs, next to the model's kernels.
+  (``lw_vllm.zero_copy``; torch indexing ops). Measured on an H200 (docs/bench/device.md) it is
+  the faster one alone below 256 KiB segments, but its SMs wait on PCIe for as long as the copy
+  runs, next to the model's kernels (layerwise loads hide less).
 * ``batch_dma``: one ``cuMemcpyBatchAsync`` of every segment of the batch (the copy engines, no
-  SMs). Measured (docs/bench/device.md) it needs segments of >= 256 KiB to come near PCIe speed.
+  SMs): faster from 256 KiB segments, and it leaves the model alone.
 * ``auto`` (default): ``batch_dma`` for segments of at least ``BATCH_DMA_MIN_SEGMENT`` bytes when
   the device offers it, else ``kernel``; ``staged``: never direct (nothing is registered).
 

@@ -11,12 +11,7 @@ import grimp
 PACKAGES = ("lw_core", "lw_memcache", "lw_mooncake", "lw_vllm", "lw_proxy", "lw_bench", "lw_dev")
 
 # Known circles, each to be removed when it is broken, never added to:
-ALLOWED = {
-    # The CPU and the device pipeline benches import each other (pipeline dispatches to the device
-    # mode, pipeline_device reuses the CPU bench's helpers); their step loop is being merged into
-    # one, which breaks this circle (issue 31).
-    frozenset({"lw_bench.pipeline", "lw_bench.pipeline_device"}),
-}
+ALLOWED: set[frozenset[str]] = set()
 
 
 def circles(graph: grimp.ImportGraph) -> list[list[str]]:

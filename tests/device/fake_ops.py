@@ -3,16 +3,25 @@
 Copies happen at once (so data checks work), but every stream/event call is logged in order, the
 current stream is per thread as in torch, and events complete only when the test says so
 (``auto_complete=False``), so the device path's ordering rules can be checked without a device.
+
+Registered host memory: ``register_host`` is logged (or raises, ``fail_register=True``), the
+"device view" of it is the memory itself (``views=False``: none), and a batched DMA is one memmove
+per segment (``batch=False``: not offered), so the direct paths' address arithmetic is checked on
+the real bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+from lw_vllm.device.zero_copy import gather_to_kv, scatter_from_kv
 
 
 class FakeStream:
@@ -34,8 +43,10 @@ class FakeEvent:
 class FakeOps:
     device = torch.device("cpu")
 
-    def __init__(self, log: list | None = None, *, auto_complete: bool = True, layers: Sequence[torch.Tensor] = ()):
+    def __init__(self, log: list | None = None, *, auto_complete: bool = True, layers: Sequence[torch.Tensor] = (),
+                 fail_register: bool = False, views: bool = True, batch: bool = True):
         self.log = log if log is not None else []
+        self.fail_register, self.views, self.can_batch_copy = fail_register, views, batch
         self.auto_complete = auto_complete
         self.compute = FakeStream("compute")
         self._n = itertools.count(1)
@@ -100,6 +111,37 @@ class FakeOps:
         s = self.current_stream().name
         self._add(("d2h", s, self._layer(layer), list(block_ids), host.data_ptr()))
         host.copy_(layer.index_select(1, torch.tensor(list(block_ids))).transpose(0, 1))
+
+
+    # --- registered host memory ---
+    def register_host(self, addr: int, nbytes: int) -> None:
+        self._add(("register", addr, nbytes))
+        if self.fail_register:
+            raise RuntimeError("simulated: cudaHostRegister failed")
+
+    def unregister_host(self, addr: int) -> None:
+        self._add(("unregister", addr))
+
+    def host_tensor(self, arr: np.ndarray) -> torch.Tensor | None:
+        self._add(("host_tensor", arr.ctypes.data, arr.nbytes))
+        return torch.from_numpy(arr) if self.views else None
+
+    def index(self, values: Sequence[int]) -> torch.Tensor:
+        return torch.from_numpy(np.array(values, dtype=np.int64))
+
+    def kernel_h2d(self, layer, ids, region, woffs, word) -> None:
+        self._add(("kernel_h2d", self.current_stream().name, self._layer(layer), ids.tolist(), word))
+        gather_to_kv(layer, ids, region, woffs, word)
+
+    def kernel_d2h(self, layer, ids, region, woffs, word) -> None:
+        self._add(("kernel_d2h", self.current_stream().name, self._layer(layer), ids.tolist(), word))
+        scatter_from_kv(layer, ids, region, woffs, word)
+
+    def batch_copy(self, dsts, srcs, size: int, to_device: bool) -> None:
+        assert self.can_batch_copy, "batch_copy called although the ops do not offer it"
+        self._add(("batch_copy", self.current_stream().name, len(dsts), size, to_device))
+        for d, s in zip(dsts, srcs):
+            ctypes.memmove(int(d), int(s), size)
 
 
 def entries(log: list, kind: str) -> list[tuple[int, tuple]]:

@@ -27,6 +27,31 @@ def test_device_mode_reports_every_key_and_loads_exact_bytes(capsys, tmp_path):
     assert r["verified"] is True and r["load_failures"] == 0 and r["errors"] == []
 
 
+def test_rates_and_model_shaped_cover_every_case_and_mechanism_with_exact_bytes(capsys, tmp_path):
+    argv = ["pipeline", "--quick", "--json", "--kv-device", "cpu-torch", "--pool-path", str(tmp_path / "pool"),
+            "--mechanism", "batch_dma", "--rates", "--model-shaped", "tiny"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert r["config"]["mechanism"] == "batch_dma" and r["mechanism_counts"]["batch_dma"] > 0
+    assert r["mechanism_counts"]["staged"] == r["mechanism_counts"]["kernel"] == 0
+    rows = r["rates"]
+    assert {(x["case"], x["mechanism"]) for x in rows} == {
+        (c, m) for c in ("16 KiB", "64 KiB", "model") for m in ("staged", "kernel", "batch_dma")}
+    for x in rows:  # inline ops offer every mechanism: each row moved by the one it names
+        assert x["verified"] and x["used"][x["mechanism"]] > 0 and sum(x["used"].values()) == x["used"][x["mechanism"]]
+        assert x["load_of_ceiling"] == pytest.approx(x["load_gbps"] / x["ceiling_load_gbps"])
+    model = r["model_shaped"]
+    assert [m["tokens"] for m in model] == [128, 256] and {m["shape"] for m in model} == {"tiny"}
+    assert set(model[0]["load_over_prefill"]) == {"staged", "kernel", "batch_dma"}
+
+
+def test_device_only_options_are_refused_on_the_cpu_bench_and_shapes_are_named():
+    with pytest.raises(SystemExit, match="need --kv-device"):
+        main(["pipeline", "--rates"])
+    with pytest.raises(SystemExit, match="--model-shaped='llama9' is not a known shape; accepted: llama3-8b, llama3-70b, tiny"):
+        main(["pipeline", "--kv-device", "cpu-torch", "--model-shaped", "llama9"])
+
+
 @pytest.mark.parametrize("bad", ["gpu!", "cuda:x", "CUDA"])
 def test_a_bad_kv_device_is_named(bad):
     with pytest.raises(SystemExit, match=f"--kv-device='{bad}' must be cpu, cpu-torch or a torch device"):

@@ -42,8 +42,8 @@ from typing import Any
 
 import msgspec
 
-from lw_bench import bench_store, pipeline_result
-from lw_bench.bench_store import open_for_pipeline as open_backend  # noqa: F401 (pipeline_device's import)
+from lw_bench import bench_store, pipeline_result, pipeline_steps
+from lw_bench.bench_store import open_for_pipeline as open_backend
 
 _CFG_ENV = "LW_PIPELINE_BENCH_CFG"
 _BLAS_ENV = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
@@ -69,6 +69,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(device copies through lw_vllm's TorchCopier, compute = a matmul on that device; needs torch); "
         "cpu-torch runs the device mode's code on CPU tensors (a smoke test, no overlap to show)",
     )
+    p.add_argument("--mechanism", default="auto", choices=["auto", "kernel", "batch_dma", "staged"],
+                   help="device mode: how the copier moves batches in registered pool memory (device_copy_mechanism; default auto)")
+    p.add_argument("--rates", action="store_true",
+                   help="device mode: also each mechanism's pool rate against the pinned-DMA ceiling at 16/64/256 KiB "
+                   "segments and the model-shaped size (32 layers x 512 blocks x 64 KiB)")
+    p.add_argument("--model-shaped", default="", metavar="SHAPE[,SHAPE]",
+                   help="device mode: also time a dense prefill of these shapes (llama3-8b, llama3-70b, tiny) against "
+                   "loading their prefix at the measured rates")
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
@@ -83,6 +91,10 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "pool_path": args.pool_path,
         "backend_keys": bench_store.parse_keys("pipeline", getattr(args, "backend_key", None)),
         "kv_device": getattr(args, "kv_device", "cpu") or "cpu",
+        "mechanism": getattr(args, "mechanism", "auto"),
+        "rates": bool(getattr(args, "rates", False)),
+        "model_shaped": [x.strip() for x in str(getattr(args, "model_shaped", "") or "").split(",") if x.strip()],
+        "quick": bool(args.quick),
     }
     if args.quick:
         cfg.update(layers=4, blocks=8, block_bytes=16 << 10, reps=1, depths="1,2")
@@ -104,6 +116,12 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     else:
         bench_store.check_keys("pipeline", cfg["backend"], cfg["backend_keys"])
         bench_store.plugin_of("pipeline", cfg["backend"])
+    if cfg["kv_device"] == "cpu" and (cfg["rates"] or cfg["model_shaped"] or cfg["mechanism"] != "auto"):
+        raise SystemExit("lw-bench pipeline: --rates, --model-shaped and --mechanism need --kv-device (a torch device, or cpu-torch)")
+    shapes = ("llama3-8b", "llama3-70b", "tiny")
+    bad = [x for x in cfg["model_shaped"] if x not in shapes]
+    if bad:
+        raise SystemExit(f"lw-bench pipeline: --model-shaped={bad[0]!r} is not a known shape; accepted: {', '.join(shapes)}")
     if cfg["kv_device"] != "cpu-torch" and not re.fullmatch(r"[a-z]+(:[0-9]+)?", str(cfg["kv_device"])):
         raise SystemExit(f"lw-bench pipeline: --kv-device={cfg['kv_device']!r} must be cpu, cpu-torch or a torch device such as cuda, cuda:0, npu:0")
     return cfg
@@ -194,15 +212,22 @@ def _print_table(r: dict[str, Any]) -> None:
         f"(copy {r['t_raw_copy_s'] * 1e3:.2f} ms alone, {r['t_raw_overlap_s'] * 1e3:.2f} ms with compute)"
     )
     print(f"  verified={r['verified']} load_failures={r['load_failures']}")
+    if r.get("mechanism_counts") is not None:
+        moved = ", ".join(f"{k} {v}" for k, v in r["mechanism_counts"].items() if v) or "nothing"
+        print(f"  copier mechanism {c.get('mechanism')}: load batches moved by {moved}")
+    from lw_bench.pipeline_tables import model_lines, rate_lines
+
+    if r.get("rates"):
+        print("pool rates against the pinned-DMA ceiling (same run):")
+        print("\n".join(rate_lines(r["rates"])))
+    if r.get("model_shaped"):
+        print("a pool hit against recomputing the prefix (dense prefill on the device):")
+        print("\n".join(model_lines(r["model_shaped"])))
 
 
 # --- the measurement (runs in the child; numpy is imported only here, after the BLAS env is set) ---
 
 
-def _median(xs: list[float]) -> float:
-    import statistics
-
-    return statistics.median(xs)
 
 
 def _calibrate_matmul(target_s: float) -> tuple[int, Any]:
@@ -225,7 +250,7 @@ def _calibrate_matmul(target_s: float) -> tuple[int, Any]:
             t0 = time.perf_counter()
             k()
             ts.append(time.perf_counter() - t0)
-        return _median(ts)
+        return pipeline_steps.median(ts)
 
     n = 128
     for _ in range(6):
@@ -243,13 +268,13 @@ def measure(cfg: dict[str, Any]) -> pipeline_result.PipelineBenchResult:
     import time
 
     import numpy as np
-    from tqdm import tqdm
 
+    from lw_bench.pipeline_steps import StepLoop, run_scenarios
     from lw_core.pipeline import LayerPipeline
     from lw_core.pipeline.host_copier import HostCopier
     from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 
-    layers, blocks, bb, reps, depths = cfg["layers"], cfg["blocks"], cfg["block_bytes"], cfg["reps"], cfg["depths"]
+    layers, blocks, bb = cfg["layers"], cfg["blocks"], cfg["block_bytes"]
     layout = ObjectLayout(layer_nbytes=(bb,) * layers)
     total = layout.nbytes * blocks
     keys = [f"bench/{i}" for i in range(blocks)]
@@ -267,127 +292,49 @@ def measure(cfg: dict[str, Any]) -> pipeline_result.PipelineBenchResult:
             saved = pipe.finish_save()
         if len(saved.committed_keys) + len(saved.skipped_keys) != blocks:
             raise SystemExit(f"lw-bench pipeline: could not fill the pool: {saved.errors}")
-        loads = [ReqLoad("bench", keys, list(range(blocks)))]
-        failures: list[int] = []
-        errors: list[str] = []
-        verified = True
-        waits: dict[str, list[float]] = {}
 
-        def step(pipe: Any, compute: Any, tag: str) -> float:
-            nonlocal verified
+        def reset() -> None:
             dst.kv[0][:1] = 0  # cheap marker: a run that loads nothing would leave it 0
-            t0 = time.perf_counter()
-            pipe.start_load(loads)
-            if pipe.layerwise:
-                for layer in range(layers):
-                    pipe.wait_layer(layer)
-                    compute()
-            elif compute is not None:
-                for _ in range(layers):
-                    compute()
-            res = pipe.finish_load()
-            dt = time.perf_counter() - t0
-            failures.append(len(res.failed_block_ids))
-            errors.extend(e for e in res.errors if e not in errors)
-            waits.setdefault(tag, []).append(sum(res.layer_wait_s))
-            if not all(np.array_equal(dst.kv[i], src.kv[i]) for i in range(layers)):
-                verified = False
-            return dt
 
-        def fresh(**kw: Any) -> Any:
-            return LayerPipeline(backend, dst, layout, layer_timeout_s=30.0, **kw)
-
-        bulk_pipe = fresh(layerwise=False)
-        step(bulk_pipe, None, "warmup")
-        t_transfer_layer = _median([step(bulk_pipe, None, "warmup") for _ in range(3)]) / layers
-        target = cfg["compute_ms"] / 1e3 if cfg["compute_ms"] else t_transfer_layer
-        n, kernel = _calibrate_matmul(target)
-        lw_pipes = {d: fresh(prefetch_depth=d) for d in depths}
-        samples: dict[str, list[float]] = {
-            k: [] for k in ["compute", "transfer", "bulk", *(f"layerwise_{d}" for d in depths), "raw_copy", "raw_overlap"]
-        }
+        loop = StepLoop([ReqLoad("bench", keys, list(range(blocks)))], layers, sync=lambda: None, reset=reset,
+                        verify=lambda: all(np.array_equal(dst.kv[i], src.kv[i]) for i in range(layers)))
         raw_src = [a.reshape(-1) for a in src.kv]
         raw_dst = [a.reshape(-1) for a in dst.kv]
 
-        def raw_copy() -> None:
+        def copy_all() -> None:
             for i in range(layers):
                 np.copyto(raw_dst[i], raw_src[i])
 
-        def raw_overlap() -> float:
-            # the machine's own limit: one plain numpy memcpy thread next to the same compute
+        def timed(fn: Any) -> float:
             t0 = time.perf_counter()
-            th = threading.Thread(target=raw_copy)
-            th.start()
-            for _ in range(layers):
-                kernel()
-            th.join()
+            fn()
             return time.perf_counter() - t0
 
-        try:
-            for p in lw_pipes.values():
-                step(p, kernel, "warmup")
-            with tqdm(total=reps * len(samples), desc="lw-bench pipeline", file=sys.stderr, unit="run") as bar:
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    for _ in range(layers):
-                        kernel()
-                    samples["compute"].append(time.perf_counter() - t0)
-                    bar.update()
-                    samples["transfer"].append(step(bulk_pipe, None, "transfer"))
-                    bar.update()
-                    samples["bulk"].append(step(bulk_pipe, kernel, "bulk"))
-                    bar.update()
-                    for d, p in lw_pipes.items():
-                        samples[f"layerwise_{d}"].append(step(p, kernel, str(d)))
-                        bar.update()
-                    t0 = time.perf_counter()
-                    raw_copy()
-                    samples["raw_copy"].append(time.perf_counter() - t0)
-                    bar.update()
-                    samples["raw_overlap"].append(raw_overlap())
-                    bar.update()
-        finally:
-            bulk_pipe.close()
-            for p in lw_pipes.values():
-                p.close()
+        def compute_all(kernel: Any) -> float:
+            return timed(lambda: [kernel() for _ in range(layers)])
+
+        def raw_overlap(kernel: Any) -> float:
+            # the machine's own limit: one plain numpy memcpy thread next to the same compute
+            def both() -> None:
+                th = threading.Thread(target=copy_all)
+                th.start()
+                for _ in range(layers):
+                    kernel()
+                th.join()
+
+            return timed(both)
+
+        samples, n, target = run_scenarios(
+            loop, lambda **kw: LayerPipeline(backend, dst, layout, layer_timeout_s=30.0, **kw), _calibrate_matmul, cfg,
+            compute_all=compute_all, raw_copy=lambda: timed(copy_all), raw_overlap=raw_overlap)
     finally:
         backend.close()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
     config = {"layers": layers, "blocks": blocks, "block_bytes": bb, "layer_bytes": bb * blocks,
-              "total_bytes": total, "reps": reps, "depths": depths, "backend": cfg["backend"],
+              "total_bytes": total, "reps": cfg["reps"], "depths": cfg["depths"], "backend": cfg["backend"],
               "backend_keys": cfg.get("backend_keys") or {},
               "compute_ms_target": target * 1e3, "matmul_n": n,
               "blas_threads_env": {k: os.environ.get(k) for k in _BLAS_ENV[:2]}}
-    return summarize(config, samples, waits, failures, errors, verified)
-
-
-def summarize(config: dict[str, Any], samples: dict[str, list[float]], waits: dict[str, list[float]],
-              failures: list[int], errors: list[str], verified: bool, **extra: Any) -> pipeline_result.PipelineBenchResult:
-    """The report of one pipeline bench run (host or device): medians, hidden fractions, rates;
-    ``extra`` adds mode-specific figures (e.g. the device bench's save time)."""
-    layers, total, depths = config["layers"], config["total_bytes"], config["depths"]
-    med = {k: _median(v) for k, v in samples.items()}
-    t_c, t_t, t_b = med["compute"], med["transfer"], med["bulk"]
-    t_lw = {str(d): med[f"layerwise_{d}"] for d in depths}
-    return pipeline_result.PipelineBenchResult(
-        config=pipeline_result.PipelineBenchConfig(**config),
-        t_compute_s=t_c,
-        t_transfer_s=t_t,
-        t_bulk_s=t_b,
-        t_layerwise_s=t_lw,
-        hidden_fraction={d: (t_b - t) / min(t_c, t_t) for d, t in t_lw.items()},
-        t_raw_copy_s=med["raw_copy"],
-        t_raw_overlap_s=med["raw_overlap"],
-        raw_hidden_fraction=(t_c + med["raw_copy"] - med["raw_overlap"]) / min(t_c, med["raw_copy"]),
-        per_layer_compute_ms=t_c / layers * 1e3,
-        per_layer_transfer_ms=t_t / layers * 1e3,
-        transfer_gbps=total / t_t / 1e9,
-        **extra,
-        layer_wait_ms={str(d): _median(waits[str(d)]) * 1e3 for d in depths},
-        samples=samples,
-        load_failures=sum(failures),
-        errors=errors[:20],
-        verified=verified,
-    )
+    return pipeline_steps.summarize(config, samples, loop.waits, loop.failures, loop.errors, loop.verified)

@@ -1,9 +1,12 @@
 """``lw-bench pipeline --kv-device DEV``: the pipeline bench with the KV cache on a torch device.
 
-The same scenarios and figures as the CPU bench (``pipeline_bench``), but the "KV cache" is one
-uint8 tensor per layer on the device, copies go through lw_vllm's ``TorchCopier`` device path
-(pinned staging, H2D/D2H on side streams ordered by events), and compute is a float32 matmul per
-layer on the device's compute stream. Every step ends with a device synchronize, so its time
+The same scenarios and figures as the CPU bench (``pipeline_bench``, the same step loop:
+``pipeline_steps``), but the "KV cache" is one uint8 tensor per layer on the device, copies go
+through lw_vllm's ``TorchCopier`` device path (``--mechanism``: straight between the registered
+pool and the blocks, or staged; side streams ordered by events), and compute is a float32 matmul
+per layer on the device's compute stream. ``--rates`` adds the rate of each mechanism against the
+pinned-DMA ceiling at several segment sizes (``pipeline_rates``), ``--model-shaped`` a dense
+prefill of a named model shape against the load of its prefix (``pipeline_model``). Every step ends with a device synchronize, so its time
 includes the copies. The ceiling (``raw_*``) is a plain host->device DMA of the same bytes from
 pinned memory on a side stream, alone and next to the same compute.
 
@@ -16,12 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
-from lw_bench.pipeline import _median, open_backend, summarize
+from lw_bench.bench_store import open_for_pipeline as open_backend
+from lw_bench.pipeline_model import measure_model
+from lw_bench.pipeline_rates import measure_rates
 from lw_bench.pipeline_result import PipelineBenchResult
+from lw_bench.pipeline_steps import median, summarize
 
 if TYPE_CHECKING:
     from lw_vllm.device.device_streams import InlineOps
@@ -84,7 +89,7 @@ def _calibrate(acc: _Accel, target_s: float) -> tuple[int, Any]:
             k()
             acc.sync()
             ts.append(time.perf_counter() - t0)
-        return _median(ts)
+        return median(ts)
 
     n = 256
     for _ in range(8):
@@ -106,73 +111,40 @@ def measure_device(cfg: dict[str, Any]) -> PipelineBenchResult:
             "lw-bench pipeline --kv-device needs torch and lw_vllm's copier (pip install -e packages/lw-vllm, or "
             f"PYTHONPATH=packages/lw-vllm/src where vLLM cannot be installed): {e}"
         ) from None
-    from tqdm import tqdm
-
+    from lw_bench.pipeline_steps import StepLoop, run_scenarios
     from lw_core.pipeline import LayerPipeline
     from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 
     acc = _Accel(cfg["kv_device"])
     dev = acc.device
-    layers, blocks, bb, reps, depths = cfg["layers"], cfg["blocks"], cfg["block_bytes"], cfg["reps"], cfg["depths"]
+    layers, blocks, bb, mechanism = cfg["layers"], cfg["blocks"], cfg["block_bytes"], cfg.get("mechanism", "auto")
     layout = ObjectLayout(layer_nbytes=(bb,) * layers)
     total = layout.nbytes * blocks
     keys = [f"bench/{i}" for i in range(blocks)]
     backend, tmp = open_backend(cfg, total)
+    src = dst = None
     try:
         g = torch.Generator(device=dev).manual_seed(1)
         src_kv = [torch.randint(0, 256, (blocks, bb), dtype=torch.uint8, device=dev, generator=g) for _ in range(layers)]
         dst_kv = [torch.zeros(blocks, bb, dtype=torch.uint8, device=dev) for _ in range(layers)]
-        src, dst = TorchCopier(src_kv, blocks, ops=acc.ops), TorchCopier(dst_kv, blocks, ops=acc.ops)
+        src = TorchCopier(src_kv, blocks, ops=acc.ops, mechanism=mechanism)
+        dst = TorchCopier(dst_kv, blocks, ops=acc.ops, mechanism=mechanism)
         t0 = time.perf_counter()
         with LayerPipeline(backend, src, layout, save_timeout_s=60.0) as pipe:
             pipe.start_save([ReqSave("bench", keys, list(range(blocks)))])
             for layer in range(layers):
                 pipe.save_layer(layer)
             saved = pipe.finish_save()
+        acc.sync()
         t_save = time.perf_counter() - t0
         if len(saved.committed_keys) + len(saved.skipped_keys) != blocks:
             raise SystemExit(f"lw-bench pipeline: could not fill the pool from the device: {saved.errors}")
-        loads = [ReqLoad("bench", keys, list(range(blocks)))]
-        failures: list[int] = []
-        errors: list[str] = []
-        verified = True
-        waits: dict[str, list[float]] = {}
 
-        def step(pipe: Any, compute: Any, tag: str) -> float:
-            nonlocal verified
-            dst_kv[0][0].zero_()  # a run that loads nothing would leave it 0
-            acc.sync()
-            t0 = time.perf_counter()
-            pipe.start_load(loads)
-            if pipe.layerwise:
-                for layer in range(layers):
-                    pipe.wait_layer(layer)
-                    compute()
-            elif compute is not None:
-                for _ in range(layers):
-                    compute()
-            res = pipe.finish_load()
-            acc.sync()
-            dt = time.perf_counter() - t0
-            failures.append(len(res.failed_block_ids))
-            errors.extend(e for e in res.errors if e not in errors)
-            waits.setdefault(tag, []).append(sum(res.layer_wait_s))
-            if not all(torch.equal(dst_kv[i], src_kv[i]) for i in range(layers)):
-                verified = False
-            return dt
+        def reset() -> None:
+            dst_kv[0][0].zero_()
 
-        def fresh(**kw: Any) -> Any:
-            return LayerPipeline(backend, dst, layout, layer_timeout_s=30.0, **kw)
-
-        bulk_pipe = fresh(layerwise=False)
-        step(bulk_pipe, None, "warmup")
-        t_transfer_layer = _median([step(bulk_pipe, None, "warmup") for _ in range(3)]) / layers
-        target = cfg["compute_ms"] / 1e3 if cfg["compute_ms"] else t_transfer_layer
-        n, kernel = _calibrate(acc, target)
-        lw_pipes = {d: fresh(prefetch_depth=d) for d in depths}
-        samples: dict[str, list[float]] = {
-            k: [] for k in ["compute", "transfer", "bulk", *(f"layerwise_{d}" for d in depths), "raw_copy", "raw_overlap"]
-        }
+        loop = StepLoop([ReqLoad("bench", keys, list(range(blocks)))], layers, sync=acc.sync, reset=reset,
+                        verify=lambda: all(torch.equal(dst_kv[i], src_kv[i]) for i in range(layers)))
         pinned = [acc.pinned(blocks * bb) for _ in range(layers)]
         raw_dst = [t.reshape(-1) for t in dst_kv]
         side = acc.side()
@@ -189,47 +161,48 @@ def measure_device(cfg: dict[str, Any]) -> PipelineBenchResult:
             acc.sync()
             return time.perf_counter() - t0
 
-        def compute_all() -> None:
-            for _ in range(layers):
-                kernel()
+        def compute_all(kernel: Any) -> float:
+            return timed(lambda: [kernel() for _ in range(layers)])
 
-        def raw_overlap() -> None:
-            raw_enqueue()
-            compute_all()
+        def raw_overlap(kernel: Any) -> float:
+            def both() -> None:
+                raw_enqueue()
+                for _ in range(layers):
+                    kernel()
 
-        try:
-            for p in lw_pipes.values():
-                step(p, kernel, "warmup")
-            with tqdm(total=reps * len(samples), desc="lw-bench pipeline", file=sys.stderr, unit="run") as bar:
-                for _ in range(reps):
-                    samples["compute"].append(timed(compute_all))
-                    bar.update()
-                    samples["transfer"].append(step(bulk_pipe, None, "transfer"))
-                    bar.update()
-                    samples["bulk"].append(step(bulk_pipe, kernel, "bulk"))
-                    bar.update()
-                    for d, p in lw_pipes.items():
-                        samples[f"layerwise_{d}"].append(step(p, kernel, str(d)))
-                        bar.update()
-                    samples["raw_copy"].append(timed(raw_enqueue))
-                    bar.update()
-                    samples["raw_overlap"].append(timed(raw_overlap))
-                    bar.update()
-        finally:
-            bulk_pipe.close()
-            for p in lw_pipes.values():
-                p.close()
+            return timed(both)
+
+        samples, n, target = run_scenarios(
+            loop, lambda **kw: LayerPipeline(backend, dst, layout, layer_timeout_s=30.0, **kw),
+            lambda t: _calibrate(acc, t), cfg, compute_all=compute_all, raw_copy=lambda: timed(raw_enqueue),
+            raw_overlap=raw_overlap)
+        counts = dst.mechanism_counts
     finally:
+        for c in (src, dst):
+            if c is not None:
+                c.close()
         backend.close()
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    name = "cpu (inline copies)" if acc.inline else torch.accelerator.current_accelerator().type
-    if not acc.inline and dev.type == "cuda":
-        name = torch.cuda.get_device_name(dev)
+    rates = measure_rates(acc, cfg) if cfg.get("rates") else None
+    if cfg.get("model_shaped") and rates is None:
+        rates = measure_rates(acc, cfg, only=["model"])
+    model = measure_model(acc, cfg, rates) if cfg.get("model_shaped") else None
+    name = device_name(acc)
     config = {"layers": layers, "blocks": blocks, "block_bytes": bb, "layer_bytes": bb * blocks,
-              "total_bytes": total, "reps": reps, "depths": depths, "backend": cfg["backend"],
+              "total_bytes": total, "reps": cfg["reps"], "depths": cfg["depths"], "backend": cfg["backend"],
               "compute_ms_target": target * 1e3, "matmul_n": n, "blas_threads_env": {},
               "kv_device": str(dev) if not acc.inline else "cpu-torch", "device_name": name,
-              "torch": str(torch.__version__)}
-    return summarize(config, samples, waits, failures, errors, verified, save_s=t_save)
+              "torch": str(torch.__version__), "mechanism": mechanism}
+    return summarize(config, samples, loop.waits, loop.failures, loop.errors, loop.verified, save_s=t_save,
+                     mechanism_counts=counts, rates=rates, model_shaped=model)
+
+
+def device_name(acc: _Accel) -> str:
+    torch = acc.torch
+    if acc.inline:
+        return "cpu (inline copies)"
+    if acc.device.type == "cuda":
+        return str(torch.cuda.get_device_name(acc.device))
+    return str(torch.accelerator.current_accelerator().type)

@@ -29,6 +29,40 @@ class PipelineBenchConfig(msgspec.Struct, kw_only=True, omit_defaults=True, forb
     kv_device: str | None = None  # device bench: the KV cache's torch device
     device_name: str | None = None  # device bench
     torch: str | None = None  # device bench: torch's version
+    mechanism: str | None = None  # device bench: the copier's device_copy_mechanism (--mechanism)
+
+
+class RateRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``--rates``: one case and mechanism (``lw_bench.pipeline_rates``); GB/s are 1e9 bytes/s."""
+
+    case: str  # "16 KiB", "64 KiB", "256 KiB" (segment sizes) or "model" (32 x 512 x 64 KiB)
+    layers: int
+    blocks: int
+    segment_bytes: int  # one block of one layer
+    total_bytes: int
+    mechanism: str  # asked for: staged, kernel, batch_dma
+    load_gbps: float  # pool -> device through the pipeline (bulk loads), median
+    save_gbps: float  # device -> pool through the pipeline (reserve, copies, commit), median
+    ceiling_load_gbps: float  # pinned host -> device DMA of the same bytes, same run
+    ceiling_save_gbps: float  # device -> pinned host
+    load_of_ceiling: float
+    save_of_ceiling: float
+    used: dict[str, int]  # batches each mechanism really moved (saves and loads)
+    verified: bool
+    error: str | None = None  # the mechanism failed here (its rates are 0)
+
+
+class ModelRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``--model-shaped``: a dense prefill against loading its prefix (``lw_bench.pipeline_model``)."""
+
+    shape: str
+    tokens: int
+    prefill_s: float
+    kv_bytes: int
+    pcie_load_s: float  # at the pinned-DMA ceiling
+    pcie_over_prefill: float
+    load_s: dict[str, float]  # per mechanism, at the model-shaped case's measured load rate
+    load_over_prefill: dict[str, float]
 
 
 class PipelineBenchResult(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
@@ -53,6 +87,9 @@ class PipelineBenchResult(msgspec.Struct, kw_only=True, omit_defaults=True, forb
     errors: list[str]  # their messages (the first 20)
     verified: bool  # every load put exactly the saved bytes into the KV cache
     save_s: float | None = None  # device bench: the initial save
+    mechanism_counts: dict[str, int] | None = None  # device bench: batches the loads moved per mechanism
+    rates: list[RateRow] | None = None  # device bench, --rates (or the model case for --model-shaped)
+    model_shaped: list[ModelRow] | None = None  # device bench, --model-shaped
     plot: str | None = None  # --plot: the PNG written
 
 

@@ -110,6 +110,14 @@ class Backend(Protocol[H]):
     # object (a lease that expired) provides it; the pipeline calls it after copying from views and
     # fails the objects that went meanwhile, so their blocks are recomputed.
 
+    # Optional: ``host_regions() -> list[memoryview]``, the host memory this process maps that
+    # every ``view`` window lies in (the embedded pool: its arena). A device copier registers it
+    # with the device once (``LayerPipeline`` hands it over), so copies to and from views need no
+    # staging. Each memoryview keeps its range mapped while the copier holds it.
+    # With it, optional: ``view_addresses(handles, offset, nbytes) -> int64 array | None``, the host
+    # addresses of ``view``'s windows for a batch (same checks and lease renewals as ``view``), so a
+    # device copier moves a batch by address with no Python object per window.
+
     def stats(self) -> dict[str, int]:
         """Counters (objects, bytes, evictions, ...) for metrics."""
 

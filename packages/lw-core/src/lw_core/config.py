@@ -85,6 +85,10 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     save_in_background: bool = True
     metaserver_timeout_s: Seconds = 30.0
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    # How a KV cache on a device (GPU) copies to and from pool memory registered with it
+    # (lw_vllm.device.direct_path): the device's own gather/scatter, one batched DMA per batch, auto (by
+    # segment size), or staged (no registration: through pinned buffers, one host memcpy more).
+    device_copy_mechanism: Literal["auto", "kernel", "batch_dma", "staged"] = "auto"
     # Streaming PD (docs/guide/streaming-pd.md): the prefiller publishes each layer of its reservations
     # as it is saved, the decoder pulls layers as they are published instead of waiting for the
     # whole prompt. Needs a backend with the streaming extension (lw_core.backend).

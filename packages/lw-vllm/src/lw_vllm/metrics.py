@@ -46,6 +46,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
                        "Objects evicted from DRAM that the disk tier dropped (queue full, disk full or failing)"),
     "disk_evictions": ("vllm:lw_pool_disk_evictions_total", "Files the disk tier evicted to stay under its capacity"),
     "disk_corrupt": ("vllm:lw_pool_disk_corrupt_total", "Disk-tier files found torn or corrupt (removed; misses)"),
+    "device_register_failures": ("vllm:lw_pool_device_register_failures_total",
+                                 "Pool memory ranges the KV cache's device could not register (their copies go "
+                                 "through pinned staging)"),
     "pd_prefill_not_in_pool": ("vllm:lw_pool_pd_prefill_not_in_pool_total",
                                "Decoder requests whose prefill the metaserver reported committed while the pool held "
                                "none of it (another pool, model identity or KV layout; computed here instead)"),

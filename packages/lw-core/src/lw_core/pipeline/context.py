@@ -6,6 +6,7 @@ failures show up in the next step's result). Steps get the context, never the pi
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
@@ -59,6 +60,16 @@ class ViewFlags:
         self.save = True
 
 
+class _Inline:
+    """A ``WorkerPool`` stand-in that runs the job at once, in the calling thread."""
+
+    def submit(self, job: Callable[[], None]) -> None:
+        job()
+
+
+_INLINE: Any = _Inline()
+
+
 class BackgroundErrors:
     """Runs fire-and-forget backend calls (release, abort) and keeps their failures for the next
     step's result."""
@@ -78,6 +89,10 @@ class BackgroundErrors:
                     self._log.add(f"backend.{what} (previous step): {describe(e)}")
 
         pool.submit(job)
+
+    def note(self, msg: str) -> None:
+        with self._lock:
+            self._log.add(msg)
 
     def take(self) -> list[str]:
         with self._lock:
@@ -113,5 +128,38 @@ class StepContext:
     def call(self, pool: WorkerPool, fn: Callable[[], Any], on_late: Callable[[Any], None] | None = None) -> DeadlineCall:
         return DeadlineCall(pool, fn, on_late)
 
+    def addresses(self, layer: int, handles: list[Any], offset: int, nbytes: int) -> Any:
+        """The host addresses of the batch's view windows when the backend gives them
+        (``view_addresses``) and the copier can move them by address (``addressable``: a device
+        copier, registered pool memory), else None (the caller takes views)."""
+        where = getattr(self.backend, "view_addresses", None)
+        movable = getattr(self.copier, "addressable", None)
+        if where is None or movable is None:
+            return None
+        addrs = where(handles, offset, nbytes)
+        return addrs if addrs is not None and movable(layer, addrs) else None
+
     def release_later(self, pool: WorkerPool, handles: list[Any]) -> None:
         self.background.run(pool, "release", lambda: self.backend.release(handles))
+
+    def release_after(self, handles: list[Any], tokens: list[Any], timeout_s: float) -> None:
+        """Release ``handles`` once the copies of ``tokens`` (which may still read their objects)
+        have completed, waiting on a thread of its own (never the forward thread, never a load
+        worker). Copies still running after ``timeout_s`` keep the leases: the backend's lease
+        timeout ends them, after the copy has had that long too."""
+        self.after_copies("release", tokens, timeout_s, lambda: self.backend.release(handles),
+                          f"{len(handles)} leases are kept until they expire")
+
+    def after_copies(self, what: str, tokens: list[Any], timeout_s: float, fn: Callable[[], None], otherwise: str) -> None:
+        """Run ``fn`` (a release or an abort) on a daemon thread once every copy of ``tokens`` has
+        completed; if one has not after ``timeout_s``, log and record ``otherwise`` instead."""
+
+        def job() -> None:
+            deadline = time.monotonic() + timeout_s
+            if all(self.copier.wait(t, max(0.0, deadline - time.monotonic())) for t in tokens):
+                self.background.run(_INLINE, what, fn)
+                return
+            log.error("device copies still running %.1fs after their step ended: %s", timeout_s, otherwise)
+            self.background.note(f"backend.{what} (previous step): device copies still running after {timeout_s}s; {otherwise}")
+
+        threading.Thread(target=job, name=f"lw-{what}-after-copies", daemon=True).start()

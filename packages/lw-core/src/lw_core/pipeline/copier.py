@@ -12,6 +12,18 @@ Two optional methods (looked up with ``getattr``; a copier without them works as
   compute stream's work so far (a block's previous owner, vLLM zeroing it).
 * ``host_buffer(nbytes) -> buffer``: host memory for the pipeline's staging buffers (pinned memory
   on a device, so the pool reads straight into what the DMA reads).
+* ``register_host(buffers) -> None``: called by ``LayerPipeline`` with the backend's
+  ``host_regions()`` (when it has them): a device copier registers that memory with the device and
+  then copies batches of views in it directly, asynchronously.
+* ``addressable(layer, addrs) -> bool``, ``to_kv_at(layer, block_ids, addrs)``,
+  ``from_kv_at(layer, block_ids, addrs, after)``: the same copies with the views given by their
+  host addresses (a backend's ``view_addresses``), when ``addressable`` says the copier moves
+  them directly: no Python object per window on the copy path.
+
+Tokens and the host memory they use: a copy may read its sources (``to_kv``) or write its
+destinations (``from_kv``) until its token completes. The pipeline keeps a view's lease until then
+(loads) and commits an object only after (saves); a pool object whose copy never completes is
+neither released nor aborted by it (the backend's lease or reservation timeout ends it).
 """
 
 from __future__ import annotations

@@ -78,10 +78,22 @@ class LayerPipeline:
             staging=StagingPool(copier.wait, alloc=getattr(copier, "host_buffer", None)),
             sleep=sleep,
         )
+        self._register_host()
         self._load: LoadStep | None = None
         self._save: SaveStep | None = None
         self._finisher = SaveFinisher()
         self._closed = False
+
+    def _register_host(self) -> None:
+        """Hand the backend's host memory to a copier that registers it with its device."""
+        regions = getattr(self.ctx.backend, "host_regions", None)
+        register = getattr(self.ctx.copier, "register_host", None)
+        if regions is None or register is None:
+            return
+        try:
+            register(regions())
+        except Exception:
+            log.exception("registering the pool's host memory with the device failed; copies go through staging")
 
     @property
     def backend(self) -> Backend[Any]:
@@ -233,6 +245,12 @@ class LayerPipeline:
         late = [step for step in steps if not step.reads_over(deadline - time.monotonic())]
         for step in late:
             step.cancel_reads(f"their KV blocks were taken back while the save still ran (after {timeout_s}s)")
+        # A device copy enqueued before this (its worker is done, the copy may not be) can still
+        # read the blocks: the caller's stream -- the compute stream, this runs on the forward
+        # thread -- waits for it before it reuses them, so the copy reads the old owner's bytes.
+        for step in steps:
+            for tok in step.copies_in_flight():
+                self.copier.make_visible(tok)
         return len(late)
 
     def wait_background_saves(self, timeout_s: float) -> bool:

@@ -9,6 +9,12 @@ host->KV copy runs under the lock. A backend ``view`` is host memory already (a 
 cannot stall), so the zero-copy path hands the view straight to ``copier.to_kv`` under the lock.
 Reading straight into ``copier.kv_views()`` would save one copy on a CPU KV cache, but a read that
 returns after its deadline would then write into blocks vLLM has reused, so it is not done.
+
+Copies from views may run on after ``to_kv`` returns (a device copier reading registered pool
+memory itself): a view's bytes are the object's only while its lease holds, so ``finish`` waits
+(bounded by ``layer_timeout_s``) for those copies before asking the backend whether the objects
+stayed ``intact``, fails the items whose copy is still running then, and the step's leases are
+released only once every such copy has completed (``StepContext.release_after``).
 """
 
 from __future__ import annotations
@@ -27,6 +33,18 @@ from lw_core.pipeline.pool import ErrorLog, describe, log
 from lw_core.pipeline.results import LoadResult
 from lw_core.plan import ReqLoad, flatten, stagger_delay_us
 from lw_core.tp_split import HeadSplit
+
+
+class At:
+    """A batch's sources given by host addresses (``StepContext.addresses``), not buffers."""
+
+    __slots__ = ("addrs",)
+
+    def __init__(self, addrs: Any):
+        self.addrs = addrs
+
+    def __len__(self) -> int:
+        return len(self.addrs)
 
 
 class LoadStep:
@@ -57,6 +75,7 @@ class LoadStep:
         self.item_handle: list[Any] = [None] * self.n
         self.item_sources: list[list[Any]] = [[] for _ in range(self.n)]  # handles, split items only
         self.viewed = np.zeros(self.n, dtype=bool)  # items copied into the KV straight from a view()
+        self.view_copies: list[tuple[Any, list[int]]] = []  # (token, items) of every copy from views
         self.handles: list[Any] = []
         self.batches = ctx.split(self.n)  # per layer, computed once per step
 
@@ -141,21 +160,27 @@ class LoadStep:
                         todo = np.flatnonzero(~self.failed)
                         if len(todo):
                             self._fail_locked(todo, f"layer {layer} was never waited for (wait_layer not called); its blocks are not loaded")
-            self._fail_stale_views_locked()
-            incomplete = np.flatnonzero(~self.failed & ~self.done.all(axis=0))
-            if len(incomplete):
-                self._fail_locked(incomplete, f"{len(incomplete)} blocks did not get every layer")
-            failed = np.flatnonzero(self.failed)
             # Copies already enqueued for layers nobody waited for: order them before whatever the
             # compute stream does next with these blocks (a waited layer's were, in ``wait``).
             unfenced = [t for layer, w in enumerate(self.waited) if not w for t in self.tokens[layer] if t is not None]
+            view_copies = list(self.view_copies)
         for tok in unfenced:
             try:
                 self.ctx.copier.make_visible(tok)
             except Exception:
                 log.exception("make_visible of an unwaited layer's copy failed")
+        running = self._settle_view_copies(view_copies)
+        with self.lock:
+            self._fail_stale_views_locked()
+            incomplete = np.flatnonzero(~self.failed & ~self.done.all(axis=0))
+            if len(incomplete):
+                self._fail_locked(incomplete, f"{len(incomplete)} blocks did not get every layer")
+            failed = np.flatnonzero(self.failed)
         if self.handles:
-            self.ctx.release_later(self.ctx.load_pool, self.handles)
+            if running:
+                self.ctx.release_after(self.handles, running, self.ctx.limits.layer_timeout_s)
+            else:
+                self.ctx.release_later(self.ctx.load_pool, self.handles)
         ok = self.n - len(failed)
         return LoadResult(
             failed_block_ids=[self.blocks[i] for i in failed],
@@ -167,12 +192,34 @@ class LoadStep:
             errors=self.errors.out(),
         )
 
+    def _settle_view_copies(self, copies: list[tuple[Any, list[int]]]) -> list[Any]:
+        """Copies from views that may still read the pool: where the backend can say whether a view
+        stayed ``intact``, wait for them (bounded by ``layer_timeout_s``) so the check covers every
+        byte they read, and fail the items of those still running. Returns the tokens of the copies
+        not known complete (the leases wait for them)."""
+        copier, limit = self.ctx.copier, self.ctx.limits.layer_timeout_s
+        bounded = getattr(self.ctx.backend, "intact", None) is not None
+        deadline = time.monotonic() + limit
+        running: list[Any] = []
+        late: list[int] = []
+        for tok, idx in copies:
+            if tok is None:
+                continue
+            if not copier.wait(tok, max(0.0, deadline - time.monotonic()) if bounded else 0.0):
+                running.append(tok)
+                late += idx if bounded else []
+        if late:
+            self._fail(late, f"{len(late)} blocks: their copy out of the pool was still running {limit}s after "
+                             "the step ended, so their bytes cannot be checked; they are recomputed")
+        return running
+
     def _fail_stale_views_locked(self) -> None:
         """Fail items whose bytes came through ``view()`` from an object that was evicted or reused
         meanwhile (a reader stalled past its lease): those KV blocks may hold another object's bytes,
-        so vLLM must recompute them. Runs after ``cancelled`` is set, so no copy is in flight."""
+        so vLLM must recompute them. Runs after ``cancelled`` is set and after the copies of the
+        items still checked here have completed, so none of them is in flight."""
         intact = getattr(self.ctx.backend, "intact", None)
-        idx = np.flatnonzero(self.viewed & ~self.failed)
+        idx = np.flatnonzero(self.viewed & ~self.failed)  # their copies have completed (``_settle_view_copies``)
         if intact is None or not len(idx):
             return
         try:
@@ -234,7 +281,11 @@ class LoadStep:
                     if self.cancelled or self.layer_cancelled[layer]:
                         return  # too late: the data must not reach the KV
                     try:
-                        token = ctx.copier.to_kv(layer, [self.blocks[i] for i in idx], srcs)
+                        blocks = [self.blocks[i] for i in idx]
+                        if isinstance(srcs, At):
+                            token = ctx.copier.to_kv_at(layer, blocks, srcs.addrs)  # type: ignore[attr-defined]
+                        else:
+                            token = ctx.copier.to_kv(layer, blocks, srcs)
                     except Exception as e:
                         log.exception("to_kv of layer %d failed", layer)
                         self._fail_locked(idx, f"layer {layer}: copy into the KV cache: {describe(e)}")
@@ -242,18 +293,24 @@ class LoadStep:
                     self.done[layer, idx] = True
                     if not bufs:
                         self.viewed[idx] = True
+                        self.view_copies.append((token, idx))
                     self.tokens[layer].append(token)
             finally:
                 for b in bufs:
                     ctx.staging.put(b, token)
 
-    def _fetch(self, layer: int, idx: list[int]) -> tuple[list[Any], list[np.ndarray]]:
-        """Host sources of one batch: zero-copy views when the backend has them, else a staging read."""
+    def _fetch(self, layer: int, idx: list[int], by_address: bool = True) -> tuple[Any, list[np.ndarray]]:
+        """Host sources of one batch: the views' addresses when the copier moves them by address,
+        zero-copy views when the backend has them, else a staging read."""
         ctx = self.ctx
         off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
         if any(self.splits[i] is not None for i in idx):
             return self._fetch_split(layer, idx)
         hs = [self.item_handle[i] for i in idx]
+        if ctx.views.load and by_address:
+            addrs = ctx.addresses(layer, hs, off, n)
+            if addrs is not None:
+                return At(addrs), []
         if ctx.views.load:
             views = [ctx.backend.view(h, off, n) for h in hs]
             if all(v is not None for v in views):
@@ -297,7 +354,7 @@ class LoadStep:
             raise
         return dsts, [buf]
 
-    def _fetch_isolating(self, layer: int, idx: list[int]) -> tuple[list[int], list[Any], list[np.ndarray]]:
+    def _fetch_isolating(self, layer: int, idx: list[int]) -> tuple[list[int], Any, list[np.ndarray]]:
         """Fetch a batch; if the store refuses it, retry item by item so only the bad objects fail."""
         try:
             srcs, bufs = self._fetch(layer, idx)
@@ -309,7 +366,7 @@ class LoadStep:
         ok, srcs, bufs = [], [], []
         for i in idx:
             try:
-                s, b = self._fetch(layer, [i])
+                s, b = self._fetch(layer, [i], by_address=False)
             except BackendError as e:
                 self._fail([i], f"layer {layer}: read of {self.keys[i]}: {describe(e)}")
                 continue

@@ -11,6 +11,13 @@ takes its KV blocks back (``cancel_reads``: a preempted request's blocks). The c
 under ``self.lock`` right before every copy out of the KV cache, and a layer's objects count as
 written only if its copy ended before the cancel, so what a copy still running then reads (the
 blocks' next owner's KV) is never committed: those objects are aborted.
+
+A copy into a view may run on after ``from_kv`` returns (a device copier writing registered pool
+memory itself): its batch is ``pending`` until its token completes, and only then are its objects'
+layers ``done``. ``finish`` settles every pending copy (same deadline) before it commits; an object
+whose copy is still running then is neither committed nor aborted at once: it is aborted once the
+copy has completed (``StepContext.after_copies``), so a late copy never writes space that another
+object was given meanwhile.
 """
 
 from __future__ import annotations
@@ -55,6 +62,11 @@ class SaveStep:
         self.events = [threading.Event() for _ in range(nl)]
         self.misses: list[int] = []
         self.commit_unknown: set[int] = set()  # commit timed out: neither committed nor abortable
+        # Copies into views not yet known complete: (token, layer, items); under self.lock.
+        self.pending: list[tuple[Any, int, list[int]]] = []
+        self.settling: list[tuple[Any, int, list[int]]] = []  # pending copies ``_settle`` waits for now
+        self.running: list[Any] = []  # tokens of those found still running at their deadline
+        self.in_flight: set[int] = set()  # their items: aborted only once the copies completed
         self.n = 0
         self.failed = np.zeros(0, dtype=bool)
         self.done = np.zeros((nl, 0), dtype=bool)
@@ -129,6 +141,12 @@ class SaveStep:
             if late:
                 self.errors.add(f"{late} objects not saved: {why}")
 
+    def copies_in_flight(self) -> list[Any]:
+        """Tokens of copies out of the KV cache that may still run on a device: enqueued and not
+        settled yet, or settled as still running after the deadline."""
+        with self.lock:
+            return [tok for tok, _, _ in (*self.pending, *self.settling) if tok is not None] + list(self.running)
+
     def fail_all(self, msg: str) -> None:
         with self.lock:
             self.failed[:] = True
@@ -144,6 +162,9 @@ class SaveStep:
             ctx.save_pool.unstick()
         with self.lock:
             self.cancelled = True  # nothing more goes into the objects' memory
+        self._settle(deadline)
+        with self.lock:
+            running, in_flight = list(self.running), set(self.in_flight)
             if self.n:
                 for layer, sub in enumerate(self.submitted):
                     if not sub:
@@ -153,9 +174,14 @@ class SaveStep:
                     self.errors.add(f"layer {layer}: save missed its {ctx.limits.save_timeout_s}s deadline ({late} objects)")
             complete = np.flatnonzero(~self.failed & self.done.all(axis=0)) if self.n else np.zeros(0, dtype=np.intp)
         committed = self._commit([int(i) for i in complete])
-        to_abort = [self.handles[i] for i in range(self.n) if i not in committed and i not in self.commit_unknown]
+        to_abort = [self.handles[i] for i in range(self.n)
+                    if i not in committed and i not in self.commit_unknown and i not in in_flight]
         if to_abort:
             ctx.background.run(ctx.save_pool, "abort", lambda: ctx.backend.abort(to_abort))
+        if in_flight:
+            stuck = [self.handles[i] for i in sorted(in_flight)]
+            ctx.after_copies("abort", running, ctx.limits.save_timeout_s, lambda: ctx.backend.abort(stuck),
+                             f"{len(stuck)} reservations are left to the backend's reservation timeout")
         committed_keys = [self.keys[i] for i in range(self.n) if i in committed]
         failed_keys = [*self.failed_early, *(self.keys[i] for i in range(self.n) if i not in committed)]
         failed_req = list(dict.fromkeys(o for k in failed_keys for o in self.owners_of[k]))
@@ -168,6 +194,27 @@ class SaveStep:
             deadline_misses=list(self.misses),
             errors=self.errors.out(),
         )
+
+    def _settle(self, deadline: float, layer: int | None = None) -> None:
+        """Wait (until ``deadline``) for the pending copies into views (of ``layer``, or all) and
+        mark their objects' layers done; the items of copies still running are failed and kept in
+        ``in_flight``."""
+        with self.lock:
+            mine = [p for p in self.pending if layer is None or p[1] == layer]
+            self.pending = [p for p in self.pending if not (layer is None or p[1] == layer)]
+            self.settling.extend(mine)
+        for entry in mine:
+            tok, lay, idx = entry
+            done = self.ctx.copier.wait(tok, max(0.0, deadline - time.monotonic()))
+            with self.lock:
+                self.settling = [p for p in self.settling if p is not entry]
+                if done:
+                    self.done[lay, idx] = True
+                    continue
+                self.running.append(tok)
+                self.in_flight.update(idx)
+                self.failed[idx] = True
+                self.errors.add(f"layer {lay}: copy out of the KV cache did not finish in {self.ctx.limits.save_timeout_s}s")
 
     def _commit(self, idx: list[int]) -> set[int]:
         """Commit complete objects; on a batch error retry one by one to find the bad ones."""
@@ -224,7 +271,8 @@ class SaveStep:
                 self.failed[bad] = True
                 self.errors.add(f"layer {layer}: {describe(e)}")
         finally:
-            if self.ctx.limits.stream_publish:
+            if self.ctx.limits.stream_publish:  # a published layer must be in the objects
+                self._settle(time.monotonic() + self.ctx.limits.save_timeout_s, layer)
                 self._publish_ready(layer)
             self.events[layer].set()
 
@@ -276,6 +324,15 @@ class SaveStep:
         off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
         hs = [self.handles[i] for i in idx]
         blocks = [self.blocks[i] for i in idx]
+        if ctx.views.save:
+            addrs = ctx.addresses(layer, hs, off, n)
+            if addrs is not None:  # the copier writes the objects by address
+                with self.lock:
+                    if self.cancelled:
+                        return
+                    tok = copier.from_kv_at(layer, blocks, addrs, after=token)  # type: ignore[attr-defined]
+                    self.pending.append((tok, layer, idx))  # done once it completes (``_settle``)
+                return
         views = None
         if ctx.views.save:
             views = [backend.view(h, off, n) for h in hs]
@@ -288,9 +345,9 @@ class SaveStep:
                 if self.cancelled:
                     return
                 tok = copier.from_kv(layer, blocks, views, after=token)
-            if not copier.wait(tok, ctx.limits.save_timeout_s):
-                self._fail(idx, f"layer {layer}: copy out of the KV cache did not finish in {ctx.limits.save_timeout_s}s")
-                return
+                if tok is not None:  # done once it completes (``_settle``)
+                    self.pending.append((tok, layer, idx))
+                    return
             ok = idx
         else:
             buf = None

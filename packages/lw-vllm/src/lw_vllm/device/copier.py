@@ -11,8 +11,10 @@ depend on it (``lw_vllm.identity.kv_layout``).
 
 CPU: copies run synchronously in the calling (transfer) thread through numpy, which releases the
 GIL for the memcpy; tokens are ``None``. Devices (cuda, npu, ...): ``lw_vllm.device.device_path`` --
-asynchronous DMAs on side streams ordered by events against the compute stream, through pinned
-staging; tokens are events. This module imports torch and numpy only (no vLLM), so a machine with
+asynchronous copies on side streams ordered by events against the compute stream, straight
+between registered pool memory and the KV blocks (``register_host``; ``mechanism``: the
+``device_copy_mechanism`` key, ``lw_vllm.device.direct_path``) or else through pinned staging; tokens are
+events. This module imports torch and numpy only (no vLLM), so a machine with
 a device and torch but no vLLM can run the device path and its tests.
 """
 
@@ -27,6 +29,7 @@ import torch
 from lw_core.pipeline.buffers import aligned_empty
 from lw_vllm.device.device_path import DevicePath
 from lw_vllm.device.device_streams import DeviceOps, TorchDeviceOps
+from lw_vllm.device.direct_path import check_mechanism
 
 Buffer = Any
 Token = Any
@@ -100,11 +103,13 @@ class TorchCopier:
     """``Copier`` over per-layer KV tensors (index = layer index in the pool object).
 
     ``ops`` replaces the device operations (tests drive the device path with CPU tensors through
-    a recording fake); ``copy_timeout_s`` bounds a save into pageable memory on a device.
+    a recording fake); ``copy_timeout_s`` bounds a save into pageable memory on a device;
+    ``mechanism`` picks how batches in registered pool memory move (``lw_vllm.device.direct_path``).
     """
 
     def __init__(self, kv_layers: Sequence[torch.Tensor], num_blocks: int, *, ops: DeviceOps | None = None,
-                 copy_timeout_s: float = 10.0):
+                 copy_timeout_s: float = 10.0, mechanism: str = "auto"):
+        check_mechanism(mechanism)
         if not kv_layers:
             raise ValueError("TorchCopier: kv_layers must hold at least one layer tensor")
         self.layers = [block_bytes_view(t, num_blocks) for t in kv_layers]
@@ -118,7 +123,7 @@ class TorchCopier:
         self._np = [lay.numpy() for lay in self.layers] if self.on_host else None
         self.dev: DevicePath | None = None
         if not self.on_host:
-            self.dev = DevicePath(self.layers, ops or TorchDeviceOps(self.device), copy_timeout_s)
+            self.dev = DevicePath(self.layers, ops or TorchDeviceOps(self.device), copy_timeout_s, mechanism)
 
     # --- helpers ---
     def _layer(self, layer: int) -> torch.Tensor:
@@ -205,6 +210,48 @@ class TorchCopier:
         stream's work so far (device); nothing on the CPU."""
         if self.dev is not None:
             self.dev.begin_load()
+
+    def register_host(self, buffers: Sequence[Buffer]) -> None:
+        """Register the pool's host memory (a backend's ``host_regions()``) with the device, once per
+        range, so batches in it are copied directly; nothing on the CPU. A failure is logged and
+        counted (``register_failures``) and leaves those batches on the staged path."""
+        if self.dev is not None:
+            self.dev.register(buffers)
+
+    def addressable(self, layer: int, addrs: Any) -> bool:
+        """Whether pool windows of ``layer`` at these host addresses (a backend's
+        ``view_addresses``) can be copied by address (``to_kv_at``/``from_kv_at``): registered
+        memory on a device, and a direct mechanism."""
+        return self.dev is not None and self.dev.direct.addressable(addrs, self.block_nbytes(layer))
+
+    def to_kv_at(self, layer: int, block_ids: Sequence[int], addrs: Any) -> Token:
+        """``to_kv`` from pool windows given by their host addresses (see ``addressable``): no
+        per-window Python object, one submission for the batch."""
+        self._layer(layer)
+        self._check(block_ids, addrs, "addresses")
+        assert self.dev is not None, "addressable() is False on the CPU"
+        return self.dev.to_kv_at(layer, block_ids, addrs, self.block_nbytes(layer)) if len(block_ids) else None
+
+    def from_kv_at(self, layer: int, block_ids: Sequence[int], addrs: Any, after: Token = None) -> Token:
+        """``from_kv`` into pool windows given by their host addresses (see ``addressable``)."""
+        self._layer(layer)
+        self._check(block_ids, addrs, "addresses")
+        assert self.dev is not None, "addressable() is False on the CPU"
+        return self.dev.from_kv_at(layer, block_ids, addrs, self.block_nbytes(layer), after) if len(block_ids) else None
+
+    @property
+    def register_failures(self) -> int:
+        return 0 if self.dev is None else self.dev.direct.register_failures
+
+    @property
+    def mechanism_counts(self) -> dict[str, int]:
+        """Batches moved so far per mechanism (device): kernel, batch_dma, staged."""
+        return {} if self.dev is None else dict(self.dev.direct.counts)
+
+    def close(self) -> None:
+        """Unregister the pool memory (device) once the copies enqueued so far are done."""
+        if self.dev is not None:
+            self.dev.close()
 
     def host_buffer(self, nbytes: int) -> np.ndarray:
         """Host memory for the pipeline's staging: pinned on a device (the DMA reads/writes it

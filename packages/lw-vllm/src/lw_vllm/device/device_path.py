@@ -19,6 +19,14 @@ then the DMA; such a buffer is reused only after its copy's event has completed.
 pageable memory cannot return before the DMA is done (the bytes must be in place when the pipeline
 writes them), so ``from_kv`` host-waits it there, bounded by ``copy_timeout_s``.
 
+Direct copies: a batch whose host side lies in pool memory registered with the device
+(``register``: the backend's ``host_regions``) moves with no staging at all, by the device's own
+gather/scatter or one batched DMA (``lw_vllm.device.direct_path``); its token is the event after it, and
+the pool memory is read or written until that event completes (the pipeline holds the lease, or
+commits, only after). A direct enqueue that raises may have left copies behind: their event is
+made visible to the compute stream at the next ``begin_load``/``make_visible``, so no later
+compute on those blocks runs before them.
+
 Loads and saves use separate streams, so a load never queues behind a save that waits for compute.
 """
 
@@ -33,11 +41,13 @@ import numpy as np
 import torch
 
 from lw_vllm.device.device_streams import DeviceOps
+from lw_vllm.device.direct_path import DirectPath
 from lw_vllm.device.staging import PinnedStaging
 
 
 class DevicePath:
-    def __init__(self, layers: Sequence[torch.Tensor], ops: DeviceOps, copy_timeout_s: float = 10.0):
+    def __init__(self, layers: Sequence[torch.Tensor], ops: DeviceOps, copy_timeout_s: float = 10.0,
+                 mechanism: str = "auto"):
         if not (0 < copy_timeout_s < float("inf")):
             raise ValueError(f"TorchCopier: copy_timeout_s={copy_timeout_s!r} must be a finite number of seconds > 0")
         self.layers = list(layers)  # uint8 [outer, num_blocks, inner] views of the device KV cache
@@ -48,6 +58,31 @@ class DevicePath:
         self.staging = PinnedStaging(ops)
         self._h2d_lock = threading.Lock()  # one enqueuer at a time per stream (several load threads)
         self._d2h_lock = threading.Lock()
+        self.direct = DirectPath(ops, mechanism)
+        self._orphans: list[Any] = []  # events of direct copies whose enqueue raised (see the docstring)
+        self._orphans_lock = threading.Lock()
+
+    # --- registered pool memory ---
+    def register(self, buffers: Sequence[Any]) -> None:
+        self.direct.register(buffers)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Unregister the pool memory once every copy enqueued so far has completed; if they do not
+        within ``timeout_s`` it stays registered (a copy may still use it)."""
+        evs = [self.ops.record(s) for s in (self.h2d_stream, self.d2h_stream)]
+        if all(self.wait(ev, timeout_s) for ev in evs):
+            self.direct.close()
+
+    def _orphan(self, stream: Any) -> None:
+        ev = self.ops.record(stream)
+        with self._orphans_lock:
+            self._orphans.append(ev)
+
+    def _fence_orphans(self) -> None:
+        with self._orphans_lock:
+            evs, self._orphans = self._orphans, []
+        for ev in evs:
+            self.ops.wait_event(self.ops.current_stream(), ev)
 
     def _shape(self, layer: int, k: int) -> tuple[int, int, int]:
         lay = self.layers[layer]
@@ -55,6 +90,7 @@ class DevicePath:
 
     # --- loads ---
     def begin_load(self) -> None:
+        self._fence_orphans()
         ev = self.ops.record(self.ops.current_stream())
         with self._h2d_lock:
             self.ops.wait_event(self.h2d_stream, ev)
@@ -62,8 +98,52 @@ class DevicePath:
     def to_kv(self, layer: int, block_ids: Sequence[int], srcs: Sequence[Any], n: int) -> Any:
         shape = self._shape(layer, len(block_ids))
         host = self.staging.find(srcs, n)
+        plan = self.direct.plan(self.layers[layer], srcs, n) if host is None else None
+        if plan is not None:  # registered pool memory: straight into the blocks
+            with self._h2d_lock, self.ops.on(self.h2d_stream):
+                try:
+                    self.direct.h2d(plan, self.layers[layer], block_ids)
+                except BaseException:
+                    self._orphan(self.h2d_stream)  # later compute on these blocks waits for it
+                    self.wait(self.ops.record(self.h2d_stream), self.copy_timeout_s)  # it may read the pool
+                    raise
+                return self.ops.record(self.h2d_stream)
+        return self._staged_to_kv(layer, block_ids, srcs, n, shape, host)
+
+    def to_kv_at(self, layer: int, block_ids: Sequence[int], addrs: Any, n: int) -> Any:
+        """``to_kv`` of pool windows given by their host addresses (registered memory only)."""
+        plan = self.direct.plan_addrs(self.layers[layer], addrs, n)
+        if plan is None:
+            raise ValueError(f"TorchCopier: {len(addrs)} windows of layer {layer} are not all in registered pool memory")
+        with self._h2d_lock, self.ops.on(self.h2d_stream):
+            try:
+                self.direct.h2d(plan, self.layers[layer], block_ids)
+            except BaseException:
+                self._orphan(self.h2d_stream)
+                self.wait(self.ops.record(self.h2d_stream), self.copy_timeout_s)
+                raise
+            return self.ops.record(self.h2d_stream)
+
+    def from_kv_at(self, layer: int, block_ids: Sequence[int], addrs: Any, n: int, after: Any) -> Any:
+        """``from_kv`` into pool windows given by their host addresses (registered memory only)."""
+        plan = self.direct.plan_addrs(self.layers[layer], addrs, n)
+        if plan is None:
+            raise ValueError(f"TorchCopier: {len(addrs)} windows of layer {layer} are not all in registered pool memory")
+        with self._d2h_lock, self.ops.on(self.d2h_stream):
+            if after is not None:
+                self.ops.wait_event(self.d2h_stream, after)
+            try:
+                self.direct.d2h(plan, self.layers[layer], block_ids)
+            except BaseException:
+                self.wait(self.ops.record(self.d2h_stream), self.copy_timeout_s)
+                raise
+            return self.ops.record(self.d2h_stream)
+
+    def _staged_to_kv(self, layer: int, block_ids: Sequence[int], srcs: Sequence[Any], n: int,
+                      shape: tuple[int, int, int], host: Any) -> Any:
         own = None
         if host is None:  # pageable sources: one memcpy into a pinned buffer of ours
+            self.direct.staged()
             own = self.staging.acquire(len(srcs) * n)
             flat = own.numpy()
             for j, s in enumerate(srcs):
@@ -88,8 +168,20 @@ class DevicePath:
     def from_kv(self, layer: int, block_ids: Sequence[int], dsts: Sequence[Any], n: int, after: Any) -> Any:
         shape = self._shape(layer, len(block_ids))
         host = self.staging.find(dsts, n)
+        plan = self.direct.plan(self.layers[layer], dsts, n) if host is None else None
+        if plan is not None:  # registered pool memory: straight from the blocks
+            with self._d2h_lock, self.ops.on(self.d2h_stream):
+                if after is not None:
+                    self.ops.wait_event(self.d2h_stream, after)
+                try:
+                    self.direct.d2h(plan, self.layers[layer], block_ids)
+                except BaseException:  # what got enqueued may still write the objects: let it end first
+                    self.wait(self.ops.record(self.d2h_stream), self.copy_timeout_s)
+                    raise
+                return self.ops.record(self.d2h_stream)
         own = None
         if host is None:
+            self.direct.staged()
             own = self.staging.acquire(len(dsts) * n)
             host = own[: len(dsts) * n]
         with self._d2h_lock, self.ops.on(self.d2h_stream):
@@ -123,9 +215,10 @@ class DevicePath:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(delay)
-            delay = min(delay * 2, 1e-3)
+            delay = min(delay * 2, 2e-4)
         return True
 
     def make_visible(self, token: Any) -> None:
+        self._fence_orphans()
         if token is not None:
             self.ops.wait_event(self.ops.current_stream(), token)

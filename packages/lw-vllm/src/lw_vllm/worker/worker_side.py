@@ -67,6 +67,7 @@ class WorkerSide:
         self.saves_here = not pool.is_mla(vllm_config) or self.tp_rank == 0
         self.layer_index: dict[str, int] = {}
         self.pipe: LayerPipeline | None = None
+        self._torch_copier: TorchCopier | None = None
         self.backend: Any = None
         self._meta: LayerwiseMeta | None = None
         self._loading = False
@@ -103,7 +104,9 @@ class WorkerSide:
         if missing:
             raise NotImplementedError(f"LayerwiseStoreConnector: KV cache tensors missing for layers {missing[:4]}")
         num_blocks = self.kv_cache_config.num_blocks
-        torch_copier = TorchCopier([kv_caches[n] for n in names], num_blocks)
+        torch_copier = TorchCopier([kv_caches[n] for n in names], num_blocks,
+                                   mechanism=self.cfg.device_copy_mechanism)
+        self._torch_copier = torch_copier
         copier: Any = torch_copier
         self.block_order = kv_layout.check_tensors(
             self.block_order, self.layout, {n: block_order(kv_caches[n], num_blocks) for n in names})
@@ -144,6 +147,8 @@ class WorkerSide:
             save_timeout_s=self.cfg.save_timeout_s,
             stream_publish=self.cfg.pd_streaming and self.role in ("kv_producer", "kv_both"),
         )
+        if torch_copier.register_failures:
+            self.stats.add(device_register_failures=torch_copier.register_failures)
         self.ledger = SaveLedger(self.pipe, self.background, self.report, self.stats, self.cfg.save_timeout_s)
         if (self.cfg.pd_streaming and self.role in ("kv_consumer", "kv_both")) or self.hybrid:
             recv = StreamReceiver(self.backend, copier, layout, self.cfg.metaserver_timeout_s,
@@ -334,6 +339,9 @@ class WorkerSide:
         if self.pipe is not None:
             self.pipe.close()
             self.pipe = None
+        if self._torch_copier is not None:  # unregister the pool memory before the pool goes
+            self._torch_copier.close()
+            self._torch_copier = None
         if self.backend is not None:
             pool.release_backend(self.cfg, self.backend)
             self.backend = None

@@ -204,6 +204,20 @@ class EmbeddedBackend:
     def view(self, handle: EmbeddedHandle, offset: int, nbytes: int) -> memoryview | None:
         return self._reader.view(handle, offset, nbytes) if self._tiered is None else self._tiered.view(handle, offset, nbytes)
 
+    def view_addresses(self, handles: Sequence[EmbeddedHandle], offset: int, nbytes: int) -> Any:
+        """Where ``view``'s windows lie (int64 host addresses in ``host_regions``), with its checks
+        and lease renewals, or None (the optional protocol method)."""
+        if self._tiered is not None:
+            return self._tiered.view_addresses(handles, offset, nbytes)
+        return self._reader.view_addresses(handles, offset, nbytes)
+
+    def host_regions(self) -> list[memoryview]:
+        """The arena's mapping, where every ``view`` window lies (the optional protocol method): a
+        new export of it, so the mapping stays while a device copier keeps it registered."""
+        self._usable()
+        mm = self._pool.mm
+        return [] if mm is None else [memoryview(mm)]
+
     def intact(self, handles: Sequence[EmbeddedHandle]) -> list[bool]:
         return self._reader.intact(handles) if self._tiered is None else self._tiered.intact(handles)
 

@@ -216,6 +216,21 @@ class LeaseTable:
             return 0.0
         return self._exp[self._base + i]
 
+    def expiries(self, entries: np.ndarray, oids: np.ndarray) -> np.ndarray:
+        """``expiry`` of many (entry, oid) pairs at once (int64 arrays): 0 where not ours."""
+        out = np.zeros(len(entries))
+        if self.row < 0 or not len(entries):
+            return out
+        ok = np.flatnonzero(entries >= 0)
+        at = self._base + entries[ok]
+        mine = np.frombuffer(self._oid, dtype=np.uint64)[at] == oids[ok].astype(np.uint64)
+        out[ok[mine]] = np.frombuffer(self._exp.cast("B"), dtype=np.float64)[at[mine]]
+        return out
+
+    def generations(self, pages: np.ndarray) -> np.ndarray:
+        """``gen`` of many pages at once (uint64)."""
+        return np.frombuffer(self.gen, dtype=np.uint64)[pages]
+
     # ---------------------------------------------------------------- eviction (writer lock held)
 
     def set_gen(self, page: int, oid: int) -> None:

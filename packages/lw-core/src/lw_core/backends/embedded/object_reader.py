@@ -142,13 +142,47 @@ class ObjectReader:
         h = own_handle(handle, "view")
         if h._stream:
             return None  # no lease pins a streaming handle's space: read() checks each copy
+        a = self._window(h, offset, nbytes, time.time())
+        mv = self.pool.mv
+        assert mv is not None, "the pool is attached (checked by usable)"
+        v = mv[a : a + nbytes]
+        return v if h._writable else v.toreadonly()
+
+    def view_addresses(self, handles: Sequence[EmbeddedHandle], offset: int, nbytes: int) -> np.ndarray | None:
+        """The host addresses of ``view(h, offset, nbytes)``'s windows, with the same checks and
+        lease renewals, for a device copier that moves them by address (int64); ``None`` when a
+        handle has no window (streaming). The checks run on arrays; a handle that fails one, or
+        whose lease needs renewing, goes through ``view``'s own path (which renews or raises)."""
+        self.usable()
+        npa = self.pool.np
+        assert npa is not None, "the pool is attached (checked by usable)"
+        hs = [own_handle(h, "view") for h in handles]
+        if any(h._stream for h in hs):
+            return None
+        now = time.time()
+        a = np.array([(h._off, h.nbytes, h._epoch, h._writable, h._leased, h._lease, h._oid, h._pg) for h in hs],
+                     dtype=np.int64).reshape(len(hs), 8)
+        offs = a[:, 0]
+        slow = (a[:, 1] < offset + nbytes) | (a[:, 2] != self.pool.epoch) | (offset < 0) | (nbytes < 0)
+        r = np.flatnonzero(a[:, 3] == 0)  # leased (read) handles
+        if len(r):
+            lt = self.pool.leases
+            oids = a[r, 6]
+            fresh = (a[r, 4] != 0) & (lt.expiries(a[r, 5], oids) - now > self.lease_ttl_s / 2)
+            slow[r] |= ~fresh | (lt.generations(a[r, 7]) != oids.astype(np.uint64))
+        for i in np.flatnonzero(slow):
+            self._window(hs[i], offset, nbytes, now)  # renews the lease, or raises what view would
+        return offs + (offset + int(npa.ctypes.data))
+
+    def _window(self, h: EmbeddedHandle, offset: int, nbytes: int, now: float) -> int:
+        """Where ``h``'s bytes ``[offset, offset + nbytes)`` start in the arena, once checked (and a
+        leased object's lease renewed when it is half gone)."""
         if offset < 0 or nbytes < 0 or offset + nbytes > h.nbytes:
             raise ValueError(f"embedded pool: view of {nbytes} bytes at offset {offset} is outside object {h.key!r} of {h.nbytes} bytes")
         if h._epoch != self.pool.epoch:
             raise ObjectMissing(f"embedded pool {self.pool.path!r}: {h.key!r} is from a pool directory that was deleted since")
         if not h._writable:
             lt = self.pool.leases
-            now = time.time()
             renewed = h._leased and lt.expiry(h._lease, h._oid) - now > self.lease_ttl_s / 2
             if not renewed:  # expiring (or expired): renew, then check (fenced like open)
                 with lt.lock:
@@ -158,11 +192,7 @@ class ObjectReader:
                 self.local["reads_of_evicted_objects"] += 1
                 why = "was evicted (its lease had expired)" if renewed or h._leased else "is not leased (released)"
                 raise ObjectMissing(f"embedded pool {self.pool.path!r}: no view of {h.key!r}: it {why}")
-        a = h._off + offset
-        mv = self.pool.mv
-        assert mv is not None, "the pool is attached (checked by usable)"
-        v = mv[a : a + nbytes]
-        return v if h._writable else v.toreadonly()
+        return int(h._off + offset)
 
     def intact(self, handles: Sequence[EmbeddedHandle]) -> list[bool]:
         """Whether each handle's object still owns its space (not evicted, not reused, same pool

@@ -91,6 +91,11 @@ class TieredReads:
             return self.disk.view(handle, offset, nbytes)  # a copy: the file is not mapped
         return self.reader.view(handle, offset, nbytes)
 
+    def view_addresses(self, handles: Sequence[Any], offset: int, nbytes: int) -> Any:
+        if any(type(h) is DiskHandle for h in handles):
+            return None  # a disk hit's bytes are not in the arena
+        return self.reader.view_addresses(handles, offset, nbytes)
+
     def intact(self, handles: Sequence[Any]) -> list[bool]:
         rest = [i for i, h in enumerate(handles) if type(h) is not DiskHandle]
         if len(rest) == len(handles):

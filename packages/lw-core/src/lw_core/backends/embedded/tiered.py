@@ -64,7 +64,12 @@ class TieredReads:
             return out
         bkeys = encode_keys(keys)
         miss = [i for i, h in enumerate(out) if h is None]
-        for i, d in zip(miss, self.disk.open_many([keys[i] for i in miss], [bkeys[i] for i in miss])):
+        try:
+            disk = self.disk.open_many([keys[i] for i in miss], [bkeys[i] for i in miss])
+        except BaseException:  # the DRAM handles' leases go back too: the caller gets no handle
+            self.reader.release([h for h in out if h is not None])
+            raise
+        for i, d in zip(miss, disk):
             if d is not None:  # a hit on disk is a hit (its handle reads the file)
                 out[i] = d
                 self.local["open_hits"] += 1

@@ -15,7 +15,7 @@ import time
 import numpy as np
 import pytest
 
-from lw_core.backend import BackendError
+from lw_core.backend import TIER_DISK, TIER_DRAM, BackendError, lookup_tiers
 from lw_core.backends.embedded import EmbeddedBackend, disk_dir, disk_tier
 from lw_core.backends.embedded import disk_format as fmt
 from lw_core.backends.embedded.disk_tier import DiskHandle, DiskTier
@@ -59,6 +59,8 @@ def test_evicted_objects_are_demoted_and_hit_on_disk_with_the_same_bytes(tmp_pat
         assert st["evictions"] == 7 and st["demotions"] == 7 and st["disk_objects"] == 7 and st["demotion_drops"] == 0
         assert st["disk_bytes"] == 7 * (fmt.HEADER_BYTES + OBJ) and len(_files(tmp_path)) == 7
         assert b.lookup(list(data)) == 12
+        assert b.lookup_tiers(list(data)) == [TIER_DISK] * 7 + [TIER_DRAM] * 5  # what KV events name
+        assert lookup_tiers(b, ["k0", "nope", "k1"]) == [TIER_DISK]
         hs = b.open(list(data))
         kinds = [type(h) is DiskHandle for h in hs]
         assert kinds == [True] * 7 + [False] * 5

@@ -46,6 +46,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
                        "Objects evicted from DRAM that the disk tier dropped (queue full, disk full or failing)"),
     "disk_evictions": ("vllm:lw_pool_disk_evictions_total", "Files the disk tier evicted to stay under its capacity"),
     "disk_corrupt": ("vllm:lw_pool_disk_corrupt_total", "Disk-tier files found torn or corrupt (removed; misses)"),
+    "disk_read_errors": ("vllm:lw_pool_disk_read_errors_total",
+                         "Disk-tier files that could not be read (I/O error, no memory; misses, files kept)"),
     "pd_prefill_not_in_pool": ("vllm:lw_pool_pd_prefill_not_in_pool_total",
                                "Decoder requests whose prefill the metaserver reported committed while the pool held "
                                "none of it (another pool, model identity or KV layout; computed here instead)"),
@@ -158,7 +160,8 @@ class Collector:
 
 
 # Counters the backend keeps itself (``backend.stats()``), turned into increments by ``PoolCounters``.
-POLLED = ("evictions", "disk_hits", "disk_bytes_read", "demotions", "demotion_drops", "disk_evictions", "disk_corrupt")
+POLLED = ("evictions", "disk_hits", "disk_bytes_read", "demotions", "demotion_drops", "disk_evictions", "disk_corrupt",
+          "disk_read_errors")
 
 
 class PoolCounters:

@@ -57,7 +57,7 @@ class TierDir:
         self._tmp_owner = f"{self._boot.hex()}-{self._me.pidns}-{self._me.pid}-{self._me.start}"
         self._thread_lock = threading.Lock()
         _check_dir(path)
-        self._dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
             with self.lock():
                 _mark(path, capacity)

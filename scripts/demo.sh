@@ -5,6 +5,9 @@
 #
 #   bash scripts/demo.sh [--all] [lw-bench serve options, e.g. --reps 5]
 #
+# About 13 minutes on a 2-core machine, 1.5 of them the set-up. `bash scripts/demo.sh --quick` is a
+# first look (lw-bench serve --quick: the 4-layer test model, one 128-token prefix): about a minute
+# after the set-up.
 # --all also runs the two component benches afterwards (layer pipeline vs synthetic compute, and
 # the raw pool), into out/pipeline.png and the printed tables.
 set -euo pipefail

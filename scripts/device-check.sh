@@ -57,8 +57,8 @@ BACKEND=embedded
 "$PY" -c "import lmdb" 2>/dev/null || { BACKEND=memory; echo "lmdb not installed: the bench uses the memory pool instead of the embedded one"; }
 
 # The copier must import without vLLM (it cannot be installed here).
-"$PY" -c "import sys; sys.modules['vllm'] = None; import lw_vllm.copier, lw_core.pipeline" \
-  || { echo "device-check: lw_vllm.copier does not import without vLLM"; exit 2; }
+"$PY" -c "import sys; sys.modules['vllm'] = None; import lw_vllm.device.copier, lw_core.pipeline" \
+  || { echo "device-check: lw_vllm.device.copier does not import without vLLM"; exit 2; }
 
 if [ -z "${KV_DEVICE:-}" ]; then
   KV_DEVICE=$("$PY" - <<'EOF'

@@ -150,7 +150,8 @@ def test_proxy_runs_without_numpy_lmdb_tqdm():
 
 def test_embedded_backend_without_its_extra_names_the_extra(tmp_path):
     code = (
-        "from lw_core.backend import BackendError, open_backend; from lw_core.config import parse_config\n"
+        "from lw_core.backend import BackendError; from lw_core.backends.registry import open_backend\n"
+        "from lw_core.config import parse_config\n"
         f"cfg = parse_config({{'embedded_path': {str(tmp_path / 'pool')!r}}})\n"
         "try:\n    open_backend(cfg)\nexcept BackendError as e:\n    print(e)\n"
     )
@@ -176,11 +177,11 @@ NOT_IN_PLAIN_INSTALL: dict[str, dict[str, tuple[set[str], str]]] = {
         # a package that fails to import hides its modules (lw_core.pipeline's __init__ needs numpy)
         "lw_core.backends.embedded", "lw_core.pipeline")},
     "lw-vllm": {m: _VLLM for m in (
-        "lw_vllm.connector", "lw_vllm.copier", "lw_vllm.device_path", "lw_vllm.device_streams", "lw_vllm.group_blocks",
-        "lw_vllm.late_frees", "lw_vllm.load_sources", "lw_vllm.meta",
-        "lw_vllm.metrics", "lw_vllm.pd_coordinator", "lw_vllm.pool_lookup", "lw_vllm.recurrent_states",
-        "lw_vllm.save_book", "lw_vllm.save_ledger", "lw_vllm.scheduler_side", "lw_vllm.staging", "lw_vllm.state_plan",
-        "lw_vllm.stream_loads", "lw_vllm.worker_report", "lw_vllm.worker_side")},
+        "lw_vllm.connector", "lw_vllm.device.copier", "lw_vllm.device.device_path", "lw_vllm.device.device_streams", "lw_vllm.hybrid.group_blocks",
+        "lw_vllm.scheduler.late_frees", "lw_vllm.worker.load_sources", "lw_vllm.meta",
+        "lw_vllm.metrics", "lw_vllm.pd.pd_coordinator", "lw_vllm.scheduler.pool_lookup", "lw_vllm.worker.recurrent_states",
+        "lw_vllm.worker.save_book", "lw_vllm.worker.save_ledger", "lw_vllm.scheduler.scheduler_side", "lw_vllm.device.staging", "lw_vllm.hybrid.state_plan",
+        "lw_vllm.worker.stream_loads", "lw_vllm.worker.worker_report", "lw_vllm.worker.worker_side")},
 }
 WHEEL_INSTALLS = ["lw-core", "lw-core[pipeline,embedded]", "lw-memcache", "lw-mooncake", "lw-vllm", "lw-proxy"]
 

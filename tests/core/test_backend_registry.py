@@ -8,11 +8,10 @@ from typing import Annotated, Any
 import msgspec
 import pytest
 
-from lw_core.backend import open_backend
 from lw_core.backends import registry
 from lw_core.backends.builtin import MEMORY
 from lw_core.backends.memory import MemoryBackend
-from lw_core.backends.registry import BackendPlugin, UnknownBackend, register_backend, unregister_backend
+from lw_core.backends.registry import BackendPlugin, UnknownBackend, open_backend, register_backend, unregister_backend
 from lw_core.config import ConfigError, known_keys, parse_config
 
 

@@ -10,8 +10,9 @@ import time
 import numpy as np
 import pytest
 
-from lw_core.backend import Backend, BackendError, BackendUnavailable, ObjectMissing, open_backend
+from lw_core.backend import Backend, BackendError, BackendUnavailable, ObjectMissing
 from lw_core.backends.embedded import PAGE, EmbeddedBackend
+from lw_core.backends.registry import open_backend
 from lw_core.config import parse_config
 
 MiB = 1 << 20

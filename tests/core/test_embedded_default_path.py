@@ -1,4 +1,4 @@
-"""The embedded pool's default directory (``lw_core.backends.builtin.default_embedded_path``).
+"""The embedded pool's default directory (``lw_core.backends.embedded_defaults.default_embedded_path``).
 
 ``/dev/shm/lw-pool-<uid>`` can be made first by another local user (the pool then refuses it), so
 the default is the user's private runtime directory (``$XDG_RUNTIME_DIR``, ``/run/user/<uid>``)
@@ -13,7 +13,7 @@ import os
 import pytest
 
 from lw_core.backend import BackendError
-from lw_core.backends import builtin
+from lw_core.backends import embedded_defaults
 from lw_core.config import parse_config
 
 
@@ -34,15 +34,15 @@ def host(tmp_path, monkeypatch):
         )
 
     mount("tmpfs")
-    monkeypatch.setattr(builtin, "MOUNTS", str(mounts))
-    monkeypatch.setattr(builtin, "SHM_DIR", str(shm))
+    monkeypatch.setattr(embedded_defaults, "MOUNTS", str(mounts))
+    monkeypatch.setattr(embedded_defaults, "SHM_DIR", str(shm))
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
     return run, shm, mount
 
 
 def test_private_runtime_dir_is_the_default(host):
     run, _, _ = host
-    assert builtin.default_embedded_path() == str(run / "lw-pool")
+    assert embedded_defaults.default_embedded_path() == str(run / "lw-pool")
     assert parse_config({}).backend_keys.embedded_path == str(run / "lw-pool")
 
 
@@ -52,7 +52,7 @@ def test_runtime_dir_whose_mount_point_has_a_space(host, tmp_path, monkeypatch):
     spaced.mkdir(mode=0o700)
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(spaced))
     mount("tmpfs", str(spaced).replace(" ", "\\040"))  # as /proc/self/mounts writes it
-    assert builtin.default_embedded_path() == str(spaced / "lw-pool")
+    assert embedded_defaults.default_embedded_path() == str(spaced / "lw-pool")
 
 
 def test_a_runtime_dir_too_small_for_the_default_pool_keeps_dev_shm(host, monkeypatch):
@@ -65,7 +65,7 @@ def test_a_runtime_dir_too_small_for_the_default_pool_keeps_dev_shm(host, monkey
         return os.statvfs_result((v.f_bsize, 4096, (3 << 30) // 4096, *v[3:]))
 
     monkeypatch.setattr(os, "statvfs", small)
-    assert builtin.default_embedded_path() == _shm_default(shm)
+    assert embedded_defaults.default_embedded_path() == _shm_default(shm)
 
 
 def _shm_default(shm) -> str:
@@ -75,33 +75,33 @@ def _shm_default(shm) -> str:
 def test_no_runtime_dir_falls_back_to_dev_shm(host, monkeypatch):
     _, shm, _ = host
     monkeypatch.delenv("XDG_RUNTIME_DIR")
-    assert builtin.default_embedded_path() == _shm_default(shm)
+    assert embedded_defaults.default_embedded_path() == _shm_default(shm)
 
 
 @pytest.mark.parametrize("value", ["", "relative/run", "/no/such/dir"])
 def test_unusable_runtime_dir_value_falls_back(host, monkeypatch, value):
     _, shm, _ = host
     monkeypatch.setenv("XDG_RUNTIME_DIR", value)
-    assert builtin.default_embedded_path() == _shm_default(shm)
+    assert embedded_defaults.default_embedded_path() == _shm_default(shm)
 
 
 @pytest.mark.parametrize("mode", [0o770, 0o777, 0o702])
 def test_runtime_dir_writable_by_others_falls_back(host, mode):
     run, shm, _ = host
     run.chmod(mode)
-    assert builtin.default_embedded_path() == _shm_default(shm)
+    assert embedded_defaults.default_embedded_path() == _shm_default(shm)
 
 
 def test_runtime_dir_of_another_user_falls_back(host, monkeypatch):
     _, shm, _ = host  # e.g. `su` kept the first user's XDG_RUNTIME_DIR
-    monkeypatch.setattr(builtin.os, "geteuid", lambda: os.stat(host[0]).st_uid + 1)
-    assert builtin.default_embedded_path() == _shm_default(shm)
+    monkeypatch.setattr(embedded_defaults.os, "geteuid", lambda: os.stat(host[0]).st_uid + 1)
+    assert embedded_defaults.default_embedded_path() == _shm_default(shm)
 
 
 def test_runtime_dir_not_on_tmpfs_falls_back(host):
     run, shm, mount = host
     mount("ext4")
-    assert builtin.default_embedded_path() == _shm_default(shm)
+    assert embedded_defaults.default_embedded_path() == _shm_default(shm)
 
 
 def test_runtime_dir_that_is_a_file_falls_back(host, tmp_path, monkeypatch):
@@ -109,7 +109,7 @@ def test_runtime_dir_that_is_a_file_falls_back(host, tmp_path, monkeypatch):
     f = tmp_path / "file"
     f.write_text("")
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(f))
-    assert builtin.default_embedded_path() == _shm_default(shm)
+    assert embedded_defaults.default_embedded_path() == _shm_default(shm)
 
 
 def test_default_pool_opens_in_the_runtime_dir(host):
@@ -130,6 +130,6 @@ def test_dev_shm_default_taken_by_another_user_is_refused_naming_the_owner(host,
     squatted = shm / f"lw-pool-{os.getuid()}"
     squatted.mkdir(mode=0o700)
     other = os.stat(squatted).st_uid + 1
-    monkeypatch.setattr(builtin.os, "geteuid", lambda: other)  # we are now not its owner
+    monkeypatch.setattr(embedded_defaults.os, "geteuid", lambda: other)  # we are now not its owner
     with pytest.raises(BackendError, match="owned by another user.*set embedded_path"):
-        EmbeddedBackend(builtin.default_embedded_path(), capacity_bytes=1 << 20)
+        EmbeddedBackend(embedded_defaults.default_embedded_path(), capacity_bytes=1 << 20)

@@ -16,7 +16,7 @@ from lw_core.backends.memory import MemoryBackend
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_core.tp_split import split_heads
-from lw_vllm.copier import block_order
+from lw_vllm.device.copier import block_order
 
 NB = 8
 Make = Callable[[list[torch.Tensor], int], object]

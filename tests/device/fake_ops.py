@@ -1,4 +1,4 @@
-"""A recording stand-in for ``lw_vllm.device_streams.TorchDeviceOps`` over CPU tensors.
+"""A recording stand-in for ``lw_vllm.device.device_streams.TorchDeviceOps`` over CPU tensors.
 
 Copies happen at once (so data checks work), but every stream/event call is logged in order, the
 current stream is per thread as in torch, and events complete only when the test says so

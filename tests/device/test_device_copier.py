@@ -25,7 +25,7 @@ from device_contract import (  # noqa: E402
     layouts,
 )
 
-from lw_vllm.copier import TorchCopier  # noqa: E402
+from lw_vllm.device.copier import TorchCopier  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 SLEEP_CYCLES = 400_000_000  # ~0.2-0.4 s of a spinning kernel on current GPUs

@@ -22,7 +22,7 @@ from fake_ops import FakeOps, entries, position
 
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
-from lw_vllm.copier import TorchCopier
+from lw_vllm.device.copier import TorchCopier
 
 CPU = torch.device("cpu")
 
@@ -198,6 +198,6 @@ def test_cpu_copier_gives_page_aligned_staging_and_no_load_fence():
 
 
 def test_the_copier_imports_without_vllm():
-    code = "import sys; sys.modules['vllm'] = None; import lw_vllm.copier, lw_vllm.device_path; print('ok')"
+    code = "import sys; sys.modules['vllm'] = None; import lw_vllm.device.copier, lw_vllm.device.device_path; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr

@@ -24,7 +24,8 @@ def layer_bytes(key: str, layer: int, n: int) -> np.ndarray:
 
 
 def main() -> None:
-    from lw_core.backend import BackendError, open_backend
+    from lw_core.backend import BackendError
+    from lw_core.backends.registry import open_backend
     from lw_core.config import parse_config
 
     extra = json.loads(sys.argv[1])

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from mc_support import expected, needs_memcache
 
-from lw_core.backend import Backend, BackendError, open_backend
+from lw_core.backend import Backend, BackendError
+from lw_core.backends.registry import open_backend
 from lw_core.config import parse_config
 
 pytestmark = [needs_memcache, pytest.mark.slow]

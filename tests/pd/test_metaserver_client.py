@@ -1,4 +1,4 @@
-"""The decoder's metaserver client (lw_vllm.pd_metaserver) against an aiohttp metaserver on
+"""The decoder's metaserver client (lw_vllm.pd.pd_metaserver) against an aiohttp metaserver on
 127.0.0.1: one POST per request id with the wire body, outcomes for 200 / error / silence /
 unreachable, deadlines that hold without blocking the caller, and cancellation on forget."""
 
@@ -12,7 +12,7 @@ import pytest
 from lw_bench.pd.stack import free_port
 from lw_core.wire import DecodeTransferParams
 from lw_dev.fake_metaserver import FakeMetaserver
-from lw_vllm.pd_metaserver import MetaserverClient, remote_prefill_params
+from lw_vllm.pd.pd_metaserver import MetaserverClient, remote_prefill_params
 
 
 @pytest.fixture(scope="module")

@@ -17,9 +17,8 @@ from lw_core.config import parse_config  # noqa: E402
 from lw_core.keys import KeySpace  # noqa: E402
 from lw_vllm.meta import LayerwiseMeta  # noqa: E402
 from lw_vllm.metrics import Collector  # noqa: E402
-from lw_vllm.pd_coordinator import POOL_POLL_S, PdCoordinator  # noqa: E402
-from lw_vllm.pd_metaserver import Outcome  # noqa: E402
-from lw_vllm.request_state import RemotePhase, ReqState  # noqa: E402
+from lw_vllm.pd.pd_coordinator import POOL_POLL_S, PdCoordinator  # noqa: E402
+from lw_vllm.request.request_state import Outcome, RemotePhase, ReqState  # noqa: E402
 
 BLOCK = 16
 

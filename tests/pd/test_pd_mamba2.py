@@ -1,5 +1,5 @@
 """1P1D on real vLLM (CPU) with the tiny Mamba2 hybrid (Granite 4 style: layers 0 and 2 Mamba2,
-1 and 3 full attention; float32, prefix caching on, block 128; lw_vllm.mamba2_fix makes its
+1 and 3 full attention; float32, prefix caching on, block 128; lw_vllm.cpu_fixes.mamba2_fix makes its
 prefills run on the CPU build): through lw-proxy the decoder gives the single engine's greedy
 output, loading up to the last block boundary before the prompt's last token, the conv and SSM
 states at that boundary included (as for gated delta-net: tests/pd/test_pd_gdn.py); with

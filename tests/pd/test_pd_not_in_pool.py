@@ -11,8 +11,8 @@ import shutil
 import pytest
 from test_scheduler_pd import BLOCK, _ask, _publish, _req, _side
 
-from lw_vllm import pd_coordinator
 from lw_vllm.metrics import COUNTERS
+from lw_vllm.pd import pd_coordinator
 
 WARN = "holds none of"
 
@@ -34,7 +34,7 @@ def test_committed_but_in_another_pool_is_counted_and_logged_once(meta, pool_dir
     monkeypatch.setattr(pd_coordinator.time, "monotonic", lambda: clock[0])
     try:
         meta.mode = "ok"
-        caplog.set_level(logging.WARNING, logger="lw_vllm.pd_coordinator")
+        caplog.set_level(logging.WARNING, logger="lw_vllm.pd.pd_coordinator")
         for i in range(3):  # the same prompt each time (its chunks are committed once)
             req = _req(f"r-far-{i}", 3 * BLOCK + 4, meta.url, f"par-far-{i}")
             if i == 0:

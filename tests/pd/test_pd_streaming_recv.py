@@ -1,4 +1,4 @@
-"""Streaming PD without vLLM: the decoder worker's receive state machine (lw_vllm.stream_recv)
+"""Streaming PD without vLLM: the decoder worker's receive state machine (lw_vllm.pd.stream_recv)
 against the in-process streaming backend, and the prefiller's per-layer publish in the save
 pipeline (lw_core.pipeline.save, ``stream_publish``)."""
 
@@ -16,7 +16,7 @@ from lw_core.config import ConfigError, parse_config
 from lw_core.pipeline import LayerPipeline
 from lw_core.pipeline.host_copier import HostCopier
 from lw_core.plan import ObjectLayout, ReqSave
-from lw_vllm.stream_recv import Receive, StreamReceiver, receive
+from lw_vllm.pd.stream_recv import Receive, StreamReceiver, receive
 
 pytestmark = pytest.mark.timeout(60)
 

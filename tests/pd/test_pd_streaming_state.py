@@ -1,4 +1,4 @@
-"""Streaming PD for recurrent-state models without vLLM: the receive's tail (lw_vllm.stream_recv),
+"""Streaming PD for recurrent-state models without vLLM: the receive's tail (lw_vllm.pd.stream_recv),
 the state after the last chunk, which the prefiller saves whole after its forward (state_store),
 so after the chunks' layers are published. It lands after the chunks; the receive does not end
 before it has (vLLM would run the request from a state that is not there); a state that never
@@ -15,9 +15,9 @@ from test_pd_streaming_recv import BLOCKS, KEYS, LAYOUT, NpCopier, Writer, check
 
 from lw_core.backends.memory import MemoryBackend
 from lw_core.keys import KeySpace
-from lw_vllm import state_layout
-from lw_vllm.state_store import StateStore
-from lw_vllm.stream_recv import StreamReceiver
+from lw_vllm.hybrid import state_layout
+from lw_vllm.hybrid.state_store import StateStore
+from lw_vllm.pd.stream_recv import StreamReceiver
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -230,7 +230,7 @@ def _gdn_side(pool_dir: str, timeout_s: float):
     from types import SimpleNamespace
 
     from lw_core.config import parse_config
-    from lw_vllm.scheduler_side import SchedulerSide
+    from lw_vllm.scheduler.scheduler_side import SchedulerSide
 
     kc = SimpleNamespace(kv_cache_groups=[_Group(MambaSpec(BLOCK), ["m.layers.0.la"]),
                                           _Group(FullAttentionSpec(BLOCK, PAGE), ["m.layers.1.attn"])])
@@ -259,11 +259,11 @@ def test_streamed_hit_of_a_state_model_ends_at_the_handed_off_boundary_and_its_s
     from test_scheduler_pd import _req
 
     from lw_core.plan import ObjectLayout
+    from lw_vllm.hybrid.state_layout import state_keyspace
     from lw_vllm.metrics import Collector
-    from lw_vllm.recurrent_states import RecurrentStates
-    from lw_vllm.state_layout import state_keyspace
-    from lw_vllm.stream_loads import StreamLoads
-    from lw_vllm.worker_report import WorkerReport
+    from lw_vllm.worker.recurrent_states import RecurrentStates
+    from lw_vllm.worker.stream_loads import StreamLoads
+    from lw_vllm.worker.worker_report import WorkerReport
 
     timeout_s = 5.0
     side, kc = _gdn_side(pool_dir, timeout_s)

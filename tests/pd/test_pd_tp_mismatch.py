@@ -23,7 +23,7 @@ from lw_core.config import parse_config
 from lw_core.keys import chunk_hashes
 from lw_vllm import pool
 from lw_vllm.metrics import Collector
-from lw_vllm.scheduler_side import SchedulerSide
+from lw_vllm.scheduler.scheduler_side import SchedulerSide
 
 KV_HEADS = 2
 

@@ -13,7 +13,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.
 
 from test_scheduler_pd import _publish, _req, _side  # noqa: E402
 
-from lw_vllm import pool_lookup  # noqa: E402
+from lw_vllm.scheduler import pool_lookup  # noqa: E402
 
 
 class _StallingLookups:

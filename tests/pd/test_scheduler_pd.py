@@ -20,9 +20,10 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.
 
 from lw_core.config import parse_config  # noqa: E402
 from lw_core.keys import chunk_hashes  # noqa: E402
-from lw_vllm import pd_coordinator, request_stats  # noqa: E402
-from lw_vllm.request_state import RemotePhase, ReqState  # noqa: E402
-from lw_vllm.scheduler_side import SchedulerSide  # noqa: E402
+from lw_vllm.pd import pd_coordinator  # noqa: E402
+from lw_vllm.request.request_state import RemotePhase, ReqState  # noqa: E402
+from lw_vllm.scheduler import request_stats  # noqa: E402
+from lw_vllm.scheduler.scheduler_side import SchedulerSide  # noqa: E402
 
 BLOCK = 16
 LAYERS = 2
@@ -381,9 +382,9 @@ def test_streaming_receive_ends_at_the_answer_when_a_chunk_never_comes(meta, poo
 
     from lw_core.plan import ObjectLayout
     from lw_vllm.metrics import Collector
-    from lw_vllm.stream_loads import StreamLoads
-    from lw_vllm.stream_recv import StreamReceiver
-    from lw_vllm.worker_report import WorkerReport
+    from lw_vllm.pd.stream_recv import StreamReceiver
+    from lw_vllm.worker.stream_loads import StreamLoads
+    from lw_vllm.worker.worker_report import WorkerReport
 
     timeout_s = 5.0
     side = _side(pool_dir, use_layerwise=True, pd_streaming=True, metaserver_timeout_s=timeout_s)

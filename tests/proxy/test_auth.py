@@ -16,7 +16,7 @@ from lw_core.wire import DecodeTransferParams
 from lw_dev.proxy_mocks import harness, run
 from lw_proxy.config import ProxyConfig, parse_args
 from lw_proxy.validate import parse_completion
-from lw_vllm.pd_metaserver import MetaserverClient
+from lw_vllm.pd.pd_metaserver import MetaserverClient
 
 OK = (200, {"status": "ok"})
 

@@ -13,14 +13,16 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
+from lw_core.backends.memory import MemoryBackend  # noqa: E402
 from lw_core.config import parse_config  # noqa: E402
 from lw_core.pipeline import SaveResult  # noqa: E402
-from lw_vllm import pool, request_stats  # noqa: E402
+from lw_vllm import pool  # noqa: E402
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta  # noqa: E402
-from lw_vllm.save_book import SaveBook  # noqa: E402
-from lw_vllm.save_ledger import SaveLedger  # noqa: E402
-from lw_vllm.scheduler_side import SchedulerSide  # noqa: E402
-from lw_vllm.worker_side import WorkerSide  # noqa: E402
+from lw_vllm.scheduler import request_stats  # noqa: E402
+from lw_vllm.scheduler.scheduler_side import SchedulerSide  # noqa: E402
+from lw_vllm.worker.save_book import SaveBook  # noqa: E402
+from lw_vllm.worker.save_ledger import SaveLedger  # noqa: E402
+from lw_vllm.worker.worker_side import WorkerSide  # noqa: E402
 
 BLOCK = 16
 
@@ -71,7 +73,10 @@ def test_scheduler_frees_a_saving_request_late_and_writes_its_stats_when_sending
         assert [x.req_id for x in meta.saves] == ["r-save"] and meta.free_late == []
         # r-none planned no save: freed at once either way; r-save waits for its saves when they run late.
         assert side.request_finished(hit_only, [5]) == (False, None)
+        assert not side.has_pending_block_frees()
         assert side.request_finished(saving, [1, 2, 3, 4]) == ((True, None) if background else (False, None))
+        # vLLM asks before preempting for lack of blocks: r-save's come back once its saves end.
+        assert side.has_pending_block_frees() == background
         if not background:  # the step's saves ended in it: its report comes with its output
             side.update_connector_output(SimpleNamespace(
                 kv_connector_worker_meta=LayerwiseWorkerMeta(saved={"r-save": 3}), finished_sending=None))
@@ -84,12 +89,28 @@ def test_scheduler_frees_a_saving_request_late_and_writes_its_stats_when_sending
             side.update_connector_output(SimpleNamespace(
                 kv_connector_worker_meta=LayerwiseWorkerMeta(saved={"r-save": 3}), finished_sending=set()))
             assert "r-save" not in stats.read_text()
+            assert side.has_pending_block_frees()
             side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None, finished_sending={"r-save"}))
+            assert not side.has_pending_block_frees()
         recs = {r["req_id"]: r for r in map(json.loads, stats.read_text().splitlines())}
         assert recs["r-save"]["saved_chunks"] == 3 and "r-none" in recs
         assert side.late.sending == {}
     finally:
         side.shutdown()
+
+
+def test_the_connector_tells_vllm_of_blocks_held_for_saves() -> None:
+    """vLLM 0.32's scheduler calls ``has_pending_block_frees`` before it preempts a request."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from lw_vllm.connector import LayerwiseStoreConnector
+
+    assert LayerwiseStoreConnector.has_pending_block_frees is not KVConnectorBase_V1.has_pending_block_frees
+    conn = LayerwiseStoreConnector.__new__(LayerwiseStoreConnector)  # only the parts the hook uses
+    conn._sched, conn._worker = None, None
+    assert conn.has_pending_block_frees() is False  # a worker never holds blocks
+    conn._sched = SimpleNamespace(has_pending_block_frees=lambda: True)  # type: ignore[assignment]
+    assert conn.has_pending_block_frees() is True
 
 
 def test_a_pd_prefill_on_a_kv_both_engine_saves_in_its_step(tmp_path) -> None:
@@ -127,6 +148,7 @@ class _Pipe:
         self.pending: list[SaveBook] = []
         self.done: list[tuple[SaveResult, SaveBook]] = []
         self.waits: list[float] = []
+        self.stopped: list[SaveBook] = []  # saves told to stop reading their blocks
 
     def pending_background_saves(self) -> list[SaveBook]:
         return list(self.pending)
@@ -138,6 +160,10 @@ class _Pipe:
     def finish(self, book: SaveBook, keys: list[str]) -> None:
         self.pending.remove(book)
         self.done.append((SaveResult(committed_keys=keys, saved_bytes=len(keys)), book))
+
+    def stop_background_reads(self, holds, timeout_s: float) -> int:
+        self.stopped += [b for b in self.pending if holds(b)]
+        return 0
 
     def wait_background_saves(self, timeout_s: float) -> bool:
         self.waits.append(timeout_s)
@@ -196,14 +222,92 @@ def test_an_idle_step_waits_a_little_for_the_saves_it_must_report(tmp_path) -> N
 
 def test_preemption_waits_for_the_preempted_requests_saves_only(tmp_path) -> None:
     w, pipe = _worker(tmp_path)
-    pipe.pending = [_book("a", "k1")]
+    a, b = _book("a", "k1"), _book("b", "k2")
+    pipe.pending = [a, b]
     meta = LayerwiseMeta()
     meta.preempted = ["other"]
     w.handle_preemptions(meta)
-    assert pipe.waits == [] and pipe.pending  # nothing of "other" runs: no wait
+    assert pipe.stopped == []  # nothing of "other" runs: no wait
     meta.preempted = ["a"]
     w.handle_preemptions(meta)
-    assert pipe.waits and not pipe.pending  # settled before the step may reuse a's blocks
+    assert pipe.stopped == [a]  # a's saves stop reading its blocks before the step reuses them; b's go on
+    assert pipe.waits == []  # and no wait for every save
+
+
+class _StalledStore(MemoryBackend):
+    """A memory pool whose writes (and the windows they go through) wait while ``stalled``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stalled = threading.Event()
+        self.recovered = threading.Event()
+
+    def _wait(self) -> None:
+        if self.stalled.is_set():
+            self.recovered.wait(30)
+
+    def view(self, handle, offset, nbytes):
+        self._wait()
+        return super().view(handle, offset, nbytes)
+
+    def write(self, handles, offsets, srcs) -> None:
+        self._wait()
+        super().write(handles, offsets, srcs)
+
+
+def test_a_preempted_requests_save_stalled_in_the_store_never_commits_the_next_owners_kv() -> None:
+    """The store stalls longer than the save deadline with steps of saves queued; a request whose
+    save waits behind them is preempted, vLLM hands its blocks to another request, then the store
+    recovers: every object in the pool holds its own key's bytes (the preempted request's save
+    must not copy the next owner's KV and commit it under its keys)."""
+    import numpy as np
+
+    from lw_core.pipeline import LayerPipeline
+    from lw_core.pipeline.host_copier import HostCopier
+    from lw_core.plan import ObjectLayout, ReqSave
+    from lw_vllm.metrics import Collector
+    from lw_vllm.worker.worker_report import WorkerReport
+
+    timeout_s, queued = 0.2, 15  # the queue takes far longer than a wait for the preempted saves
+    layout = ObjectLayout(layer_nbytes=(64, 64))
+    kv = HostCopier.allocate(2, queued + 4, 64)
+    for a in kv.kv:
+        a[:] = np.random.default_rng(1).integers(0, 256, a.shape, dtype=np.uint8)
+    ref = [a.copy() for a in kv.kv]
+    store = _StalledStore()
+    pipe = LayerPipeline(store, kv, layout, save_timeout_s=timeout_s, max_stuck_threads=0)
+    ledger = SaveLedger(pipe, True, WorkerReport(), Collector(), timeout_s)
+
+    def step(rid: str, keys: list[str], blocks: list[int]) -> None:
+        pipe.start_save([ReqSave(rid, keys, blocks)])
+        for layer in range(2):
+            pipe.save_layer(layer)
+        ledger.finish(_book(rid, *keys), in_step=False)
+
+    blocks = {f"q{i}": i for i in range(queued)} | {"p0": queued, "p1": queued + 1}
+    try:
+        store.stalled.set()
+        for i in range(queued):
+            step(f"r{i}", [f"q{i}"], [i])
+        step("p", ["p0", "p1"], [queued, queued + 1])
+        ledger.wait_preempted({"p"})
+        for a in kv.kv:  # vLLM gave p's blocks to another request, which wrote its KV there
+            a[[queued, queued + 1]] = 0xEE
+        store.recovered.set()
+        assert pipe.wait_background_saves(10.0)
+        ledger.collect()
+        handles = store.open(list(blocks))
+        stored = {k: h for k, h in zip(blocks, handles) if h is not None}
+        for key, h in stored.items():
+            got = bytearray(layout.nbytes)
+            store.read([h], [0], [got])
+            want = b"".join(ref[layer][blocks[key]].tobytes() for layer in range(2))
+            assert bytes(got) == want, f"{key} holds bytes other than its own"
+        store.release(list(stored.values()))
+        assert "p0" not in stored and "p1" not in stored  # cancelled before they were copied
+    finally:
+        store.recovered.set()
+        pipe.close()
 
 
 def test_real_pipeline_commits_after_the_step_returns(tmp_path) -> None:

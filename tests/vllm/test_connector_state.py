@@ -1,4 +1,4 @@
-"""The scheduler part's typed per-request state (``lw_vllm.request_state``) and its collaborators
+"""The scheduler part's typed per-request state (``lw_vllm.request.request_state``) and its collaborators
 given in the constructor: cheap, no engine.
 
 * ``RemotePrefill``: WAITING -> ANSWERED is the only transition, an outcome belongs to ANSWERED
@@ -21,9 +21,8 @@ from lw_core.backends.memory import MemoryBackend  # noqa: E402
 from lw_core.backends.registry import BackendPlugin, register_backend, unregister_backend  # noqa: E402
 from lw_core.config import parse_config  # noqa: E402
 from lw_vllm.metrics import Collector  # noqa: E402
-from lw_vllm.pd_metaserver import Outcome  # noqa: E402
-from lw_vllm.request_state import RemotePhase, RemotePrefill, ReqState  # noqa: E402
-from lw_vllm.scheduler_side import SchedulerSide  # noqa: E402
+from lw_vllm.request.request_state import Outcome, RemotePhase, RemotePrefill, ReqState  # noqa: E402
+from lw_vllm.scheduler.scheduler_side import SchedulerSide  # noqa: E402
 
 BLOCK = 16
 

@@ -15,7 +15,7 @@ from lw_core.config import parse_config  # noqa: E402
 from lw_core.tp_split import split_heads  # noqa: E402
 from lw_vllm import pool  # noqa: E402
 from lw_vllm.meta import Xfer  # noqa: E402
-from lw_vllm.worker_side import WorkerSide  # noqa: E402
+from lw_vllm.worker.worker_side import WorkerSide  # noqa: E402
 
 PAGE = 2048  # one block of one layer at TP 1: 2 kv heads
 

@@ -8,7 +8,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from lw_core.pipeline.copier import Copier  # noqa: E402
-from lw_vllm.copier import TorchCopier, block_bytes_view  # noqa: E402
+from lw_vllm.device.copier import TorchCopier, block_bytes_view  # noqa: E402
 
 NB = 6
 

@@ -10,7 +10,7 @@ import pytest
 
 from lw_core.pipeline.host_copier import HostCopier
 from lw_vllm import pool
-from lw_vllm.group_copier import NULL_BLOCK, GroupCopier
+from lw_vllm.hybrid.group_copier import NULL_BLOCK, GroupCopier
 
 
 class FullAttentionSpec(SimpleNamespace):
@@ -83,8 +83,8 @@ def test_group_copier_maps_anchor_blocks_and_skips_null_blocks() -> None:
 
 
 def test_chunks_with_a_null_block_in_any_group_are_not_saved() -> None:
-    from lw_vllm.group_blocks import GroupBlocks
-    from lw_vllm.request_state import ReqState
+    from lw_vllm.hybrid.group_blocks import GroupBlocks
+    from lw_vllm.request.request_state import ReqState
 
     gb = GroupBlocks(1, [0])
     st = ReqState(req=SimpleNamespace(request_id="r"))
@@ -101,7 +101,7 @@ def test_chunks_with_a_null_block_in_any_group_are_not_saved() -> None:
 
 def test_the_receiver_reads_no_bytes_for_blocks_outside_the_window() -> None:
     from lw_core.plan import ObjectLayout
-    from lw_vllm.stream_recv import _read_layer
+    from lw_vllm.pd.stream_recv import _read_layer
 
     class Backend:
         def __init__(self) -> None:
@@ -131,7 +131,7 @@ def test_streaming_pd_of_a_recurrent_state_model_starts_and_ends_its_streamed_hi
     import torch
 
     from lw_core.config import parse_config
-    from lw_vllm.scheduler_side import SchedulerSide
+    from lw_vllm.scheduler.scheduler_side import SchedulerSide
 
     state = MambaSpec(block_size=256, page_size_bytes=64, mamba_cache_mode="align", num_speculative_blocks=0,
                       shapes=((2, 3),), dtypes=(torch.float32,))

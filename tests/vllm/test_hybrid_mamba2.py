@@ -3,7 +3,7 @@ every other layer, float32) with prefix caching on (vLLM's "align" state mode).
 
 vLLM 0.32's CPU build fails every such prefill (``IndexError`` in ``mamba_mixer2``: its CPU SSD
 scan returns no per-chunk states, and the state checkpoint store is a Triton kernel);
-``lw_vllm.mamba2_fix`` supplies both. Then the pool serves Mamba2 hybrids as it serves gated
+``lw_vllm.cpu_fixes.mamba2_fix`` supplies both. Then the pool serves Mamba2 hybrids as it serves gated
 delta-net ones (state_plan, state_store): each retained chunk boundary's conv and SSM states are
 saved with the chunks, and a fresh process restores the longest prefix with both.
 
@@ -47,7 +47,7 @@ def test_mamba2_prefix_caching_runs_on_cpu_with_the_fix_and_matches_no_caching()
 
     import vllm
 
-    from lw_vllm import mamba2_fix
+    from lw_vllm.cpu_fixes import mamba2_fix
 
     if vllm.__version__.startswith(mamba2_fix.AFFECTED_VERSIONS):
         with pytest.raises(EngineFailed, match="IndexError"):

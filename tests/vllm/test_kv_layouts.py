@@ -37,10 +37,11 @@ from lw_core.keys import rank_tag  # noqa: E402
 from lw_core.pipeline import LayerPipeline  # noqa: E402
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave  # noqa: E402
 from lw_core.tp_split import split_heads  # noqa: E402
-from lw_vllm import kv_layout, pool  # noqa: E402
-from lw_vllm.copier import TorchCopier, block_order  # noqa: E402
+from lw_vllm import pool  # noqa: E402
+from lw_vllm.device.copier import TorchCopier, block_order  # noqa: E402
+from lw_vllm.identity import kv_layout  # noqa: E402
 from lw_vllm.meta import Xfer  # noqa: E402
-from lw_vllm.worker_side import WorkerSide  # noqa: E402
+from lw_vllm.worker.worker_side import WorkerSide  # noqa: E402
 
 NB, LAYERS, BS, HEAD_SIZE = 6, 3, 16, 4
 KV_HEADS = 4

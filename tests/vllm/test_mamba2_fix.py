@@ -1,4 +1,4 @@
-"""``lw_vllm.mamba2_fix`` against vLLM's own CPU SSD scan, without an engine: the per-chunk scan
+"""``lw_vllm.cpu_fixes.mamba2_fix`` against vLLM's own CPU SSD scan, without an engine: the per-chunk scan
 gives the outputs and final states of one call over each whole sequence, and every chunk's end
 state; the torch checkpoint store writes what the Triton kernel writes."""
 
@@ -45,7 +45,7 @@ def _call(fn: object, a: dict, out: torch.Tensor, intermediate: bool) -> torch.T
 
 
 def test_chunked_scan_matches_one_call_and_returns_every_chunk_end() -> None:
-    from lw_vllm.mamba2_fix import chunked_scan
+    from lw_vllm.cpu_fixes.mamba2_fix import chunked_scan
 
     scan = _scan()
     a = _inputs([70, 33, 128], chunk=32)
@@ -74,7 +74,7 @@ def test_chunked_scan_matches_one_call_and_returns_every_chunk_end() -> None:
 
 
 def test_checkpoint_store_writes_the_inputs_before_the_checkpoint_and_the_chunk_state() -> None:
-    from lw_vllm.mamba2_fix import store_prefill_checkpoint
+    from lw_vllm.cpu_fixes.mamba2_fix import store_prefill_checkpoint
 
     dim, state_len, tokens = 6, 3, 20
     x = torch.arange(dim * tokens, dtype=torch.float32).reshape(dim, tokens)

@@ -1,5 +1,5 @@
 """The model fingerprint in pool keys is the model's identity (config and weights' content, or the
-operator's ``model_id``), not its path (lw_vllm.model_identity, pool.key_space). Cheap: no engine."""
+operator's ``model_id``), not its path (lw_vllm.identity.model_identity, pool.key_space). Cheap: no engine."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from lw_core.config import ConfigError, parse_config
-from lw_vllm import model_identity as mi
 from lw_vllm import pool
+from lw_vllm.identity import model_identity as mi
 
 
 @pytest.fixture(autouse=True)
@@ -122,7 +122,7 @@ def test_engine_settings_that_change_the_kv_change_the_model_fingerprint(tmp_pat
     other_cfg = _model(tmp_path / "cfg", config='{"hidden_size": 8, "rope_theta": 1e6}')
     vc = _vllm_config(p)
     vc.model_config.hf_config = _HfConfig(str(other_cfg))
-    from lw_vllm.engine_identity import engine_identity
+    from lw_vllm.identity.engine_identity import engine_identity
 
     assert engine_identity(vc, None).config != engine_identity(_vllm_config(p), None).config
     assert engine_identity(vc, None).weights == engine_identity(_vllm_config(p), None).weights

@@ -8,7 +8,8 @@ import random
 import pytest
 
 from lw_dev.harness import run_engine
-from lw_vllm import plugin, rope_fix
+from lw_vllm import plugin
+from lw_vllm.cpu_fixes import rope_fix
 
 
 class _Factory:
@@ -81,7 +82,7 @@ def test_seeded_chunked_prefill_runs_and_matches_the_unchunked_run_only_with_the
     not use offset"); with the fix it runs, and its sampled tokens equal the unchunked run's (the
     discarded chunk samples leave no trace, as CUDA's rewind)."""
     from lw_dev.harness import EngineFailed, random_tokens
-    from lw_vllm import seed_fix
+    from lw_vllm.cpu_fixes import seed_fix
 
     prompt = random_tokens(21, 300)
     job = {"model": "gqa", "max_tokens": 8, "extra": None, "sampling": SEEDED, "phases": [[prompt]]}

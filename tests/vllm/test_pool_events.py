@@ -132,7 +132,7 @@ def test_the_scheduler_side_moves_chunks_a_lookup_finds_on_disk_to_the_storage_m
     pressure demotes them to the embedded pool's disk tier; the next lookup hits them on disk and
     the scheduler side says so ("STORAGE")."""
     from lw_core.config import parse_config
-    from lw_vllm.scheduler_side import SchedulerSide
+    from lw_vllm.scheduler.scheduler_side import SchedulerSide
 
     block, obj = 16, 200_000  # five objects fit the 1 MiB arena
     cfg = parse_config({"embedded_path": str(tmp_path / "pool"), "embedded_capacity_bytes": 1 << 20,

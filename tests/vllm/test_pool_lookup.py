@@ -1,4 +1,4 @@
-"""PoolLookup (lw_vllm.pool_lookup) on its own, over a dict-backed backend stand-in: a chunk counts
+"""PoolLookup (lw_vllm.scheduler.pool_lookup) on its own, over a dict-backed backend stand-in: a chunk counts
 only if every rank's object is there, the hit stops at the first miss, KV saved at another TP size
 is found by that size's key space, and a failing lookup is counted and raised (the scheduler side
 turns it into a miss). The deadline and back-off over a stalled store are
@@ -13,7 +13,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.
 from lw_core.backend import TIER_DISK, TIER_DRAM, BackendError  # noqa: E402
 from lw_core.keys import KeySpace  # noqa: E402
 from lw_vllm.metrics import Collector  # noqa: E402
-from lw_vllm.pool_lookup import PoolLookup  # noqa: E402
+from lw_vllm.scheduler.pool_lookup import PoolLookup  # noqa: E402
 
 KS = KeySpace(model_fp="m", layout_fp="tp1")
 KS2 = KeySpace(model_fp="m", layout_fp="tp2")

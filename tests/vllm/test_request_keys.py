@@ -1,4 +1,4 @@
-"""What a request adds to its keys besides token ids (lw_vllm.request_keys). Cheap: no engine."""
+"""What a request adds to its keys besides token ids (lw_vllm.request.request_keys). Cheap: no engine."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lw_core.keys import chunk_hashes, partial_chunk_hash
-from lw_vllm import model_identity as mi
-from lw_vllm import request_keys as rk
+from lw_vllm.identity import model_identity as mi
+from lw_vllm.request import request_keys as rk
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""StatsLog (lw_vllm.request_stats) on its own: a finished request's line is written at once unless
+"""StatsLog (lw_vllm.scheduler.request_stats) on its own: a finished request's line is written at once unless
 its last step moved KV, in which case it waits for that step's worker report (``flush``) or for
 a step plan built ``1 + lag`` later; nothing is kept without a stats file; a file that cannot be
 written is a warning, never an error. The same through SchedulerSide is
@@ -11,8 +11,8 @@ import logging
 from pathlib import Path
 from types import SimpleNamespace
 
-from lw_vllm.request_state import ReqState
-from lw_vllm.request_stats import STATS_ENV, StatsLog
+from lw_vllm.request.request_state import ReqState
+from lw_vllm.scheduler.request_stats import STATS_ENV, StatsLog
 
 
 def _state(rid: str, last_xfer_build: int = -1) -> ReqState:
@@ -64,7 +64,7 @@ def test_without_a_file_nothing_is_kept(monkeypatch) -> None:
 
 
 def test_an_unwritable_file_is_a_warning(tmp_path: Path, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="lw_vllm.request_stats")
+    caplog.set_level(logging.WARNING, logger="lw_vllm.scheduler.request_stats")
     log = StatsLog(str(tmp_path / "no-such-dir" / "stats.jsonl"), block_size=16, lag=0)
     log.finished(_state("r"), build=1)
     assert any("cannot write stats" in r.getMessage() for r in caplog.records)

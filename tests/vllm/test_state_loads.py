@@ -15,10 +15,10 @@ import torch
 from lw_core.backends.memory import MemoryBackend
 from lw_core.keys import KeySpace
 from lw_dev.faulty_backend import FaultyBackend
-from lw_vllm import state_layout
-from lw_vllm.state_loads import StateLoads
-from lw_vllm.state_store import StateStore
-from lw_vllm.stream_recv import RecvDone
+from lw_vllm.hybrid import state_layout
+from lw_vllm.hybrid.state_loads import StateLoads
+from lw_vllm.hybrid.state_store import StateStore
+from lw_vllm.pd.stream_recv import RecvDone
 
 KS = KeySpace(model_fp="m", layout_fp="l")
 TAG = "tp0of1-pp0of1"

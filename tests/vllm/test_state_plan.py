@@ -11,11 +11,11 @@ import torch
 
 from lw_core.backends.memory import MemoryBackend
 from lw_core.keys import KeySpace
-from lw_vllm import state_layout
+from lw_vllm.hybrid import state_layout
+from lw_vllm.hybrid.state_plan import StatePlan
+from lw_vllm.hybrid.state_store import StateStore
 from lw_vllm.meta import StateXfer, Xfer
-from lw_vllm.request_state import ReqState
-from lw_vllm.state_plan import StatePlan
-from lw_vllm.state_store import StateStore
+from lw_vllm.request.request_state import ReqState
 
 BS = 4
 KS = KeySpace(model_fp="m", layout_fp="l")

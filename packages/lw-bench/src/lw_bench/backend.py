@@ -35,8 +35,8 @@ from tqdm import tqdm
 
 from lw_bench import bench_store, netns
 from lw_bench.backend_result import BackendBenchResult, BackendRow, Case, GetBreakdown, MetadataRow
-from lw_core.backend import Backend, Handle, open_backend
-from lw_core.backends.registry import backend_names
+from lw_core.backend import Backend, Handle
+from lw_core.backends.registry import backend_names, open_backend
 from lw_core.config import parse_config
 
 KiB, MiB = 1 << 10, 1 << 20

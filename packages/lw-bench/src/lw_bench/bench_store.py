@@ -18,8 +18,8 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
-from lw_core.backend import Backend, open_backend
-from lw_core.backends.registry import BackendPlugin, UnknownBackend, get_backend
+from lw_core.backend import Backend
+from lw_core.backends.registry import BackendPlugin, UnknownBackend, get_backend, open_backend
 from lw_core.config import ConfigError, PoolConfig, known_keys, parse_config
 from lw_core.validation import convert_strict
 

@@ -1,6 +1,6 @@
 """What every "one vLLM engine in a fresh process, JSON job on stdin" runner shares: the engine's
 environment (in-process engine core), the connector's per-request stats side channel
-(``LW_VLLM_STATS_FILE``, read by lw_vllm.request_stats), and the stdout protocol. Used by
+(``LW_VLLM_STATS_FILE``, read by lw_vllm.scheduler.request_stats), and the stdout protocol. Used by
 ``lw_bench.serve.engine`` and by the tests' runner (``lw_dev.engine``)."""
 
 from __future__ import annotations

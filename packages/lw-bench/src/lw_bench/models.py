@@ -83,7 +83,7 @@ GDN_SPEC: dict[str, Any] = {
 
 # Mamba2 hybrid (Granite 4 / Nemotron-H style): Mamba2 layers with full attention every other
 # layer, dense MLPs. float32 (vLLM's CPU Mamba2 kernels take it); prefix caching on the CPU needs
-# lw_vllm.mamba2_fix.
+# lw_vllm.cpu_fixes.mamba2_fix.
 MAMBA2_SPEC: dict[str, Any] = {
     "arch": "granitemoehybrid",
     "hidden_size": 128,

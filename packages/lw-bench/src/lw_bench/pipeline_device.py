@@ -24,7 +24,7 @@ from lw_bench.pipeline import _median, open_backend, summarize
 from lw_bench.pipeline_result import PipelineBenchResult
 
 if TYPE_CHECKING:
-    from lw_vllm.device_streams import InlineOps
+    from lw_vllm.device.device_streams import InlineOps
 
 
 class _Accel:
@@ -37,11 +37,11 @@ class _Accel:
         self.inline = name == "cpu-torch"
         self.ops: InlineOps | None = None  # TorchCopier's device ops: inline on the CPU, its own on a device
         if self.inline:
-            from lw_vllm.device_streams import InlineOps
+            from lw_vllm.device.device_streams import InlineOps
 
             self.device, self.ops = torch.device("cpu"), InlineOps()
             return
-        from lw_vllm.device_streams import import_device_runtime
+        from lw_vllm.device.device_streams import import_device_runtime
 
         dev = torch.device(name)
         import_device_runtime(dev)
@@ -100,7 +100,7 @@ def measure_device(cfg: dict[str, Any]) -> PipelineBenchResult:
     try:
         import torch
 
-        from lw_vllm.copier import TorchCopier
+        from lw_vllm.device.copier import TorchCopier
     except ImportError as e:
         raise SystemExit(
             "lw-bench pipeline --kv-device needs torch and lw_vllm's copier (pip install -e packages/lw-vllm, or "

@@ -173,11 +173,3 @@ def wait_layers(
 ) -> list[bool]:
     """Wait (at most ``timeout_s``) until layers ``0..layer`` of each handle are readable."""
     return backend.wait_published(handles, _layer_bytes(layer, layer_nbytes), timeout_s)
-
-
-def open_backend(cfg: Any, **kwargs: Any) -> Backend[Any]:
-    """Build the backend ``cfg.backend`` names (a parsed ``PoolConfig``) through its plugin
-    (``lw_core.backends.registry``); the store's own modules are imported only now."""
-    from lw_core.backends.registry import get_backend
-
-    return get_backend(cfg.backend).open(cfg, **kwargs)

@@ -17,7 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from lw_core.backends import registry
-from lw_core.backends.builtin import MAX_CAPACITY_BYTES, default_embedded_path
+from lw_core.backends.embedded_defaults import MAX_CAPACITY_BYTES, default_embedded_path
 from lw_core.validation import convert_strict
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -45,7 +45,7 @@ TransferBlocks = Annotated[int, Meta(ge=0, le=MAX_TRANSFER_BLOCKS)]
 TransferBytes = Annotated[int, Meta(ge=0, le=MAX_TRANSFER_BYTES)]
 StaggerUs = Annotated[int, Meta(ge=0, le=MAX_STAGGER_US)]
 RecvThreads = Annotated[int, Meta(ge=1, le=MAX_STREAM_RECV_THREADS)]
-# An operator's name for the model's identity in pool keys (lw_vllm.model_identity).
+# An operator's name for the model's identity in pool keys (lw_vllm.identity.model_identity).
 ModelId = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")]
 
 # Said after the accepted range in error messages.
@@ -89,10 +89,10 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # as it is saved, the decoder pulls layers as they are published instead of waiting for the
     # whole prompt. Needs a backend with the streaming extension (lw_core.backend).
     pd_streaming: bool = False
-    # Streaming PD decoder: worker threads pulling the parked requests' layers (lw_vllm.stream_recv).
+    # Streaming PD decoder: worker threads pulling the parked requests' layers (lw_vllm.pd.stream_recv).
     # More receives than threads take turns, one wait slice each; their deadlines keep counting.
     stream_recv_threads: RecvThreads = 4
-    # None: the model's identity is its config and weights' content (lw_vllm.model_identity).
+    # None: the model's identity is its config and weights' content (lw_vllm.identity.model_identity).
     model_id: ModelId | None = None
     # The selected backend plugin's keys (its ``keys`` Struct), set by ``parse_config``; not a key.
     backend_keys: Any = None

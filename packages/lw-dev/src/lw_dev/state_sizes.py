@@ -1,4 +1,4 @@
-"""Expected sizes of the pool's recurrent-state objects (lw_vllm.state_layout) for the test models,
+"""Expected sizes of the pool's recurrent-state objects (lw_vllm.hybrid.state_layout) for the test models,
 derived the way the engine sizes its state cache, so tests assert bytes moved without literals."""
 
 from __future__ import annotations

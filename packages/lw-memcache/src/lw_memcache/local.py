@@ -2,7 +2,7 @@
 
     with LocalMemcache() as extra:          # a MetaService subprocess on free ports
         cfg = lw_core.config.parse_config({**extra, "use_layerwise": True})
-        backend = lw_core.backend.open_backend(cfg)   # a client in this process
+        backend = lw_core.backends.registry.open_backend(cfg)   # a client in this process
 
 What it takes care of (facts of memcache-hybrid 1.3.0):
 

@@ -55,14 +55,14 @@ class LayerwiseStoreConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = None
         self.stats = Collector()
         if role == KVConnectorRole.SCHEDULER:
-            from lw_vllm.scheduler_side import SchedulerSide
+            from lw_vllm.scheduler.scheduler_side import SchedulerSide
 
             # vLLM reads its load-failure policy right after creating this connector.
             self._kv_transfer_config.kv_load_failure_policy = self.cfg.kv_load_failure_policy
             # The scheduler part records what only it sees (lookup errors, metaserver waits) in stats.
             self._sched = SchedulerSide(vllm_config, kv_cache_config, self.cfg, kv_role, self.stats)
         else:
-            from lw_vllm.worker_side import WorkerSide
+            from lw_vllm.worker.worker_side import WorkerSide
 
             self._worker = WorkerSide(vllm_config, kv_cache_config, self.cfg, kv_role, self.stats)
 
@@ -169,6 +169,12 @@ class LayerwiseStoreConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
+
+    def has_pending_block_frees(self) -> bool:
+        """Asked by vLLM's scheduler before it preempts a request for lack of blocks: ``True``
+        while finished requests' blocks are held for their background saves (they come back
+        within the saves' deadlines), so it waits for those instead of preempting."""
+        return self._sched is not None and self._sched.has_pending_block_frees()
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The pool's chunks stored and found gone since the last call (``pool_events``)."""

@@ -15,7 +15,7 @@ class Xfer(msgspec.Struct, frozen=True, array_like=True):
     ``src_tp`` (loads): the TP size of the engine that saved the chunks when it is not this
     engine's (GQA: each worker reads its heads from that size's objects); 0 = this engine's.
     Hybrid models: ``block_ids`` are the anchor group's and ``more[g][i]`` is chunk ``i``'s block in
-    the other attention groups (``lw_vllm.group_copier``)."""
+    the other attention groups (``lw_vllm.hybrid.group_copier``)."""
 
     req_id: str
     hashes: list[bytes]

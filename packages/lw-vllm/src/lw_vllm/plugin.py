@@ -38,7 +38,7 @@ def register() -> None:
     if _register(KVConnectorFactory, ALIAS_NAME):
         log.debug("lw-vllm: %s is an alias of %s", ALIAS_NAME, CONNECTOR_NAME)
 
-    from lw_vllm import mamba2_fix, rope_fix, seed_fix
+    from lw_vllm.cpu_fixes import mamba2_fix, rope_fix, seed_fix
 
     rope_fix.apply()
     seed_fix.apply()

@@ -8,12 +8,13 @@ import re
 import threading
 from typing import Any
 
-from lw_core.backend import Backend, open_backend, supports_streaming
+from lw_core.backend import Backend, supports_streaming
+from lw_core.backends.registry import open_backend
 from lw_core.config import ConfigError, PoolConfig, parse_config
 from lw_core.keys import KeySpace, rank_tag
 from lw_core.tp_split import can_split
-from lw_vllm import kv_layout
-from lw_vllm.engine_identity import EngineIdentity, engine_identity
+from lw_vllm.identity import kv_layout
+from lw_vllm.identity.engine_identity import EngineIdentity, engine_identity
 
 _lock = threading.Lock()
 _backends: dict[tuple, list[Any]] = {}  # key -> [backend, refcount]

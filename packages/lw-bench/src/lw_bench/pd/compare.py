@@ -14,8 +14,8 @@ import random
 import statistics
 from typing import Any
 
-from lw_bench.pd.mode import PD_MAX_TOKENS, VOCAB_HI, VOCAB_LO, _records, breakdown, stream_ttft
 from lw_bench.pd.report import PHASES
+from lw_bench.pd.request import PD_MAX_TOKENS, VOCAB_HI, VOCAB_LO, _records, breakdown, stream_ttft
 from lw_bench.pd.stack import metric_sum
 
 PD_KINDS = ("pd", "pd_stream", "pd_relay", "pd_stream_relay")

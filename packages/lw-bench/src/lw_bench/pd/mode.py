@@ -28,7 +28,6 @@ a ``start_stack`` stack), kept for the PD test modules' bench rows.
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
 import random
@@ -44,11 +43,10 @@ from typing import Any
 import msgspec
 
 from lw_bench.pd.report import PHASES, plot, print_table  # noqa: F401  (re-exported: the PD tests use them)
+from lw_bench.pd.request import PD_MAX_TOKENS, _prompt, _records, breakdown, stream_ttft
 
 TARGET_RATIO = 1.10
 STREAM_TARGET_RATIO = 1.03
-VOCAB_LO, VOCAB_HI = 10, 500  # plain token ids of the tiny tokenizer (no specials)
-PD_MAX_TOKENS = 2
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -112,69 +110,6 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
             "stores": _stores(getattr(args, "stores", "embedded,throttled")),
             "throttle_bytes_per_s": int(mbs * 1e6), "relay": not getattr(args, "no_relay", False),
             "pin": not getattr(args, "no_pin", False)}
-
-
-# --- one request ---------------------------------------------------------------------------------
-
-
-def stream_ttft(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[float, float, int]:
-    """POST a streamed completion; (send time, first content chunk time, status), wall clock.
-    The rest of the stream is read (and dropped) so the request finishes normally."""
-    host, port = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
-    try:
-        payload = json.dumps({**body, "stream": True})
-        t_send = time.time()
-        conn.request("POST", "/v1/completions", payload, {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        if r.status != 200:
-            r.read()
-            return t_send, time.time(), r.status
-        t_first = 0.0
-        for line in r:
-            if not t_first and line.startswith(b"data: {") and b'"choices"' in line:
-                ev = json.loads(line[6:])
-                if any(c.get("text") for c in ev.get("choices") or ()):
-                    t_first = time.time()
-        return t_send, t_first or time.time(), r.status
-    finally:
-        conn.close()
-
-
-def _records(server: Any, want: int, timeout_s: float = 5.0) -> list[dict[str, Any]]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        recs = server.new_stats()
-        if len(recs) >= want or time.monotonic() > deadline:
-            return recs
-        time.sleep(0.02)
-
-
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
-
-
-def breakdown(t_send: float, t_first: float, d: dict[str, Any], p: dict[str, Any] | None) -> dict[str, float | None]:
-    """Seconds per phase of one PD request (None where a milestone is missing, e.g. no prefill)."""
-    dt, pt = d.get("t", {}), (p or {}).get("t", {})
-
-    def span(a: float | None, b: float | None) -> float | None:
-        return round(b - a, 4) if a and b else None
-
-    load_start = dt.get("load_start") or dt.get("sched")
-    load_done = dt.get("load_done") or load_start
-    return {
-        "proxy_dispatch": span(t_send, dt.get("arrival")),
-        "decoder_sched": span(dt.get("arrival"), dt.get("posted")),
-        "metaserver_wait": span(dt.get("posted"), pt.get("arrival")),
-        "prefill": span(pt.get("arrival"), pt.get("step_done")),
-        # Negative: the decoder found the prompt in the pool before the prefiller's step reported.
-        "answer_relay": span(pt.get("step_done"), dt.get("seen")),
-        "decoder_resched": span(dt.get("seen"), load_start),
-        "load": span(load_start, load_done),
-        "decoder_compute": span(load_done, dt.get("step_done")),
-        "first_byte_relay": span(dt.get("step_done"), t_first),
-    }
 
 
 def measure(stack: Any, cfg: dict[str, Any], *, seed: int = 0, progress: Any = None,

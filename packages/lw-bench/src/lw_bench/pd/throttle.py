@@ -34,7 +34,8 @@ import msgspec
 from msgspec import Meta
 
 from lw_core.backend import BackendError, supports_streaming
-from lw_core.backends.builtin import EMBEDDED, CapacityBytes, EmbeddedKeys, default_embedded_path
+from lw_core.backends.builtin import EMBEDDED, EmbeddedKeys
+from lw_core.backends.embedded_defaults import CapacityBytes, default_embedded_path
 from lw_core.backends.registry import BackendPlugin
 
 NAME = "throttled"

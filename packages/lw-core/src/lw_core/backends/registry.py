@@ -152,6 +152,12 @@ def get_backend(name: str) -> BackendPlugin:
         return plugin
 
 
+def open_backend(cfg: Any, **kwargs: Any) -> Backend[Any]:
+    """Build the backend ``cfg.backend`` names (a parsed ``PoolConfig``) through its plugin; the
+    store's own modules are imported only now."""
+    return get_backend(cfg.backend).open(cfg, **kwargs)
+
+
 def plugins() -> Iterator[BackendPlugin]:
     """Every installed plugin that loads (for their config keys); a broken one is skipped here and
     reported when it is selected."""

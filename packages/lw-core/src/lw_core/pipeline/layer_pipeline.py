@@ -11,6 +11,7 @@ The vLLM connector drives it from the forward thread::
     load = pipe.finish_load()            # failed blocks -> kv_load_failure_policy
     save = pipe.finish_save()            # wait_for_save: commit complete objects
     # or pipe.finish_save_in_background(tag), then later pipe.take_background_saves()
+    # (pipe.stop_background_reads(holds, timeout_s) before blocks such a save reads are reused)
 
 Nothing here raises for pool failures or blocks past a deadline: errors, stuck stores and missed
 deadlines come back in ``LoadResult`` / ``SaveResult``. Programming errors (a layer out of range,
@@ -218,6 +219,21 @@ class LayerPipeline:
     def pending_background_saves(self) -> list[Any]:
         """Tags of the background saves not finished yet."""
         return self._finisher.pending_tags()
+
+    def stop_background_reads(self, holds: Callable[[Any], bool], timeout_s: float) -> int:
+        """The caller takes back KV blocks that background saves may still read: the saves whose
+        tag ``holds`` (e.g. those of a preempted request). Waits at most ``timeout_s`` for their
+        copies out of the KV cache to end (not for their commits, nor for other saves); those still
+        running then are cancelled: no copy out of the KV cache starts any more, objects written
+        whole before are still committed, the others are aborted (an error in their result).
+        Returns how many saves were cancelled. Either way, nothing read from those blocks after
+        this returns is ever committed."""
+        steps = [step for step, tag in self._finisher.pending() if holds(tag)]
+        deadline = time.monotonic() + timeout_s
+        late = [step for step in steps if not step.reads_over(deadline - time.monotonic())]
+        for step in late:
+            step.cancel_reads(f"their KV blocks were taken back while the save still ran (after {timeout_s}s)")
+        return len(late)
 
     def wait_background_saves(self, timeout_s: float) -> bool:
         """Block until every background save finished (``True``) or ``timeout_s`` passed."""

@@ -5,6 +5,12 @@ reader never sees a partial object. After ``finish`` has cancelled the step (und
 no copy into a backend ``view`` starts any more: an aborted object's memory may already belong to
 another object. A ``backend.write`` that stalls past the deadline cannot be recalled; the backend
 must ignore or refuse writes to handles that were aborted meanwhile.
+
+A background step (``SaveFinisher``) may also be cancelled before its ``finish`` when its caller
+takes its KV blocks back (``cancel_reads``: a preempted request's blocks). The cancel is checked
+under ``self.lock`` right before every copy out of the KV cache, and a layer's objects count as
+written only if its copy ended before the cancel, so what a copy still running then reads (the
+blocks' next owner's KV) is never committed: those objects are aborted.
 """
 
 from __future__ import annotations
@@ -103,6 +109,25 @@ class SaveStep:
             return
         self.submitted[layer] = True
         self.ctx.save_pool.submit(lambda: self.run_layer(layer, token))
+
+    def reads_over(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for every submitted layer's copies out of the KV cache (and
+        their writes) to end; ``True`` when none runs or will start any more."""
+        deadline = time.monotonic() + timeout_s
+        return all(self.events[layer].wait(max(0.0, deadline - time.monotonic()))
+                   for layer, sub in enumerate(self.submitted) if sub)
+
+    def cancel_reads(self, why: str) -> None:
+        """The caller takes the step's KV blocks back: no copy out of them starts after this, and
+        only objects every layer of which was written before it may still be committed (by
+        ``finish``); a copy running now leaves its objects incomplete, so they are aborted."""
+        with self.lock:
+            if self.cancelled:
+                return  # finish got here first: its commit only takes objects complete before
+            self.cancelled = True
+            late = int((~self.failed & ~self.done.all(axis=0)).sum()) if self.n else 0
+            if late:
+                self.errors.add(f"{late} objects not saved: {why}")
 
     def fail_all(self, msg: str) -> None:
         with self.lock:
@@ -277,7 +302,11 @@ class SaveStep:
             else:
                 buf = ctx.staging.get(len(idx) * n)
                 srcs = [buf[j * n : (j + 1) * n] for j in range(len(idx))]
-                tok = copier.from_kv(layer, blocks, srcs, after=token)
+                with self.lock:
+                    if self.cancelled:
+                        ctx.staging.put(buf)
+                        return
+                    tok = copier.from_kv(layer, blocks, srcs, after=token)
                 if not copier.wait(tok, ctx.limits.save_timeout_s):
                     # the device may still write into buf: drop it rather than reuse it
                     self._fail(idx, f"layer {layer}: copy out of the KV cache did not finish in {ctx.limits.save_timeout_s}s")
@@ -291,7 +320,8 @@ class SaveStep:
             finally:
                 ctx.staging.put(buf)
         with self.lock:
-            self.done[layer, ok] = True
+            if not self.cancelled:  # a copy that ended after the cancel may hold the next owner's KV
+                self.done[layer, ok] = True
 
     def _write_isolating(self, layer: int, idx: list[int], hs: list[Any], off: int, srcs: list[Any]) -> list[int]:
         backend = self.ctx.backend
@@ -304,6 +334,9 @@ class SaveStep:
                 return []
         ok = []
         for j, i in enumerate(idx):
+            with self.lock:
+                if self.cancelled:  # srcs may be the KV cache itself: no read of it after a cancel
+                    break
             try:
                 backend.write([hs[j]], [off], [srcs[j]])
                 ok.append(i)

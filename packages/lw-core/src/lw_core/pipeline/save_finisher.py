@@ -3,8 +3,9 @@
 A step handed over here already has its layers queued (``SaveStep.submit``); one daemon thread
 waits for them and commits (``SaveStep.finish``: the same deadlines and the same rule that only
 complete objects become visible), one step at a time in the order they came. The caller keeps the
-step's KV blocks untouched until the step's result has been taken (vLLM's delayed freeing), and
-gets each result back with the ``tag`` it handed in.
+step's KV blocks untouched until the step's result has been taken (vLLM's delayed freeing), or
+until the step stopped reading them (``LayerPipeline.stop_background_reads``: a preempted
+request), and gets each result back with the ``tag`` it handed in.
 
 The thread is not one of the save workers: a finish waits on calls that run on those workers, so
 running it there could leave every worker waiting for itself.
@@ -42,11 +43,15 @@ class SaveFinisher:
                 self._thread.start()
             self._cv.notify_all()
 
+    def pending(self) -> list[tuple[SaveStep, Any]]:
+        """The steps not finished yet (queued or finishing now) with their tags, oldest first."""
+        with self._cv:
+            running = [self._running] if self._running is not None else []
+            return running + list(self._queue)
+
     def pending_tags(self) -> list[Any]:
         """Tags of the steps not finished yet (queued or finishing now), oldest first."""
-        with self._cv:
-            running = [self._running[1]] if self._running is not None else []
-            return running + [t for _, t in self._queue]
+        return [t for _, t in self.pending()]
 
     def take(self) -> list[tuple[SaveResult, Any]]:
         """Finished steps' results with their tags, oldest first; each is returned once."""

@@ -12,7 +12,6 @@ import msgspec
 from msgspec import Meta
 
 from lw_core.backend import TIER_DRAM, BackendError, Buffer
-from lw_core.backends.builtin import CapacityBytes, DiskCapacityBytes
 from lw_core.backends.embedded import fences
 from lw_core.backends.embedded.disk_tier import DISK_STATS, DiskTier
 from lw_core.backends.embedded.object_reader import ObjectReader
@@ -25,6 +24,7 @@ from lw_core.backends.embedded.tiered import TieredReads
 from lw_core.backends.embedded.txn import Tx
 from lw_core.backends.embedded.verify import Verifier
 from lw_core.backends.embedded.writer_lock import WriterLock
+from lw_core.backends.embedded_defaults import CapacityBytes, DiskCapacityBytes
 from lw_core.config import Seconds
 from lw_core.procs import current_owner
 from lw_core.validation import convert_strict

@@ -4,8 +4,9 @@ once (run by ``PoolFiles.write``, under the writer lock: writer_lock.py)."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from lw_core.backends.embedded.arena_alloc import ExtentAllocator
 from lw_core.backends.embedded.records import (
     BE_U64,
     CIDX,
@@ -16,14 +17,24 @@ from lw_core.backends.embedded.records import (
     unpack_resv,
 )
 
-if TYPE_CHECKING:
-    from lw_core.backends.embedded.pool_files import PoolFiles
+
+class TxPool(Protocol):
+    """What a transaction uses of the pool's files (``PoolFiles``, which runs it): the LMDB
+    databases it reads and writes, and the arena's extent allocator. A protocol, so this module
+    does not import ``pool_files`` (which imports it)."""
+
+    meta: Any
+    obj: Any
+    resv: Any
+
+    @property
+    def alloc(self) -> ExtentAllocator: ...
 
 
 class Tx:
     """One write transaction plus the counter record, read once and written once."""
 
-    def __init__(self, pool: PoolFiles, txn: Any) -> None:
+    def __init__(self, pool: TxPool, txn: Any) -> None:
         self.pool = pool
         self.txn = txn
         self.now = time.time()

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from lw_vllm.device_streams import DeviceOps
+from lw_vllm.device.device_streams import DeviceOps
 
 MIN_CLASS = 1 << 20
 

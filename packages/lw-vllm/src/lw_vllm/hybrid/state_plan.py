@@ -23,10 +23,10 @@ from typing import Any
 import msgspec
 
 from lw_core.keys import KeySpace
-from lw_vllm.group_copier import NULL_BLOCK
+from lw_vllm.hybrid.group_copier import NULL_BLOCK
+from lw_vllm.hybrid.state_layout import StateLayout
 from lw_vllm.meta import StateXfer, Xfer
-from lw_vllm.request_state import ReqState
-from lw_vllm.state_layout import StateLayout
+from lw_vllm.request.request_state import ReqState
 
 log = logging.getLogger(__name__)
 

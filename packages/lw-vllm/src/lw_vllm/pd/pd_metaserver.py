@@ -17,12 +17,12 @@ import concurrent.futures
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from lw_core.wire import DecodeTransferParams, MetaserverRequest, MetaserverResponse, decode_transfer_params
+from lw_vllm.request.request_state import Outcome
 
 if TYPE_CHECKING:  # imported when the first call is made
     import aiohttp
@@ -31,13 +31,6 @@ log = logging.getLogger(__name__)
 
 _CLOSE_TIMEOUT_S = 5.0
 _response_decoder = msgspec.json.Decoder(MetaserverResponse)
-
-
-@dataclass(frozen=True)
-class Outcome:
-    ok: bool
-    detail: str  # "ok", or why the decoder recomputes
-    wait_s: float
 
 
 def remote_prefill_params(raw: object) -> DecodeTransferParams | str | None:

@@ -7,10 +7,10 @@ viewed as bytes ``[outer, num_blocks, inner]``: a block is ``outer`` segments of
 (one segment on CPU, two (K and V) for ``[2, num_blocks, ...]`` layouts). The bytes are moved
 as they lie, so their order of heads and tokens is the engine's layout's (``block_order`` reads it
 from the strides: head-major on CPU, token-major under CUDA's default); the keys and the TP split
-depend on it (``lw_vllm.kv_layout``).
+depend on it (``lw_vllm.identity.kv_layout``).
 
 CPU: copies run synchronously in the calling (transfer) thread through numpy, which releases the
-GIL for the memcpy; tokens are ``None``. Devices (cuda, npu, ...): ``lw_vllm.device_path`` --
+GIL for the memcpy; tokens are ``None``. Devices (cuda, npu, ...): ``lw_vllm.device.device_path`` --
 asynchronous DMAs on side streams ordered by events against the compute stream, through pinned
 staging; tokens are events. This module imports torch and numpy only (no vLLM), so a machine with
 a device and torch but no vLLM can run the device path and its tests.
@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from lw_core.pipeline.buffers import aligned_empty
-from lw_vllm.device_path import DevicePath
-from lw_vllm.device_streams import DeviceOps, TorchDeviceOps
+from lw_vllm.device.device_path import DevicePath
+from lw_vllm.device.device_streams import DeviceOps, TorchDeviceOps
 
 Buffer = Any
 Token = Any

@@ -45,18 +45,19 @@ from typing import Any
 
 from lw_core.config import PoolConfig
 from lw_core.keys import chunk_hashes
-from lw_vllm import pool, state_layout
-from lw_vllm.group_blocks import GroupBlocks
-from lw_vllm.late_frees import LateFrees
+from lw_vllm import pool
+from lw_vllm.hybrid import state_layout
+from lw_vllm.hybrid.group_blocks import GroupBlocks
+from lw_vllm.hybrid.state_plan import StatePlan
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector
-from lw_vllm.pd_coordinator import PdCoordinator, parent_id
-from lw_vllm.pd_metaserver import MetaserverClient
+from lw_vllm.pd.pd_coordinator import PdCoordinator, parent_id
+from lw_vllm.pd.pd_metaserver import MetaserverClient
 from lw_vllm.pool_events import PoolEvents, events_enabled
-from lw_vllm.pool_lookup import PoolLookup
-from lw_vllm.request_state import RemotePhase, ReqState
-from lw_vllm.request_stats import StatsLog
-from lw_vllm.state_plan import StatePlan
+from lw_vllm.request.request_state import RemotePhase, ReqState
+from lw_vllm.scheduler.late_frees import LateFrees
+from lw_vllm.scheduler.pool_lookup import PoolLookup
+from lw_vllm.scheduler.request_stats import StatsLog
 
 log = logging.getLogger(__name__)
 
@@ -408,6 +409,11 @@ class SchedulerSide:
             self.stats.finished(st, self._builds)
         # Its saves (if any) completed inside their step: nothing still reads these blocks.
         return False, None
+
+    def has_pending_block_frees(self) -> bool:
+        """Finished requests' blocks held for their background saves (``LateFrees``) come back
+        soon: vLLM waits for them rather than preempting a running request."""
+        return self.late.pending()
 
     def request_finished_all_groups(self, req: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         return self.request_finished(req, list(block_ids[self.groups.anchor]) if block_ids else [])

@@ -15,12 +15,12 @@ from __future__ import annotations
 import logging
 
 from lw_core.keys import KeySpace
-from lw_vllm.group_copier import GroupCopier
+from lw_vllm.hybrid.group_copier import GroupCopier
 from lw_vllm.meta import LayerwiseMeta, Xfer
 from lw_vllm.metrics import Collector
-from lw_vllm.recurrent_states import RecurrentStates
-from lw_vllm.stream_recv import IDLE_WAIT_S, StreamReceiver
-from lw_vllm.worker_report import WorkerReport
+from lw_vllm.pd.stream_recv import IDLE_WAIT_S, StreamReceiver
+from lw_vllm.worker.recurrent_states import RecurrentStates
+from lw_vllm.worker.worker_report import WorkerReport
 
 log = logging.getLogger(__name__)
 

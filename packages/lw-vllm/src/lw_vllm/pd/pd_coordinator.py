@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from lw_core.config import PoolConfig
 from lw_core.keys import KeySpace, chunk_hashes, partial_chunk_hash
-from lw_vllm.group_blocks import GroupBlocks
+from lw_vllm.hybrid.group_blocks import GroupBlocks
 from lw_vllm.meta import LayerwiseMeta
 from lw_vllm.metrics import Collector
-from lw_vllm.pd_metaserver import MetaserverClient, Outcome, remote_prefill_params
-from lw_vllm.request_keys import prompt_tokens
-from lw_vllm.request_state import RemotePhase, RemotePrefill, ReqState
+from lw_vllm.pd.pd_metaserver import MetaserverClient, remote_prefill_params
+from lw_vllm.request.request_keys import prompt_tokens
+from lw_vllm.request.request_state import Outcome, RemotePhase, RemotePrefill, ReqState
 
 if TYPE_CHECKING:
     from collections.abc import Callable

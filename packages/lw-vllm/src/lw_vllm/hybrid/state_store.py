@@ -25,7 +25,7 @@ import numpy as np
 
 from lw_core.backend import BackendError
 from lw_core.keys import KeySpace
-from lw_vllm.state_layout import StateLayout
+from lw_vllm.hybrid.state_layout import StateLayout
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
   chunk's link of the chain (``lw_core.keys.chunk_hashes``' ``chunk_digests``); two prompts of equal
   length but other embeddings never share a chunk, and the same embeddings hit on any engine.
 * LoRA: the adapter's identity, not its name. A local adapter directory is identified by the
-  content of its config and weights files (``lw_vllm.model_identity.files_identity``, the digests
+  content of its config and weights files (``lw_vllm.identity.model_identity.files_identity``, the digests
   cached by file), so a name re-pointed at another adapter, or an adapter rewritten in place, never
   reuses the old adapter's KV, and two names of one adapter share it. An adapter vLLM fetches
   itself (not a local path) is identified by name and path, as vLLM's own block hashes do.
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from lw_core.keys import HashExtra
-from lw_vllm.model_identity import files_identity
+from lw_vllm.identity.model_identity import files_identity
 
 # Files of a LoRA adapter that change the KV (its tokenizer does not: keys hash token ids).
 ADAPTER_CONFIGS = ("adapter_config.json",)

@@ -13,12 +13,13 @@ from collections.abc import Sequence
 from typing import Any
 
 from lw_core.keys import KeySpace
-from lw_vllm import pool, state_layout
+from lw_vllm import pool
+from lw_vllm.hybrid import state_layout
+from lw_vllm.hybrid.state_loads import StateLoads
+from lw_vllm.hybrid.state_store import StateStore
 from lw_vllm.meta import StateXfer, Xfer
 from lw_vllm.metrics import Collector
-from lw_vllm.state_loads import StateLoads
-from lw_vllm.state_store import StateStore
-from lw_vllm.stream_recv import IDLE_WAIT_S, StreamReceiver, Tail
+from lw_vllm.pd.stream_recv import IDLE_WAIT_S, StreamReceiver, Tail
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,8 @@ otherwise), per attention layer ``wait_for_layer_load`` then ``save_kv_layer``, 
 background saves (``pool.saves_in_background``: kv_both, dense models), where ``wait_for_save``
 hands the step's saves to the pipeline's background finisher and the requests the scheduler frees
 late are reported in ``finished_sending`` once none of their saves is running; a preempted
-request's saves are waited for in ``handle_preemptions``, before vLLM reuses its blocks.
+request's saves stop reading its blocks in ``handle_preemptions`` (waited for, then cancelled),
+before vLLM reuses them.
 
 Collaborators this side builds and owns: ``LoadSources`` (load_sources: which objects a load
 reads), ``WorkerReport`` (worker_report: what goes back to vLLM each pass), and with the KV caches
@@ -26,19 +27,20 @@ from lw_core.config import PoolConfig
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_core.tp_split import TpSplitError
-from lw_vllm import kv_layout, pool
-from lw_vllm.copier import TorchCopier, block_order
-from lw_vllm.group_copier import GroupCopier
-from lw_vllm.load_sources import LoadSources
+from lw_vllm import pool
+from lw_vllm.device.copier import TorchCopier, block_order
+from lw_vllm.hybrid.group_copier import GroupCopier
+from lw_vllm.identity import kv_layout
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector, PoolCounters
+from lw_vllm.pd.stream_recv import StreamReceiver
 from lw_vllm.pool_events import events_enabled
-from lw_vllm.recurrent_states import RecurrentStates
-from lw_vllm.save_book import SaveBook
-from lw_vllm.save_ledger import SaveLedger
-from lw_vllm.stream_loads import StreamLoads
-from lw_vllm.stream_recv import StreamReceiver
-from lw_vllm.worker_report import WorkerReport
+from lw_vllm.worker.load_sources import LoadSources
+from lw_vllm.worker.recurrent_states import RecurrentStates
+from lw_vllm.worker.save_book import SaveBook
+from lw_vllm.worker.save_ledger import SaveLedger
+from lw_vllm.worker.stream_loads import StreamLoads
+from lw_vllm.worker.worker_report import WorkerReport
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +216,8 @@ class WorkerSide:
         return self.ledger.take_finished(self._meta) if self.ledger is not None else None
 
     def handle_preemptions(self, meta: Any) -> None:
-        """vLLM frees a preempted request's blocks at once: wait for its background saves first."""
+        """vLLM frees a preempted request's blocks at once: its background saves stop reading them
+        first (``SaveLedger.wait_preempted``)."""
         if self.ledger is not None:
             self.ledger.wait_preempted(set(getattr(meta, "preempted", None) or ()))
 

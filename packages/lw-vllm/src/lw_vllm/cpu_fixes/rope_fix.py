@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from lw_vllm.cpu_fix_gate import needs_fix
+from lw_vllm.cpu_fixes.cpu_fix_gate import needs_fix
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ import os
 import threading
 from typing import Any
 
-from lw_vllm.request_state import ReqState
+from lw_vllm.request.request_state import ReqState
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
-from lw_vllm.state_store import StateStore
+from lw_vllm.hybrid.state_store import StateStore
 
 log = logging.getLogger(__name__)
 

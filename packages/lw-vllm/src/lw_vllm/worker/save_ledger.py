@@ -9,8 +9,9 @@ worker's report.
 Background saves also hold blocks: a finished request that had saves planned is freed late by
 vLLM (the scheduler part lists it in ``LayerwiseMeta.free_late``), once this worker reports it in
 ``finished_sending`` (``take_finished``), i.e. once none of its saves is running any more. A
-preempted request's blocks are freed at once, so its saves are waited for first
-(``wait_preempted``), before the step's forward may reuse them.
+preempted request's blocks are freed at once, so before the step's forward may reuse them
+(``wait_preempted``) its saves' copies out of them are waited for, at most ``save_timeout_s``,
+and then cancelled: what they did not write whole by then is aborted, never committed.
 """
 
 from __future__ import annotations
@@ -22,9 +23,9 @@ from collections.abc import Collection
 from lw_core.pipeline import LayerPipeline, SaveResult
 from lw_vllm.meta import LayerwiseMeta
 from lw_vllm.metrics import Collector
-from lw_vllm.save_book import SaveBook
-from lw_vllm.stream_recv import IDLE_WAIT_S
-from lw_vllm.worker_report import WorkerReport
+from lw_vllm.pd.stream_recv import IDLE_WAIT_S
+from lw_vllm.worker.save_book import SaveBook
+from lw_vllm.worker.worker_report import WorkerReport
 
 log = logging.getLogger(__name__)
 
@@ -106,13 +107,17 @@ class SaveLedger:
         return done or None
 
     def wait_preempted(self, preempted: Collection[str]) -> None:
-        """vLLM frees a preempted request's blocks at once: wait for its background saves before
-        this step's forward may reuse them (their deadlines bound the wait)."""
+        """vLLM frees a preempted request's blocks at once: before this step's forward may reuse
+        them, the background saves holding the request stop reading them (``save_timeout_s`` at
+        most; then they are cancelled, ``LayerPipeline.stop_background_reads``). Other saves go on."""
         if not preempted or not self.background:
             return
-        if self._busy_requests() & set(preempted):
+        gone = set(preempted)
+        if self._busy_requests() & gone:
             t0 = time.monotonic()
-            if not self.pipe.wait_background_saves(3 * self.save_timeout_s + 1.0):
-                log.error("lw-vllm: background saves of preempted requests %s still running after their deadlines",
-                          sorted(preempted))
+            cancelled = self.pipe.stop_background_reads(lambda book: bool(book.reqs & gone), self.save_timeout_s)
+            if cancelled:
+                log.warning("lw-vllm: %d background saves of preempted requests %s still ran after %ss: cancelled "
+                            "(chunks they had not written whole are not published)",
+                            cancelled, sorted(gone), self.save_timeout_s)
             self.stats.observe("save_wait_s", [time.monotonic() - t0])

@@ -7,6 +7,10 @@ blocks after vLLM finished it: a request that had saves planned keeps its blocks
 workers learn of such requests from the next step plan's ``free_late`` (``save_ledger`` on the
 worker side), and of the step's preempted requests, whose blocks vLLM frees at once, from its
 ``preempted``.
+
+While such blocks are held (``pending``), vLLM's scheduler waits for them instead of preempting a
+running request when it runs out of blocks (``has_pending_block_frees``): they come back within a
+save's deadlines.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from lw_vllm.meta import LayerwiseMeta
-from lw_vllm.request_state import ReqState
+from lw_vllm.request.request_state import ReqState
 
 
 class LateFrees:
@@ -39,6 +43,11 @@ class LateFrees:
         meta.free_late, self._new = self._new, []
         if self.background:
             meta.preempted = list(getattr(so, "preempted_req_ids", None) or ())
+
+    def pending(self) -> bool:
+        """Whether blocks of finished requests are held for their saves (they come back once the
+        workers report them in ``finished_sending``)."""
+        return bool(self.sending)
 
     def get(self, req_id: str) -> ReqState | None:
         return self.sending.get(req_id)

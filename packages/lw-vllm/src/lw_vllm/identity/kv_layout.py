@@ -12,7 +12,7 @@ connector states no layout of its own: it keys and splits whatever the engine re
   differently never share an object (a block of one head is the same bytes in both orders, so
   those share). The scheduler and the workers read the same resolved name, so their keys agree.
 * The tensors: ``check_tensors`` (worker start-up) compares what the name promises with the
-  order the copier's block views actually have (``lw_vllm.copier.block_order``, from strides) and
+  order the copier's block views actually have (``lw_vllm.device.copier.block_order``, from strides) and
   refuses a mismatch, e.g. head-major kernel blocks smaller than the block, which neither the
   keys nor the split describe.
 * The TP split reads the order (``lw_core.tp_split``): token-major blocks are read per token row.
@@ -61,7 +61,7 @@ def key_token(order: str | None, heads: int | None) -> str:
 
 def check_tensors(order: str | None, name: str | None, found: Mapping[str, str]) -> str | None:
     """At start-up: the order of the copier's views of every layer (``found``: layer name ->
-    ``lw_vllm.copier.block_order``) must be one, and the one the resolved layout promises
+    ``lw_vllm.device.copier.block_order``) must be one, and the one the resolved layout promises
     (``order``); blocks of one head (``ONE_HEAD``) fit either. ``NotImplementedError`` otherwise,
     naming both. Returns the engine's order: ``order``, or the tensors' when the name said none."""
     orders = set(found.values())

@@ -32,8 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from lw_vllm.device_streams import DeviceOps
-from lw_vllm.staging import PinnedStaging
+from lw_vllm.device.device_streams import DeviceOps
+from lw_vllm.device.staging import PinnedStaging
 
 
 class DevicePath:

@@ -24,8 +24,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from lw_core.keys import HashExtra
-from lw_vllm.pd_metaserver import Outcome
-from lw_vllm.request_keys import hash_extra, input_digests, num_prompt_tokens
+from lw_vllm.request.request_keys import hash_extra, input_digests, num_prompt_tokens
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The metaserver's answer to a decoder's call (``lw_vllm.pd.pd_metaserver``), or the pool's
+    stand-in for it (the prompt found whole in the pool: ``lw_vllm.pd.pd_coordinator``)."""
+
+    ok: bool
+    detail: str  # "ok", or why the decoder recomputes
+    wait_s: float
 
 
 class RemotePhase(enum.Enum):

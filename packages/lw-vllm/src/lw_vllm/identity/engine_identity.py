@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from lw_vllm.model_identity import model_identity
+from lw_vllm.identity.model_identity import model_identity
 
 # Config fields that name where the config came from or which library wrote it, not the model.
 _PLACE_FIELDS = frozenset({"_name_or_path", "transformers_version", "_commit_hash", "name_or_path"})

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from lw_vllm.group_copier import NULL_BLOCK
+from lw_vllm.hybrid.group_copier import NULL_BLOCK
 from lw_vllm.meta import Xfer
-from lw_vllm.request_state import ReqState
+from lw_vllm.request.request_state import ReqState
 
 
 class GroupBlocks:

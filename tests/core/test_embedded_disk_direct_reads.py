@@ -150,6 +150,6 @@ def test_a_page_cache_that_cannot_be_asked_about_sends_reads_to_the_disk_and_kee
     try:
         _hit(t, data)
         assert libc.calls == 3 and t.reads.counts == {"direct": 3}
-        assert t.stats()["disk_corrupt"] == 0 and len(os.listdir(t.path)) == 4  # three objects and the marker
+        assert t.stats()["disk_corrupt"] == 0 and len(os.listdir(t.path)) == 5  # three objects, the marker and the count
     finally:
         t.close()

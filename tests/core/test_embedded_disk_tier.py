@@ -15,8 +15,8 @@ import time
 import numpy as np
 import pytest
 
-from lw_core.backend import BackendError
-from lw_core.backends.embedded import EmbeddedBackend, disk_tier
+from lw_core.backend import TIER_DISK, TIER_DRAM, BackendError, lookup_tiers
+from lw_core.backends.embedded import EmbeddedBackend, disk_dir, disk_tier
 from lw_core.backends.embedded import disk_format as fmt
 from lw_core.backends.embedded.disk_tier import DiskHandle, DiskTier
 from lw_core.config import ConfigError, parse_config
@@ -59,6 +59,8 @@ def test_evicted_objects_are_demoted_and_hit_on_disk_with_the_same_bytes(tmp_pat
         assert st["evictions"] == 7 and st["demotions"] == 7 and st["disk_objects"] == 7 and st["demotion_drops"] == 0
         assert st["disk_bytes"] == 7 * (fmt.HEADER_BYTES + OBJ) and len(_files(tmp_path)) == 7
         assert b.lookup(list(data)) == 12
+        assert b.lookup_tiers(list(data)) == [TIER_DISK] * 7 + [TIER_DRAM] * 5  # what KV events name
+        assert lookup_tiers(b, ["k0", "nope", "k1"]) == [TIER_DISK]
         hs = b.open(list(data))
         kinds = [type(h) is DiskHandle for h in hs]
         assert kinds == [True] * 7 + [False] * 5
@@ -97,6 +99,7 @@ def test_a_new_backend_on_the_same_directories_finds_demoted_objects(tmp_path):
     with _open(tmp_path) as b:
         data = _fill(b, 10)
     with _open(tmp_path) as b:
+        assert b._disk is not None and b._disk.flush()  # the directory is listed in the background
         assert b.stats()["disk_objects"] == 5
         assert b.lookup(list(data)) == 10
         hs = b.open(["k0", "k4"])
@@ -231,15 +234,16 @@ def test_a_process_killed_mid_demotion_leaves_no_visible_object(tmp_path):
     p.start()
     try:
         assert q.get(timeout=60) == "writing"
-        assert glob.glob(os.path.join(disk, fmt.TMP_PREFIX + "*"))  # the half-written temporary exists
+        assert glob.glob(os.path.join(disk, disk_dir.TMP_PREFIX + "*"))  # the half-written temporary exists
     finally:
         os.kill(p.pid, signal.SIGKILL)
         p.join(30)
     assert _files(tmp_path) == []
     t = DiskTier(disk, DISK, queue_bytes=OBJ)
     try:
+        assert t.flush()  # the directory is listed (and dead writers' temporaries removed) in the background
         assert not t.has(b"victim") and t.open("victim", b"victim") is None
-        assert glob.glob(os.path.join(disk, fmt.TMP_PREFIX + "*")) == []  # a dead writer's temporary is removed
+        assert glob.glob(os.path.join(disk, disk_dir.TMP_PREFIX + "*")) == []  # a dead writer's temporary is removed
         assert t.stats()["disk_objects"] == 0
     finally:
         t.close()
@@ -255,7 +259,7 @@ def test_a_full_disk_drops_demotions_counted_never_raising(tmp_path, monkeypatch
         st = b.stats()
         assert st["demotions"] == 0 and st["demotion_drops"] == 4 and st["disk_objects"] == 0
         assert b.lookup(list(data)) == 0 and b.open(["k0"]) == [None]
-    assert os.listdir(tmp_path / "disk") == [fmt.MARKER]  # no temporaries left
+    assert sorted(os.listdir(tmp_path / "disk")) == [disk_dir.MARKER, disk_dir.COUNT]  # no temporaries left
     assert sum("ENOSPC" in r.getMessage() for r in caplog.records) == 1  # one line, not one per object
 
 
@@ -299,7 +303,7 @@ def test_config_keys_default_off_and_reach_the_backend(tmp_path):
         assert b._disk is not None and b._disk.capacity == DISK and b.stats()["disk_objects"] == 0
         assert not b._disk.reads.direct  # embedded_disk_direct_io is off by default
     keys = parse_config({"embedded_path": str(tmp_path / "pool"), "embedded_capacity_bytes": DRAM,
-                         "embedded_disk_path": str(tmp_path / "disk"), "embedded_disk_direct_io": True}).backend_keys
+                         "embedded_disk_path": str(tmp_path / "disk2"), "embedded_disk_direct_io": True}).backend_keys
     with EmbeddedBackend.from_keys(keys) as b:
         assert b._disk is not None and b._disk.reads.direct
     with pytest.raises(ValueError, match="disk_capacity_bytes=1 is not accepted"):

@@ -114,3 +114,30 @@ def test_a_buffer_whose_unregistration_fails_is_kept_for_good(gets):
     assert len(g._late) == 1
     g.whole(["a"], {"a": 1024}, got)
     assert len(g._late) == 2  # never unregistered: never let go
+
+
+def test_a_whole_get_that_raises_keeps_its_buffer_registered_until_it_is_unregistered(gets, monkeypatch):
+    """A ``batch_get_into`` that raises anything (not only a timeout) must not free a buffer
+    Mooncake still has registered: it is kept, then unregistered before it is let go."""
+    store, g = gets
+    unregistered: list[int] = []
+    real_unregister = store.unregister_buffer
+
+    def unregister(base: int) -> int:
+        unregistered.append(base)
+        return real_unregister(base)
+
+    def broken(keys, ptrs, sizes):
+        raise RuntimeError("the binding raised")
+
+    monkeypatch.setattr(store, "unregister_buffer", unregister)
+    monkeypatch.setattr(store, "batch_get_into", broken)
+    with pytest.raises(RuntimeError, match="the binding raised"):
+        g.whole(["a"], {"a": 4096}, {})
+    (late,) = g._late.held()  # referenced, so never freed while registered
+    base = int(late.ctypes.data)
+    assert store.registered == {base} and unregistered == []
+    monkeypatch.undo()
+    got: dict[str, np.ndarray] = {}
+    g.whole(["a"], {"a": 4096}, got)  # the next call unregisters it first, then lets it go
+    assert got["a"].nbytes == 4096 and len(g._late) == 0 and not store.registered

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
-from lw_core.backend import BackendError  # noqa: E402
+from lw_core.backend import TIER_DISK, TIER_DRAM, BackendError  # noqa: E402
 from lw_core.keys import KeySpace  # noqa: E402
 from lw_vllm.metrics import Collector  # noqa: E402
 from lw_vllm.scheduler.pool_lookup import PoolLookup  # noqa: E402
@@ -67,5 +67,32 @@ def test_a_failing_lookup_is_counted_and_raised() -> None:
             lk(HASHES)
         stats = metrics.take()
         assert stats is not None and stats.data["lookup_errors"] == 1
+    finally:
+        lk.close()
+
+
+class _TieredBackend(_Backend):
+    """Keys in ``on_disk`` are held in the disk tier."""
+
+    def __init__(self, held: list[str], on_disk: list[str]) -> None:
+        super().__init__(held + on_disk)
+        self.on_disk = set(on_disk)
+
+    def lookup_tiers(self, keys: list[str]) -> list[str]:
+        return [TIER_DISK if k in self.on_disk else TIER_DRAM for k in keys[: self.lookup(keys)]]
+
+
+def test_tiers_name_disk_for_a_chunk_any_rank_holds_on_disk_and_stop_where_the_hit_does() -> None:
+    held = KS.keys("r0", HASHES[:3]) + KS.keys("r1", HASHES[:2])
+    lk = _lookup(_TieredBackend(held, KS.keys("r1", HASHES[2:3]) + KS.keys("r0", HASHES[3:])))
+    try:
+        # Chunk 2: rank 1's object is on disk; chunk 3: rank 1 has none, so the hit ends at 3.
+        assert lk.tiers(HASHES) == [TIER_DRAM, TIER_DRAM, TIER_DISK] and lk(HASHES) == 3
+        assert lk.tiers([]) == []
+    finally:
+        lk.close()
+    lk = _lookup(_Backend(KS.keys("r0", HASHES) + KS.keys("r1", HASHES)))  # no tiers: host memory
+    try:
+        assert lk.tiers(HASHES) == [TIER_DRAM] * 4
     finally:
         lk.close()

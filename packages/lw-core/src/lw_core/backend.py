@@ -105,6 +105,10 @@ class Backend(Protocol[H]):
         """A zero-copy window into an object (writable for reserved handles), or ``None`` when the
         store is not host-addressable; callers then use ``read``/``write``."""
 
+    # Optional: ``lookup_tiers(keys) -> list[str]``, ``lookup`` that also names the tier each
+    # leading committed key is held in (``TIER_DRAM``, ``TIER_DISK``): a backend with tiers (the
+    # embedded pool's disk tier) provides it; the function ``lookup_tiers`` answers for any backend.
+
     # Optional: ``intact(handles) -> list[bool]``, whether each leased object still holds its own
     # bytes (not evicted, its space not reused). A backend whose ``view`` windows can outlive the
     # object (a lease that expired) provides it; the pipeline calls it after copying from views and
@@ -140,6 +144,18 @@ class StreamingBackend(Backend[H], Protocol[H]):
 
 
 STREAMING_METHODS = ("publish", "open_streaming", "wait_published")
+
+TIER_DRAM = "dram"  # host memory (the embedded pool's arena, a store's memory)
+TIER_DISK = "disk"  # the embedded pool's disk tier
+
+
+def lookup_tiers(backend: Any, keys: Sequence[str]) -> list[str]:
+    """The tier of each leading committed key (as many as ``lookup`` counts): the backend's own
+    ``lookup_tiers`` where it has tiers, else ``TIER_DRAM`` for each."""
+    tiers = getattr(backend, "lookup_tiers", None)
+    if callable(tiers):
+        return list(tiers(keys))
+    return [TIER_DRAM] * backend.lookup(keys)
 
 
 def supports_streaming(backend: Any) -> bool:

@@ -8,7 +8,8 @@ Invariants:
   size each batch to fit ``staging_size``.
 * Bytes reach the caller's buffers only from a call that returned them whole; a get past its
   deadline retires the staging (``lw_mooncake.buffers.Staging``) or its whole-get buffer, as the
-  late call may still write it.
+  late call may still write it. A whole-get buffer is never let go while registered: a get that
+  raises anything hands it to ``LateBuffers``, which unregisters it before dropping it.
 * An object that is gone is ``ObjectMissing`` (or, where asked, reported and left out); any other
   failure is the lw-core error of its status (``lw_mooncake.errors``).
 """
@@ -97,8 +98,8 @@ class StagedGets:
         try:
             res = calls.call("batch_get_into", store.batch_get_into, keys, [base + o for o in offs],
                              [sizes[k] for k in keys])
-        except BackendUnavailable as e:
-            self._late.keep(buf, e)  # still registered: a late call may write it until it returns
+        except BaseException as e:  # still registered: never freed under Mooncake
+            self._late.keep(buf, e)  # unregistered once the call has returned (at once for an error it raised)
             raise
         try:
             rc = calls.call("unregister_buffer (whole get)", store.unregister_buffer, base)

@@ -75,11 +75,14 @@ class LayerwiseMeta(KVConnectorMetadata):
 
 class LayerwiseWorkerMeta(KVConnectorWorkerMetadata):
     """Per request: blocks loaded, blocks that failed to load, chunks committed to the pool (and,
-    when vLLM publishes KV events, their hashes: ``stored``)."""
+    when vLLM publishes KV events, their hashes per TP rank that committed its object: ``stored``).
+    ``rank``: the TP rank that made the report (its ``stored`` entries are under it)."""
 
     def __init__(self, loaded: dict[str, int] | None = None, failed: dict[str, int] | None = None,
                  saved: dict[str, int] | None = None, load_span: dict[str, tuple[float, float]] | None = None,
-                 stored: dict[str, list[bytes]] | None = None, loaded_bytes: dict[str, int] | None = None) -> None:
+                 stored: dict[str, dict[int, list[bytes]]] | None = None, loaded_bytes: dict[str, int] | None = None,
+                 rank: int = 0) -> None:
+        self.rank = rank
         self.loaded = loaded or {}
         self.failed = failed or {}
         self.saved = saved or {}
@@ -107,11 +110,14 @@ class LayerwiseWorkerMeta(KVConnectorWorkerMetadata):
             span[k] = (a, b) if mine is None else (min(a, mine[0]), max(b, mine[1]))
         # ``saved`` holds each rank's running total per request (save_book), so the maximum is the
         # count of the rank that committed most, whichever step its report comes in.
-        # A chunk is announced once any rank committed its object (MLA: rank 0 alone saves).
-        stored = {rid: list(hs) for rid, hs in self.stored.items()}
-        for rid, hs in other.stored.items():
-            stored[rid] = list(dict.fromkeys(stored.get(rid, []) + list(hs)))
+        # Each rank's commits stay its own: a chunk is announced once every saving rank's object
+        # is committed (pool_events; MLA: rank 0 alone saves).
+        stored = {rid: {r: list(hs) for r, hs in by_rank.items()} for rid, by_rank in self.stored.items()}
+        for rid, by_rank in other.stored.items():
+            ranks = stored.setdefault(rid, {})
+            for r, hs in by_rank.items():
+                ranks[r] = list(dict.fromkeys(ranks.get(r, []) + list(hs)))
         nbytes = dict(self.loaded_bytes)  # every rank's reads count
         for rid, n in other.loaded_bytes.items():
             nbytes[rid] = nbytes.get(rid, 0) + n
-        return LayerwiseWorkerMeta(loaded, failed, saved, span, stored, nbytes)
+        return LayerwiseWorkerMeta(loaded, failed, saved, span, stored, nbytes, self.rank)

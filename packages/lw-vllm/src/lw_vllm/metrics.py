@@ -49,6 +49,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "device_register_failures": ("vllm:lw_pool_device_register_failures_total",
                                  "Pool memory ranges the KV cache's device could not register (their copies go "
                                  "through pinned staging)"),
+    "disk_read_errors": ("vllm:lw_pool_disk_read_errors_total",
+                         "Disk-tier files that could not be read (I/O error, no memory; misses, files kept)"),
     "pd_prefill_not_in_pool": ("vllm:lw_pool_pd_prefill_not_in_pool_total",
                                "Decoder requests whose prefill the metaserver reported committed while the pool held "
                                "none of it (another pool, model identity or KV layout; computed here instead)"),
@@ -161,7 +163,8 @@ class Collector:
 
 
 # Counters the backend keeps itself (``backend.stats()``), turned into increments by ``PoolCounters``.
-POLLED = ("evictions", "disk_hits", "disk_bytes_read", "demotions", "demotion_drops", "disk_evictions", "disk_corrupt")
+POLLED = ("evictions", "disk_hits", "disk_bytes_read", "demotions", "demotion_drops", "disk_evictions", "disk_corrupt",
+          "disk_read_errors")
 
 
 class PoolCounters:

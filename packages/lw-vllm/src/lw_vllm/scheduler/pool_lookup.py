@@ -16,8 +16,10 @@ State this module owns: its lookup thread and the time until which lookups are p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TypeVar
 
-from lw_core.backend import Backend, BackendUnavailable
+from lw_core.backend import TIER_DISK, Backend, BackendUnavailable, lookup_tiers
 from lw_core.keys import KeySpace
 from lw_core.pipeline.pool import DeadlineCall, WorkerPool
 from lw_vllm.metrics import Collector
@@ -25,6 +27,7 @@ from lw_vllm.metrics import Collector
 # After a lookup timeout, lookups are skipped (misses) for this long: a wedged store then costs
 # one deadline every few seconds instead of one per request.
 LOOKUP_BACKOFF_S = 5.0
+T = TypeVar("T")
 
 
 class PoolLookup:
@@ -51,8 +54,6 @@ class PoolLookup:
         ``keyspace`` (this engine's by default)."""
         if not hashes:
             return 0
-        if time.monotonic() < self._paused_until:
-            raise BackendUnavailable("pool lookups paused after a lookup timeout")
 
         def run() -> int:
             n = len(hashes)
@@ -63,6 +64,30 @@ class PoolLookup:
                 n = min(n, self.backend.lookup(ks.keys(tag, hashes[:n])))
             return n
 
+        return self._deadlined(run)
+
+    def tiers(self, hashes: list[bytes]) -> list[str]:
+        """The lookup of ``hashes`` (this engine's ranks and key space) naming, for each leading
+        chunk every rank holds, the tier it is read from (``lw_core.backend.TIER_DISK`` when any
+        rank's object is on disk, else ``TIER_DRAM``): what KV events say of the chunk."""
+        if not hashes:
+            return []
+
+        def run() -> list[str]:
+            out: list[str] | None = None
+            for tag in self.tags:
+                got = lookup_tiers(self.backend, self.keyspace.keys(tag, hashes[: len(hashes) if out is None else len(out)]))
+                out = got if out is None else [TIER_DISK if TIER_DISK in (a, b) else a for a, b in zip(out, got)]
+                if not out:
+                    break
+            return out or []
+
+        return self._deadlined(run)
+
+    def _deadlined(self, run: Callable[[], T]) -> T:
+        """``run`` on the lookup thread within ``lookup_timeout_s`` (else paused lookups)."""
+        if time.monotonic() < self._paused_until:
+            raise BackendUnavailable("pool lookups paused after a lookup timeout")
         call = DeadlineCall(self._pool, run)
         if not call.wait(self.timeout_s):
             self._paused_until = time.monotonic() + LOOKUP_BACKOFF_S

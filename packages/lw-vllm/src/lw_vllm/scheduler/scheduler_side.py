@@ -143,7 +143,8 @@ class SchedulerSide:
         # "not ready yet" answers and plain requests on a non-loading role are not lookups).
         self.last_call_looked_up = False
         self._first_step: list[ReqState] = []  # requests whose first scheduled step has not reported yet
-        self.events = PoolEvents(self.block_size, events_enabled(vllm_config))  # KV events for routers
+        # KV events for routers: a chunk is announced once each saving rank's object is committed.
+        self.events = PoolEvents(self.block_size, events_enabled(vllm_config), ranks=len(self.tags))
 
     # --- helpers ---
     def _state(self, req: Any) -> ReqState:
@@ -208,7 +209,14 @@ class SchedulerSide:
         try:
             # From the first chunk vLLM lacks: chained keys make chunk i valid after any valid prefix.
             seen = st.pool_seen and hashes is st.pd_hashes
-            hit = limit if seen else local + self.lookup(hashes[local:limit])
+            if seen:
+                hit = limit
+            elif self.events.enabled:  # the tier each chunk is in, for the KV events' medium
+                tiers = self.lookup.tiers(hashes[local:limit])
+                hit = local + len(tiers)
+                self.events.found(req, hashes, local, tiers)
+            else:
+                hit = local + self.lookup(hashes[local:limit])
             if hit < limit:
                 self.events.missing(hashes[hit:limit])
             src_tp = 0
@@ -384,11 +392,9 @@ class SchedulerSide:
         for rid, n in wm.saved.items():  # running totals per request (save_book)
             if (st := get(rid)) is not None:
                 st.saved_chunks = max(st.saved_chunks, n)
-        for rid, committed in wm.stored.items():
+        for rid, committed in wm.stored.items():  # per TP rank: announced once every rank committed
             if (st := get(rid)) is not None:
-                lora = getattr(st.req, "lora_request", None)
-                self.events.stored(self._hashes(st), st.req.all_token_ids, committed,
-                                   getattr(lora, "lora_name", None))
+                self.events.stored(st.req, self._hashes(st), committed)
 
     def request_finished(self, req: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
         st = self.reqs.pop(req.request_id, None)

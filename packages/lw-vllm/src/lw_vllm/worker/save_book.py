@@ -38,5 +38,5 @@ class SaveBook:
             totals[rid] = totals.get(rid, 0) + 1
             report.saved[rid] = totals[rid]
             h = self.hashes.get(k)
-            if h is not None:
-                report.stored.setdefault(rid, []).append(h)
+            if h is not None:  # this rank's object of the chunk is committed
+                report.stored.setdefault(rid, {}).setdefault(report.rank, []).append(h)

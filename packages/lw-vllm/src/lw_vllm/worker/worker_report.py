@@ -14,8 +14,11 @@ from lw_vllm.meta import LayerwiseWorkerMeta
 
 
 class WorkerReport:
-    def __init__(self) -> None:
-        self.meta = LayerwiseWorkerMeta()
+    """The reports of TP rank ``rank``."""
+
+    def __init__(self, rank: int = 0) -> None:
+        self.rank = rank
+        self.meta = LayerwiseWorkerMeta(rank=rank)
         self.failed_blocks: set[int] = set()
 
     def loaded(self, req_id: str, span: tuple[float, float], blocks: int, nbytes: int) -> None:
@@ -38,7 +41,7 @@ class WorkerReport:
         rep = self.meta
         if not (rep.loaded or rep.failed or rep.saved):
             return None
-        self.meta = LayerwiseWorkerMeta()
+        self.meta = LayerwiseWorkerMeta(rank=self.rank)
         return rep
 
     def take_load_errors(self) -> set[int]:

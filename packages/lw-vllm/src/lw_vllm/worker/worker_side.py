@@ -76,7 +76,7 @@ class WorkerSide:
         self._book = SaveBook()  # this step's saves (background ones come back with theirs)
         self.background = pool.saves_in_background(cfg, role, kv_cache_config)
         self._events = events_enabled(vllm_config)
-        self.report = WorkerReport()
+        self.report = WorkerReport(self.tp_rank)
         self._load_t0 = self._load_t1 = 0.0  # wall clock: this step's load start / last layer in
         # Heads and tokens' order in a block (in the keys; the split reads by it), checked against
         # the tensors in register_kv_caches.

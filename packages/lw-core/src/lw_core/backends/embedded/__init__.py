@@ -24,7 +24,9 @@ with explicit arguments, and holds only its settings, its own counters and the r
   are demoted to files by a writer thread, found again by lookup/open, read with ``pread``.
 * ``disk_payload_reads`` -- ``PayloadReads``: a hit's payload from the page cache when it is all
   there, else with direct I/O (``O_DIRECT``), else buffered.
-* ``disk_format`` -- the disk tier's directory (its ``LW_DISK_TIER`` marker) and file format.
+* ``disk_format`` -- the disk tier's file format and read handle.
+* ``disk_dir`` -- ``TierDir``: the disk tier's directory shared by processes (its ``LW_DISK_TIER``
+  marker with the capacity, the lock and byte count every process evicts against, temporaries).
 * ``tiered``   -- ``TieredReads``: lookup, open, read, view, intact, release over DRAM then disk.
 * ``txn``      -- ``Tx``, one write transaction plus the counter record.
 * ``records``  -- record formats (LMDB values), counters, ``EmbeddedHandle``, key encoding, constants.

@@ -11,7 +11,7 @@ from typing import Annotated, Any
 import msgspec
 from msgspec import Meta
 
-from lw_core.backend import BackendError, Buffer
+from lw_core.backend import TIER_DRAM, BackendError, Buffer
 from lw_core.backends.embedded import fences
 from lw_core.backends.embedded.disk_tier import DISK_STATS, DiskTier
 from lw_core.backends.embedded.object_reader import ObjectReader
@@ -182,6 +182,12 @@ class EmbeddedBackend:
 
     def lookup(self, keys: Sequence[str]) -> int:
         return self._reader.lookup(keys) if self._tiered is None else self._tiered.lookup(keys)
+
+    def lookup_tiers(self, keys: Sequence[str]) -> list[str]:
+        """``lookup``, naming the tier of each leading key held (``TIER_DRAM``, ``TIER_DISK``)."""
+        if self._tiered is None:
+            return [TIER_DRAM] * self._reader.lookup(keys)
+        return self._tiered.lookup_tiers(keys)
 
     def reserve(self, keys: Sequence[str], nbytes: int) -> list[EmbeddedHandle | None]:
         return self._writer.reserve(keys, nbytes) if self._tiered is None else self._tiered.reserve(keys, nbytes)

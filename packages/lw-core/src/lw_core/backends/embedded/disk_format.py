@@ -1,5 +1,5 @@
-"""The disk tier's directory, file format and read handle (``disk_tier``): one file per object,
-named by a hash of its key.
+"""The disk tier's file format and read handle (``disk_tier``): one file per object, named by a
+hash of its key (its directory: ``disk_dir``).
 
 A file is a fixed ``HEADER_BYTES`` header, then the object's bytes (so the payload starts on a
 4 KiB boundary, as ``O_DIRECT`` wants). The header: magic, format version, the key's length, the
@@ -8,12 +8,9 @@ in format 2, what is written; BLAKE2b-256 in format 1, still read), the header's
 (BLAKE2b), then the key. The payload's checksum only has to catch damage (the key's identity is the
 header's, under its own checksum), and CRC-32 runs at several GB/s where BLAKE2b runs at about one
 per core: a hit checks each file's payload on its first open, at the disk's speed. A file is written under a temporary name
-(``TMP_PREFIX``), fsync'd, then renamed: a reader never sees a partial one, and one that is short,
-foreign or damaged anyway fails ``parse_header`` or ``check_payload`` and is treated as a miss.
-
-The directory (``prepare_dir``) must be ours, not a symlink, not writable by group or others, and
-new, empty or marked as a disk tier (``MARKER``): anything else is refused, naming
-``embedded_disk_path``, so files there are never replaced or removed.
+(``disk_dir.TMP_PREFIX``), fsync'd, then renamed: a reader never sees a partial one, and one that is
+short, foreign or damaged anyway fails ``parse_header`` or ``check_payload`` (``BadFile``, the one
+proof that a file is bad) and is treated as a miss.
 """
 
 from __future__ import annotations
@@ -21,14 +18,10 @@ from __future__ import annotations
 import hashlib
 import mmap
 import os
-import stat
 import struct
-import time
 import zlib
 from typing import Protocol
 
-from lw_core.backend import BackendError
-from lw_core.backends.embedded import files
 from lw_core.backends.embedded.disk_payload_reads import PayloadReads, aligned
 
 MAGIC = b"LWDISK\x00\x01"
@@ -36,13 +29,9 @@ VERSION = 2  # written; format 1 (a BLAKE2b payload checksum) is still read
 VERSIONS = (1, 2)
 HEADER_BYTES = 4096
 SUFFIX = ".obj"
-TMP_PREFIX = ".tmp-"
-MARKER = "LW_DISK_TIER"
-MARKER_TEXT = b"lw-pool disk tier 1\n"
 # magic, version, key length, payload bytes, generation, payload checksum, header checksum
 _HEAD = struct.Struct("<8sIIQQ32s16s")
 MAX_KEY = HEADER_BYTES - _HEAD.size
-STALE_TMP_S = 600.0  # a temporary file this old is a dead demotion's, whoever made it
 CHUNK = 8 << 20  # checksum reads, so verifying a big object never allocates its size twice
 
 
@@ -195,105 +184,3 @@ def check_payload(fd: int, head: Header) -> None:
         pos += len(chunk)
     if h.digest() != head.digest:
         raise BadFile("payload checksum mismatch")
-
-
-def scan_dir(path: str, *, headers: bool) -> tuple[list[tuple[int, str, int]], list[tuple[str, Exception]]]:
-    """The tier's object files: (mtime ns, name, bytes) of each good one, (name, why) of each bad
-    one (its header checked when ``headers``); dead demotions' temporaries are removed."""
-    found: list[tuple[int, str, int]] = []
-    bad: list[tuple[str, Exception]] = []
-    now = time.time()
-    for ent in os.scandir(path):
-        p = ent.path
-        if ent.name.startswith(TMP_PREFIX):
-            if stale_tmp(ent.name, p, now):
-                unlink(p)
-            continue
-        if not ent.name.endswith(SUFFIX) or not ent.is_file(follow_symlinks=False):
-            continue
-        if not headers:  # a listing only: stat, no open
-            try:
-                st = ent.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            found.append((st.st_mtime_ns, ent.name, st.st_size))
-            continue
-        try:
-            fd = os.open(p, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except OSError:
-            continue  # removed meanwhile
-        try:
-            st = os.fstat(fd)
-            if file_name(read_header(fd).bkey) != ent.name:
-                raise BadFile("its name is not its key's")
-            found.append((st.st_mtime_ns, ent.name, st.st_size))
-        except (BadFile, OSError) as e:
-            bad.append((ent.name, e))
-        finally:
-            os.close(fd)
-    return found, bad
-
-
-def unlink(p: str) -> None:
-    try:
-        os.unlink(p)
-    except OSError:
-        pass
-
-
-def stale_tmp(name: str, p: str, now: float) -> bool:
-    """A temporary file whose writer is dead (its pid is gone) or that is older than STALE_TMP_S."""
-    try:
-        pid = int(name[len(TMP_PREFIX) :].split("-", 1)[0])
-        os.kill(pid, 0)
-    except (ValueError, ProcessLookupError):
-        return True
-    except PermissionError:
-        pass
-    try:
-        return now - os.stat(p, follow_symlinks=False).st_mtime > STALE_TMP_S
-    except OSError:
-        return False
-
-
-def prepare_dir(path: str) -> None:
-    """Create the tier directory (0700), or check that an existing one is ours and is a disk tier."""
-    try:
-        os.makedirs(path, 0o700, exist_ok=True)
-        st = os.lstat(path)
-    except OSError as e:
-        raise BackendError(f"embedded disk tier: cannot create embedded_disk_path={path!r}: {e}") from e
-    if not stat.S_ISDIR(st.st_mode):
-        raise BackendError(f"embedded disk tier: embedded_disk_path={path!r} is not a directory (or is a symbolic link)")
-    if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise BackendError(
-            f"embedded disk tier: embedded_disk_path={path!r} is owned by uid {st.st_uid} or writable by group or "
-            f"others (mode {st.st_mode & 0o7777:04o}); this process runs as uid {os.geteuid()}: use a directory of your own"
-        )
-    names = os.listdir(path)
-    marker = os.path.join(path, MARKER)
-    if MARKER in names:
-        fd = files.open_file(marker, os.O_RDONLY, what="disk tier marker")
-        try:
-            head = os.read(fd, 64)
-        finally:
-            os.close(fd)
-        if head and not head.startswith(b"lw-pool disk tier "):
-            raise BackendError(f"embedded disk tier: {marker!r} is not an lw-pool disk tier marker (embedded_disk_path)")
-        return
-    if names:
-        shown = ", ".join(map(repr, sorted(names)[:5])) + (" ..." if len(names) > 5 else "")
-        raise BackendError(
-            f"embedded disk tier: embedded_disk_path={path!r} is neither empty nor an lw-pool disk tier (no {MARKER} "
-            f"file; it holds {shown}); refusing to write there: set embedded_disk_path to a new or empty directory"
-        )
-    try:
-        fd = files.open_file(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL, what="disk tier marker")
-    except BackendError as e:
-        if isinstance(e.__cause__, FileExistsError):
-            return
-        raise
-    try:
-        os.write(fd, MARKER_TEXT)
-    finally:
-        os.close(fd)

@@ -1,6 +1,7 @@
 """``TieredReads``: the reading half of the protocol when the disk tier (``disk_tier``) is on.
 
-DRAM first (``ObjectReader``), then disk: ``lookup`` counts a key held by either tier, ``open``
+DRAM first (``ObjectReader``), then disk: ``lookup`` counts a key held by either tier
+(``lookup_tiers`` names the tier of each), ``open``
 hands out a ``DiskHandle`` where DRAM misses and disk hits, and ``read``/``view``/``intact``/
 ``release`` route each handle to the tier it came from. ``reserve`` refuses keys already on disk
 (objects are write-once). Holds no state of its own; ``local`` is the backend's counters."""
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lw_core.backend import Buffer
+from lw_core.backend import TIER_DISK, TIER_DRAM, Buffer
 from lw_core.backends.embedded.disk_format import DiskHandle
 from lw_core.backends.embedded.disk_tier import DiskTier
 from lw_core.backends.embedded.object_reader import ObjectReader
@@ -39,17 +40,24 @@ class TieredReads:
         self.local = local
 
     def lookup(self, keys: Sequence[str]) -> int:
+        return len(self.lookup_tiers(keys))
+
+    def lookup_tiers(self, keys: Sequence[str]) -> list[str]:
+        """The tier of each leading key held by either (DRAM first, as ``open`` reads)."""
         n = self.reader.lookup(keys)
+        out = [TIER_DRAM] * n
         bkeys = encode_keys(keys)
         while n < len(keys):  # past the DRAM prefix: each key in either tier
             if self.disk.has(bkeys[n]):
+                out.append(TIER_DISK)
                 n += 1
                 continue
             more = self.reader.lookup(keys[n:])
             if not more:
                 break
+            out += [TIER_DRAM] * more
             n += more
-        return n
+        return out
 
     def reserve(self, keys: Sequence[str], nbytes: int) -> list[Any]:
         on_disk = [self.disk.known(bk) for bk in encode_keys(keys)]  # write-once: committed on disk
@@ -64,7 +72,12 @@ class TieredReads:
             return out
         bkeys = encode_keys(keys)
         miss = [i for i, h in enumerate(out) if h is None]
-        for i, d in zip(miss, self.disk.open_many([keys[i] for i in miss], [bkeys[i] for i in miss])):
+        try:
+            disk = self.disk.open_many([keys[i] for i in miss], [bkeys[i] for i in miss])
+        except BaseException:  # the DRAM handles' leases go back too: the caller gets no handle
+            self.reader.release([h for h in out if h is not None])
+            raise
+        for i, d in zip(miss, disk):
             if d is not None:  # a hit on disk is a hit (its handle reads the file)
                 out[i] = d
                 self.local["open_hits"] += 1

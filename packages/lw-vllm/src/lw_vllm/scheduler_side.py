@@ -45,6 +45,7 @@ from typing import Any
 
 from lw_core.config import PoolConfig
 from lw_core.keys import chunk_hashes
+from lw_core.metaserver_allow import MetaserverAllowList
 from lw_vllm import pool, state_layout
 from lw_vllm.group_blocks import GroupBlocks
 from lw_vllm.late_frees import LateFrees
@@ -130,7 +131,9 @@ class SchedulerSide:
                                  cfg.lookup_timeout_s, self.metrics)
         self.reqs: dict[str, ReqState] = {}
         # A prefiller never waits for anyone; a decoder (or a kv_both engine behind the proxy) does.
-        metaserver = MetaserverClient(cfg.metaserver_timeout_s) if role in ("kv_consumer", "kv_both") else None
+        metaserver = (MetaserverClient(cfg.metaserver_timeout_s, MetaserverAllowList(cfg.pd_allowed_metaservers),
+                                       cfg.pd_metaserver_max_connections)
+                      if role in ("kv_consumer", "kv_both") else None)
         self.pd = PdCoordinator(cfg, self.block_size, self.keyspace, self.tags, self.other_tp, metaserver,
                                 self.metrics, self.lookup, functools.partial(pool.tp_mismatch, vllm_config),
                                 self.groups, states=self.states is not None)

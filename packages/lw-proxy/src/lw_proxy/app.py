@@ -3,8 +3,10 @@
 Run the app with ``handler_cancellation=True`` (``server.start`` does): a client that disconnects then
 cancels its handler, which closes the upstream connection, which makes vLLM abort the request.
 
-Auth: with an API key, generation and admin endpoints need ``Authorization: Bearer <key>`` (the
-scheme in any case), and metaserver calls need their parent's token. Without a key, the admin endpoint
+Auth: with an API key, generation and admin endpoints and ``/metrics`` need ``Authorization: Bearer
+<key>`` (the scheme in any case), and metaserver calls need their parent's token; ``/healthcheck``
+answers everyone (load balancers probe it), but only a caller with the key gets the backends' URLs and
+loads, the others the bare status and counts. Without a key, the admin endpoint
 (``/reset_prefix_cache``) is refused unless ``allow_unauthenticated_admin``.
 
 Metaserver calls are judged by their header before their body is read (``ParentRegistry.token_refusal``):
@@ -206,11 +208,19 @@ class _Handlers:
     async def healthcheck(self, request: web.Request) -> web.StreamResponse:
         return await self._timed("/healthcheck", request, self._healthcheck)
 
+    def _authenticated(self, request: web.Request) -> bool:
+        """Whether the caller may see details (backend URLs): always without a key."""
+        if self._key is None:
+            return True
+        got = bearer(request)
+        return got is not None and same_secret(got, self._key)
+
     async def _healthcheck(self, request: web.Request) -> web.Response:
         p = self.p
         hp, hd = p.prefillers.healthy_count(), p.decoders.healthy_count()
+        # The backends' URLs are for callers with the key; a liveness probe gets status and counts.
         backends = [BackendState(url=b.url, role=b.role, healthy=b.healthy, in_flight=b.in_flight, load=b.load)
-                    for pool in (p.prefillers, p.decoders) for b in pool.backends]
+                    for pool in (p.prefillers, p.decoders) for b in pool.backends] if self._authenticated(request) else []
         body = HealthcheckResponse(
             status="ok" if hp and hd else "degraded",
             prefill_instances=len(p.prefillers.backends), decode_instances=len(p.decoders.backends),
@@ -246,6 +256,11 @@ class _Handlers:
                             content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:
+        try:
+            self._check_auth(request)  # with a key: its labels name every backend's URL
+        except ProxyError as e:
+            self.p.m.errors.labels(e.kind).inc()
+            return e.response()
         data, ctype = self.p.m.render()
         return web.Response(body=data, headers={"Content-Type": ctype})
 

@@ -110,6 +110,13 @@ class Backend(Protocol[H]):
     # object (a lease that expired) provides it; the pipeline calls it after copying from views and
     # fails the objects that went meanwhile, so their blocks are recomputed.
 
+    # Optional: ``purge(prefix, timeout_s) -> dict[str, int]``, remove every committed object whose
+    # key starts with ``prefix`` ("" = all) and keep reservations under it from being published;
+    # counts: ``objects``, ``bytes``, ``reservations``, ``disk_objects`` removed, and ``leased``,
+    # objects still being read at ``timeout_s``, which stay. vLLM's prefix-cache reset (the
+    # connector's ``reset_cache``) purges the engine's model; a backend without it says so and the
+    # reset reports failure. ``supports_purge(backend)`` tells.
+
     def stats(self) -> dict[str, int]:
         """Counters (objects, bytes, evictions, ...) for metrics."""
 
@@ -137,6 +144,11 @@ STREAMING_METHODS = ("publish", "open_streaming", "wait_published")
 def supports_streaming(backend: Any) -> bool:
     """Whether ``backend`` offers the optional streaming extension."""
     return all(callable(getattr(backend, m, None)) for m in STREAMING_METHODS)
+
+
+def supports_purge(backend: Any) -> bool:
+    """Whether ``backend`` can remove objects by key prefix (the optional ``purge``)."""
+    return callable(getattr(backend, "purge", None))
 
 
 def _layer_bytes(upto_layer: int, layer_nbytes: int) -> int:

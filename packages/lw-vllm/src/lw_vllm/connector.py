@@ -170,6 +170,12 @@ class LayerwiseStoreConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._sched is not None
         return self._sched.request_finished(request, block_ids)
 
+    def reset_cache(self) -> bool | None:
+        """vLLM's prefix-cache reset of the connector's cache (``reset_external`` /
+        ``reset_connector``): this model's objects leave the pool, DRAM and disk tier
+        (``pool_reset``); False when the backend cannot or some stayed. Scheduler side only."""
+        return self._sched.reset_pool() if self._sched is not None else None
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The pool's chunks stored and found gone since the last call (``pool_events``)."""
         return self._sched.events.take() if self._sched is not None else ()

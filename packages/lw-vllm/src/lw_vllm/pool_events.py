@@ -11,7 +11,8 @@ cache also learns what the pool holds:
   to its request and is not announced.
 * ``BlockRemoved`` when this engine finds a chunk it announced missing from the pool (evicted or
   the pool was wiped): the pool's stores do not tell anyone what they evicted, so the engine that
-  next looks the prefix up says so; its later chunks go with it (chained keys).
+  next looks the prefix up says so; its later chunks go with it (chained keys); and every announced
+  chunk after a prefix-cache reset purged the model's objects (``pool_reset``).
 
 Announced chunks are remembered up to ``MAX_ANNOUNCED`` (oldest forgotten first). Events are built
 only when vLLM publishes KV events (``kv_events_config.enable_kv_cache_events``).
@@ -75,6 +76,16 @@ class PoolEvents:
 
         for h in gone:
             del self._announced[h]
+        self._events.append(BlockRemoved(block_hashes=gone, medium=MEDIUM))
+
+    def cleared(self) -> None:
+        """The pool forgot this model's objects (a prefix-cache reset): every announced chunk is gone."""
+        if not self.enabled or not self._announced:
+            return
+        from vllm.distributed.kv_events import BlockRemoved
+
+        gone = list(self._announced)
+        self._announced.clear()
         self._events.append(BlockRemoved(block_hashes=gone, medium=MEDIUM))
 
     def take(self) -> list[Any]:

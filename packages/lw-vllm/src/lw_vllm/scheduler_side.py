@@ -46,7 +46,7 @@ from typing import Any
 from lw_core.config import PoolConfig
 from lw_core.keys import chunk_hashes
 from lw_core.metaserver_allow import MetaserverAllowList
-from lw_vllm import pool, state_layout
+from lw_vllm import pool, pool_reset, state_layout
 from lw_vllm.group_blocks import GroupBlocks
 from lw_vllm.late_frees import LateFrees
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
@@ -408,6 +408,11 @@ class SchedulerSide:
 
     def request_finished_all_groups(self, req: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         return self.request_finished(req, list(block_ids[self.groups.anchor]) if block_ids else [])
+
+    def reset_pool(self) -> bool:
+        """vLLM's prefix-cache reset with the connector's cache: this model's objects leave the
+        pool (``pool_reset``)."""
+        return pool_reset.reset_pool(self.backend, self.keyspace, self.events)
 
     def shutdown(self) -> None:
         for st in self.late.drain():

@@ -234,6 +234,38 @@ def scan_dir(path: str, *, headers: bool) -> tuple[list[tuple[int, str, int]], l
     return found, bad
 
 
+def purge_dir(path: str, prefix: bytes) -> list[str]:
+    """Remove the tier's object files whose key starts with ``prefix`` (every one for ``b""``);
+    their names. A file whose header cannot be read is left to the tier (a miss it removes). The
+    directory must be a disk tier (its ``MARKER``): nothing is removed anywhere else."""
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        raise BackendError(f"embedded disk tier: {path!r} is not a disk tier (no {MARKER} file); nothing removed")
+    removed = []
+    for ent in os.scandir(path):
+        if not ent.name.endswith(SUFFIX) or ent.name.startswith(TMP_PREFIX) or not ent.is_file(follow_symlinks=False):
+            continue
+        if prefix:
+            try:
+                fd = os.open(ent.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue  # removed meanwhile
+            try:
+                if not read_header(fd).bkey.startswith(prefix):
+                    continue
+            except (BadFile, OSError):
+                continue
+            finally:
+                os.close(fd)
+        try:
+            os.unlink(ent.path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise BackendError(f"embedded disk tier: cannot remove {ent.path!r}: {e}") from e
+        removed.append(ent.name)
+    return removed
+
+
 def unlink(p: str) -> None:
     try:
         os.unlink(p)

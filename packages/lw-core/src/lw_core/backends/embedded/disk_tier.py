@@ -378,6 +378,30 @@ class DiskTier:
             self.counters["disk_corrupt"] += 1
         log.warning("embedded disk tier %r: removed %s, a miss: %s", self.path, name, e)
 
+    # ----------------------------------------------------------------- purge (lw_core.backends.embedded.purge)
+
+    def purge(self, prefix: bytes, timeout_s: float = 30.0) -> int:
+        """Remove the objects whose key starts with ``prefix`` ("" = all): queued demotions of
+        them are dropped, the one being written is waited for (at most ``timeout_s``), then their
+        files go (other processes' too). The number of files removed."""
+        with self._cv:
+            keep = [(bk, data) for bk, data in self._queue if not bk.startswith(prefix)]
+            for bk, data in self._queue:
+                if bk.startswith(prefix):
+                    self._queued.discard(fmt.file_name(bk))
+                    self._queued_bytes -= len(data)
+            self._queue.clear()
+            self._queue.extend(keep)
+            end = time.monotonic() + timeout_s
+            while self._busy and time.monotonic() < end:
+                self._cv.wait(end - time.monotonic())
+        removed = fmt.purge_dir(self.path, prefix)
+        with self._cv:
+            for name in removed:
+                self._bytes -= self._index.pop(name, 0)
+                self._verified.pop(name, None)
+        return len(removed)
+
     # ----------------------------------------------------------------- open, stats, close
 
     def _scan(self) -> None:

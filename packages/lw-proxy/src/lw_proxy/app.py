@@ -91,6 +91,32 @@ async def read_body(request: web.Request, limit: int, idle: float, total: float 
     return bytes(buf)
 
 
+RESET_FLAGS = ("reset_running_requests", "reset_external")  # vLLM's /reset_prefix_cache query
+
+
+def reset_query(request: web.Request) -> dict[str, str]:
+    """The flags of vLLM's ``/reset_prefix_cache`` the client gave (``reset_external=true`` also
+    clears each engine's connector cache: the pool's objects of its model), passed on to every
+    engine; anything else is a 400 naming it."""
+    out = {}
+    for key, value in request.query.items():
+        if key not in RESET_FLAGS or value.lower() not in ("true", "false"):
+            raise ProxyError(400, f"/reset_prefix_cache: query {key}={value!r} is not accepted; accepted: "
+                             f"{' and '.join(RESET_FLAGS)}, each true or false")
+        out[key] = value.lower()
+    return out
+
+
+def said_no(text: str) -> bool:
+    """Whether an engine's 200 answer to ``/reset_prefix_cache`` says it did not reset (vLLM answers
+    ``{"success": false}`` while blocks are held, or when its connector could not reset)."""
+    try:
+        body = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(body, dict) and body.get("success") is False
+
+
 def close_unread(request: web.Request, resp: web.StreamResponse) -> None:
     """``resp`` refuses ``request`` before its body was all in (a metaserver call's token or body
     deadline, the connection cap): close the connection after it rather than drain the rest, which a
@@ -236,12 +262,14 @@ class _Handlers:
         self._check_admin(request)
         p = self.p
         timeout = aiohttp.ClientTimeout(total=self.cfg.connect_timeout + 30)
+        query = reset_query(request)
 
         async def one(url: str) -> BackendFailure | None:
             try:
-                async with p.client().post(url + "/reset_prefix_cache", headers=p.headers, timeout=timeout) as r:
+                async with p.client().post(url + "/reset_prefix_cache", params=query, headers=p.headers,
+                                           timeout=timeout) as r:
                     text = await r.text(errors="replace")
-                    if r.status == 200:
+                    if r.status == 200 and not said_no(text):
                         return None
                     return BackendFailure(url=url, status=r.status, message=text[:500])
             except UPSTREAM_ERRORS as e:

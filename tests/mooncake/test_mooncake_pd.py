@@ -29,6 +29,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.
 
 pytestmark = pytest.mark.slow
 PREFILL_PORT, DECODE_PORT, PROXY_PORT = 8110, 8210, 8310
+FAKE_METASERVER_PORT = 8410  # the decoder-first test's metaserver stand-in, on host A
 
 
 # stack id -> (model, layerwise, pd_streaming); vLLM's CPU MLA backend forces block 16.
@@ -49,7 +50,10 @@ def _start(hosts: Hosts, pool, log_dir: Path, model_name: str, layerwise: bool, 
                          cpu="0", host=a, port=PREFILL_PORT, launcher=hosts.argv("a", []), **sizes)
     decode = proxy = None
     try:
-        decode = start_vllm("decode", model, kv_role="kv_consumer", extra={**common, "mooncake_local_hostname": b},
+        # The decoder (B) calls metaservers on A: the proxy and the decoder-first test's stand-in.
+        allowed = [f"http://{a}:{port}/v1/metaserver" for port in (PROXY_PORT, FAKE_METASERVER_PORT)]
+        decode = start_vllm("decode", model, kv_role="kv_consumer",
+                            extra={**common, "mooncake_local_hostname": b, "pd_allowed_metaservers": allowed},
                             cpu="1", host=b, port=DECODE_PORT, launcher=hosts.argv("b", []), **sizes)
         wait_ready([prefill.proc, decode.proc], "/health", SERVER_START_TIMEOUT_S)
         for s in (prefill, decode):
@@ -155,7 +159,7 @@ def test_streaming_decoder_parked_before_the_prefill_pulls_every_layer(stack: St
     body = {"model": "tiny", "prompt": text(41, 160), "max_tokens": 8, "logprobs": 2, **SAMPLING}
     with hosts.entered("a"):
         rec = streams_in_decoder_first(stack, body, "parent-mooncake-late", "mooncake streaming across hosts",
-                                       stack.metaserver_timeout_s, host=hosts.addr("a"))
+                                       stack.metaserver_timeout_s, host=hosts.addr("a"), port=FAKE_METASERVER_PORT)
     assert rec["prompt_tokens"] > 4 * stack.block_size, rec
 
 

@@ -1,6 +1,6 @@
 """A 1P1D stack across the two test hosts: prefiller and lw-proxy on host A, decoder on host B,
 both engines memcache clients (host_tcp, DRAM 0) of the cluster's pool; the decoder calls the
-proxy back on A's address. Same warm-ups as lw_bench.pd.stack.start_stack."""
+proxy back on A's address, which its pd_allowed_metaservers lists. Same warm-ups as lw_bench.pd.stack.start_stack."""
 
 from __future__ import annotations
 
@@ -27,7 +27,9 @@ def start_cross_host_stack(cluster: Cluster, model: str, log_dir: Path, *, metas
                          cpu="0", host=cluster.a, port=PREFILL_PORT, launcher=cluster.launcher("a"), **sizes)
     decode = proxy = None
     try:
-        decode = start_vllm("decode", model_dir, kv_role="kv_consumer", extra=cluster.extra("b", "decode", **common),
+        allowed = [f"http://{cluster.a}:{PROXY_PORT}/v1/metaserver"]  # the proxy, on host A
+        decode = start_vllm("decode", model_dir, kv_role="kv_consumer",
+                            extra=cluster.extra("b", "decode", **common, pd_allowed_metaservers=allowed),
                             cpu="1", host=cluster.b, port=DECODE_PORT, launcher=cluster.launcher("b"), **sizes)
         wait_ready([prefill.proc, decode.proc], "/health", SERVER_START_TIMEOUT_S)
         for s in (prefill, decode):

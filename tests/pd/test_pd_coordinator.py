@@ -1,11 +1,12 @@
 """PdCoordinator on its own: no pool, no engine, no HTTP. A lookup function and a metaserver
 stand-in drive the state the coordinator alone owns: the streaming receives parked and in flight,
 the idle wait (once per scheduling pass, only after an empty step), and the metaserver client
-(closed with the coordinator). The same paths through SchedulerSide over a real pool are
-``test_scheduler_pd.py``."""
+(closed with the coordinator), and its allow list: a metaserver URL it does not allow is never
+posted. The same paths through SchedulerSide over a real pool are ``test_scheduler_pd.py``."""
 
 from __future__ import annotations
 
+import logging
 import time
 from types import SimpleNamespace
 
@@ -15,18 +16,23 @@ pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.
 
 from lw_core.config import parse_config  # noqa: E402
 from lw_core.keys import KeySpace  # noqa: E402
+from lw_core.metaserver_allow import MetaserverAllowList  # noqa: E402
 from lw_vllm.meta import LayerwiseMeta  # noqa: E402
 from lw_vllm.metrics import Collector  # noqa: E402
+from lw_vllm.pd import pd_coordinator  # noqa: E402
 from lw_vllm.pd.pd_coordinator import POOL_POLL_S, PdCoordinator  # noqa: E402
 from lw_vllm.request.request_state import Outcome, RemotePhase, ReqState  # noqa: E402
 
 BLOCK = 16
+MS_URL = "http://ms:1/v1/metaserver"
 
 
 class Metaserver:
-    """What the coordinator calls on ``MetaserverClient``, answering from ``answers``."""
+    """What the coordinator calls on ``MetaserverClient``, answering from ``answers``; ``allow``:
+    the URLs it may call (the test requests' own by default)."""
 
-    def __init__(self) -> None:
+    def __init__(self, allow: MetaserverAllowList | None = None) -> None:
+        self.allow = allow if allow is not None else MetaserverAllowList([MS_URL])
         self.posted: list[tuple[str, bool | None]] = []
         self.answers: dict[str, Outcome] = {}
         self.forgotten: list[tuple[str, bool]] = []
@@ -64,15 +70,15 @@ class Pool:
         return n
 
 
-def _coordinator(pool: Pool, ms: Metaserver | None, **extra) -> PdCoordinator:
+def _coordinator(pool: Pool, ms: Metaserver | None, metrics: Collector | None = None, **extra) -> PdCoordinator:
     cfg = parse_config({"use_layerwise": True, **extra})
     return PdCoordinator(cfg, BLOCK, KeySpace(model_fp="m", layout_fp="l"), ["t0"], {}, ms,  # type: ignore[arg-type]
-                         Collector(), pool, lambda tp: f"saved at {tp}")
+                         metrics or Collector(), pool, lambda tp: f"saved at {tp}")
 
 
-def _state(rid: str, n_tokens: int, parent: str = "par") -> ReqState:
+def _state(rid: str, n_tokens: int, parent: str = "par", url: str = MS_URL) -> ReqState:
     toks = list(range(3, 3 + n_tokens))
-    params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": "http://ms:1/v1/metaserver",
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": url,
               "lw_parent_id": parent, "lw_children": 1}
     req = SimpleNamespace(request_id=rid, all_token_ids=toks, prompt_token_ids=toks, kv_transfer_params=params,
                           lora_request=None, cache_salt=None, mm_features=None, skip_reading_prefix_cache=False)
@@ -148,3 +154,30 @@ def test_a_prefiller_has_no_metaserver_and_no_remote_prefill() -> None:
     assert c.remote_prefill(st, 0) is False and st.remote is None
     c.request_finished("r-p", st)
     c.close()
+
+
+def test_a_metaserver_not_allowed_is_never_posted_and_logged_once_a_minute(caplog, monkeypatch) -> None:
+    ms = Metaserver(MetaserverAllowList(None))  # the default: a proxy on loopback only
+    metrics = Collector()
+    c = _coordinator(Pool(), ms, metrics)
+    urls = ["http://ms:1/v1/metaserver", "http://127.0.0.1:1/admin", "http://169.254.169.254/v1/metaserver"]
+    with caplog.at_level(logging.WARNING, logger=pd_coordinator.__name__):
+        for i, url in enumerate(urls):
+            st = _state(f"r-{i}", 3 * BLOCK, url=url)
+            assert c.remote_prefill(st, 0) is True  # computed here, from what the pool holds: never waits
+            assert st.remote is not None and st.remote.phase is RemotePhase.BAD_PARAMS
+            assert "is not allowed" in st.remote.detail and "pd_allowed_metaservers" in st.remote.detail
+            assert c.remote_prefill(st, 0) is True  # vLLM asks again: decided once, counted once
+    assert ms.posted == []
+    lines = [r.getMessage() for r in caplog.records if "remote prefill refused" in r.getMessage()]
+    assert len(lines) == 1 and "http://ms:1/v1/metaserver" in lines[0], lines
+    stats = metrics.take()
+    assert stats is not None and stats.data["pd_metaserver_refused"] == len(urls)
+    monkeypatch.setattr(pd_coordinator, "REFUSED_LOG_S", 0.0)  # a minute later: the next one is logged, with a count
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=pd_coordinator.__name__):
+        c.remote_prefill(_state("r-late", 3 * BLOCK, url=urls[1]), 0)
+    (line,) = [r.getMessage() for r in caplog.records if "remote prefill refused" in r.getMessage()]
+    assert "2 more refused since the last message" in line
+    st = _state("r-ok", 3 * BLOCK, url="http://127.0.0.1:8000/v1/metaserver")  # allowed: posted
+    assert c.remote_prefill(st, 0) is None and ms.posted == [("r-ok", True)]

@@ -265,6 +265,46 @@ def test_metaserver_never_answers_decoder_recomputes_after_timeout(gqa_stack: St
     assert fake.bodies == [{"lw_parent_id": "parent-silent", "request_id": rec["req_id"], "needs_prefill": True}]
 
 
+def test_a_metaserver_the_decoder_may_not_call_is_never_called(gqa_stack: Stack) -> None:
+    """A client that reaches the decoder directly names the metaserver itself. With
+    pd_allowed_metaservers unset only a proxy on loopback at /v1/metaserver is called: any other URL
+    is refused before a connection is made, counted, and the request is computed here with the
+    single engine's output. The stand-in on 127.0.0.1 counts every request it gets, on any path."""
+    fake = FakeMetaserver()
+    refused = "vllm:lw_pool_pd_metaserver_refused_total"
+    try:
+        body = _completion(text(31, 100))
+        ref = completion_choice(baseline(gqa_stack, "/v1/completions", body)["choices"][0])
+        before = metric_sum(gqa_stack.decode.url, refused)
+        foreign = (f"http://127.0.0.1:{fake.port}/admin/reset",  # loopback, not the metaserver path
+                   f"http://10.255.255.1:{fake.port}/v1/metaserver")  # another host
+        for i, url in enumerate(foreign):
+            params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": url,
+                      "lw_parent_id": f"parent-foreign-{i}", "lw_children": 1, "lw_token": "t" * 32}
+            gqa_stack.decode.mark()
+            t0 = time.monotonic()
+            status, out = post_json(gqa_stack.decode.url + "/v1/completions", {**body, "kv_transfer_params": params})
+            assert status == 200, out
+            assert_same(ref, completion_choice(out["choices"][0]), f"metaserver {url} refused")
+            (rec,) = gqa_stack.decode.new_stats()
+            assert "is not allowed" in rec["remote_prefill"] and rec["loaded_tokens"] == 0, rec
+            assert rec.get("metaserver_wait_s") is None, rec  # no call, so no wait
+            assert time.monotonic() - t0 < gqa_stack.metaserver_timeout_s  # never parked for an answer
+        assert fake.stray == [] and fake.bodies == []
+        # The control: the same server at the allowed path is called, and does count calls.
+        params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": fake.url,
+                  "lw_parent_id": "parent-allowed", "lw_children": 1}
+        status, out = post_json(gqa_stack.decode.url + "/v1/completions", {**body, "kv_transfer_params": params})
+        assert status == 200, out
+        assert [b["lw_parent_id"] for b in fake.bodies] == ["parent-allowed"] and fake.stray == []
+    finally:
+        fake.close()
+    deadline = time.monotonic() + 30
+    while metric_sum(gqa_stack.decode.url, refused) - before < len(foreign):
+        assert time.monotonic() < deadline, f"{refused} did not count the {len(foreign)} refusals"
+        time.sleep(0.5)
+
+
 def test_killed_decoder_behind_the_proxy_is_a_clear_error(gqa_stack: Stack) -> None:
     """A real vLLM decoder dies (SIGKILL of its whole process group): the proxy answers a clear 502
     naming the decoder -- never a 200 with an empty body -- and reports it out of rotation.

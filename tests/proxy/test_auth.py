@@ -1,10 +1,12 @@
 """Auth: admin endpoints need the key (refused without one unless enabled),
 metaserver callbacks carry their parent's token when a key is set, the Bearer scheme in any case,
-no credential in /metrics, keys from a file or the environment."""
+no credential in /metrics, no backend URL for callers without the key (/metrics refused,
+/healthcheck bare), keys from a file or the environment."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import time
@@ -125,14 +127,47 @@ def test_no_credential_leaks_into_metrics_healthcheck_or_repr():
             auth = {"Authorization": "Bearer client-key-123"}
             s, _ = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 1}, headers=auth)
             assert s == 200
-            async with h.session.get(h.url + "/metrics") as r:
+            async with h.session.get(h.url + "/metrics", headers=auth) as r:
+                assert r.status == 200
                 metrics = await r.text()
-            async with h.session.get(h.url + "/healthcheck") as r:
+            async with h.session.get(h.url + "/healthcheck", headers=auth) as r:
                 health = await r.text()
             token = h.decoders[0].bodies[0]["kv_transfer_params"]["lw_token"]
             for secret in ("client-key-123", "backend-key-456", token):
                 assert secret not in metrics and secret not in health
             assert "key-" not in repr(h.proxy.cfg)
+
+    run(body())
+
+
+def test_without_the_key_no_backend_url_is_shown():
+    async def body():
+        async with harness(api_key="k") as h:
+            urls = [*h.proxy.cfg.prefillers, *h.proxy.cfg.decoders]
+            s, _ = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 1}, headers={"Authorization": "Bearer k"})
+            assert s == 200  # the backends now have samples in /metrics
+            for headers in ({}, {"Authorization": "Bearer wrong"}):
+                async with h.session.get(h.url + "/metrics", headers=headers) as r:
+                    text = await r.text()
+                    assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
+                async with h.session.get(h.url + "/healthcheck", headers=headers) as r:
+                    health = await r.json()
+                    assert r.status == 200  # liveness stays open: status and counts
+                assert health["status"] == "ok" and health["backends"] == []
+                assert health["prefill_instances"] == health["healthy_decode_instances"] == 1
+                for url in urls:
+                    assert url.split("//", 1)[1] not in text + json.dumps(health)
+            auth = {"Authorization": "Bearer k"}
+            async with h.session.get(h.url + "/metrics", headers=auth) as r:
+                text = await r.text()
+                assert r.status == 200 and all(u in text for u in urls)
+            async with h.session.get(h.url + "/healthcheck", headers=auth) as r:
+                assert sorted(b["url"] for b in (await r.json())["backends"]) == sorted(urls)
+        async with harness() as h:  # no key: nothing to protect, details for everyone
+            async with h.session.get(h.url + "/metrics") as r:
+                assert r.status == 200
+            async with h.session.get(h.url + "/healthcheck") as r:
+                assert len((await r.json())["backends"]) == 2
 
     run(body())
 

@@ -53,6 +53,26 @@ def test_reset_prefix_cache_fans_out_and_reports_failures():
     run(body())
 
 
+def test_reset_prefix_cache_passes_vllms_flags_on_and_hears_success_false():
+    async def body():
+        async with harness(n_prefill=1, n_decode=1, allow_unauthenticated_admin=True) as h:
+            s, out = await h.post("/reset_prefix_cache?reset_external=true&reset_running_requests=False", None)
+            assert s == 200 and out["status"] == "ok"
+            want = {"reset_external": "true", "reset_running_requests": "false"}
+            assert [b.reset_queries for b in h.prefillers + h.decoders] == [[want], [want]]
+            h.decoders[0].knobs.reset_success = False  # vLLM: 200 {"success": false}, e.g. the pool kept objects
+            s, out = await h.post("/reset_prefix_cache?reset_external=true", None)
+            assert s == 502 and out["status"] == "partial" and out["succeeded"] == [h.proxy.cfg.prefillers[0]]
+            (f,) = out["failed"]
+            assert f["url"] == h.proxy.cfg.decoders[0] and f["status"] == 200 and '"success": false' in f["message"]
+            for bad in ("reset_external=yes", "drop_everything=true"):
+                s, out = await h.post("/reset_prefix_cache?" + bad, None)
+                assert s == 400 and bad.split("=")[0] in out["error"]["message"]
+            assert [b.resets for b in h.prefillers + h.decoders] == [2, 2]
+
+    run(body())
+
+
 def test_reset_prefix_cache_reports_unreachable_backend():
     async def body():
         dead = dead_url()

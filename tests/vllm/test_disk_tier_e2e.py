@@ -2,7 +2,9 @@
 models' chunks (20 chunks per prompt), so saving two more long prompts evicts the
 first prompt's chunks from DRAM and the tier writes them to disk. After a "restart" (the next engine opens a new, empty DRAM
 pool over the same disk directory) the first prompt is a pool hit served from disk, with the saver's
-greedy output, for GQA and MLA, layerwise and bulk."""
+greedy output, for GQA and MLA, layerwise and bulk. Then vLLM's prefix-cache reset with the
+connector's cache (the connector's ``reset_cache``) removes the model's objects from DRAM and disk:
+the same prompt is a miss, computed with the same output, and no file of the model is left."""
 
 from __future__ import annotations
 
@@ -44,11 +46,19 @@ def test_chunks_evicted_to_disk_are_hits_after_a_restart(tmp_path: Path, model: 
 
         files = [p for p in Path(disk).iterdir() if p.name.endswith(SUFFIX)]
         assert len(files) >= CHUNKS, sorted(p.name for p in Path(disk).iterdir())  # P1's chunks went to disk
-        hit = run_engine(job(second, [[p1]]))["phases"][0]["outputs"][0]
+        after = run_engine(job(second, [[p1], {"prompts": [p1], "reset": True}]))["phases"]
+        left = [p.name for p in Path(disk).iterdir() if p.name.endswith(SUFFIX)]
     finally:
         for p in (first, second):
             shutil.rmtree(p, ignore_errors=True)
+    hit = after[0]["outputs"][0]
     st = hit["stats"]
     n = CHUNKS * block
     assert st["promised_tokens"] == n and st["loaded_tokens"] == n and st["failed_blocks"] == 0, st
     assert_same_greedy(ref, hit)
+    # The reset: the pool forgot the prompt (DRAM and disk), which is computed again, the same.
+    assert after[1]["reset_ok"] is True
+    miss = after[1]["outputs"][0]
+    assert miss["stats"]["promised_tokens"] == 0 and miss["stats"]["saved_chunks"] == CHUNKS, miss["stats"]
+    assert_same_greedy(ref, miss)
+    assert left == []  # every file was this model's; the re-saved chunks stay in DRAM

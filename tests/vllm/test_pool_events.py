@@ -2,8 +2,8 @@
 stored runs with their parent, tokens, LoRA and vLLM's extra keys (cache salt, multimodal inputs),
 announced only once every TP rank's object of a chunk is committed (the ranks' reports merged as
 vLLM merges them, steps apart); a chunk a lookup finds on disk moves to the "STORAGE" medium;
-removal once a lookup finds an announced chunk gone, the cap on what is remembered, nothing when
-vLLM publishes no events."""
+removal once a lookup finds an announced chunk gone or a prefix-cache reset purged the model, the
+cap on what is remembered, nothing when vLLM publishes no events."""
 
 from __future__ import annotations
 
@@ -105,6 +105,18 @@ def test_a_lookup_that_finds_announced_chunks_gone_removes_them_once() -> None:
     assert isinstance(rm, BlockRemoved) and rm.block_hashes == CHAIN[2:4] and rm.medium == MEDIUM
     ev.missing(CHAIN[2:5])
     assert ev.take() == []  # already said
+
+
+def test_a_reset_removes_every_announced_chunk_once() -> None:
+    ev = PoolEvents(BS, enabled=True)
+    ev.stored(REQ, CHAIN, {0: CHAIN[:3]})
+    ev.take()
+    ev.cleared()
+    (rm,) = ev.take()
+    assert isinstance(rm, BlockRemoved) and rm.block_hashes == CHAIN[:3] and rm.medium == MEDIUM
+    ev.cleared()
+    ev.missing(CHAIN)
+    assert ev.take() == []  # nothing left to say
 
 
 def test_oldest_announcements_are_forgotten_past_the_cap() -> None:

@@ -121,6 +121,12 @@ class Backend(Protocol[H]):
     # With it, optional: ``view_addresses(handles, offset, nbytes) -> int64 array | None``, the host
     # addresses of ``view``'s windows for a batch (same checks and lease renewals as ``view``), so a
     # device copier moves a batch by address with no Python object per window.
+    # Optional: ``purge(prefix, timeout_s) -> dict[str, int]``, remove every committed object whose
+    # key starts with ``prefix`` ("" = all) and keep reservations under it from being published;
+    # counts: ``objects``, ``bytes``, ``reservations``, ``disk_objects`` removed, and ``leased``,
+    # objects still being read at ``timeout_s``, which stay. vLLM's prefix-cache reset (the
+    # connector's ``reset_cache``) purges the engine's model; a backend without it says so and the
+    # reset reports failure. ``supports_purge(backend)`` tells.
 
     def stats(self) -> dict[str, int]:
         """Counters (objects, bytes, evictions, ...) for metrics."""
@@ -161,6 +167,11 @@ def lookup_tiers(backend: Any, keys: Sequence[str]) -> list[str]:
 def supports_streaming(backend: Any) -> bool:
     """Whether ``backend`` offers the optional streaming extension."""
     return all(callable(getattr(backend, m, None)) for m in STREAMING_METHODS)
+
+
+def supports_purge(backend: Any) -> bool:
+    """Whether ``backend`` can remove objects by key prefix (the optional ``purge``)."""
+    return callable(getattr(backend, "purge", None))
 
 
 def _layer_bytes(upto_layer: int, layer_nbytes: int) -> int:

@@ -18,6 +18,7 @@ from msgspec import Meta
 
 from lw_core.backends import registry
 from lw_core.backends.embedded_defaults import MAX_CAPACITY_BYTES, default_embedded_path
+from lw_core.metaserver_allow import ENTRY_FORM, MetaserverAllowList
 from lw_core.validation import convert_strict
 
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -37,6 +38,8 @@ MAX_TRANSFER_BLOCKS = 1 << 20
 MAX_TRANSFER_BYTES = 1 << 40  # 1 TiB
 MAX_STAGGER_US = 1_000_000  # 1 s per rank step
 MAX_STREAM_RECV_THREADS = 256
+MAX_ALLOWED_METASERVERS = 64
+MAX_METASERVER_CONNECTIONS = 65536
 
 # Field types shared with LayerPipeline's arguments (lw_core.pipeline.context.PipelineLimits).
 Seconds = Annotated[float, Meta(gt=0, le=MAX_TIMEOUT_S)]
@@ -45,6 +48,11 @@ TransferBlocks = Annotated[int, Meta(ge=0, le=MAX_TRANSFER_BLOCKS)]
 TransferBytes = Annotated[int, Meta(ge=0, le=MAX_TRANSFER_BYTES)]
 StaggerUs = Annotated[int, Meta(ge=0, le=MAX_STAGGER_US)]
 RecvThreads = Annotated[int, Meta(ge=1, le=MAX_STREAM_RECV_THREADS)]
+# pd_allowed_metaservers: URLs (checked by lw_core.metaserver_allow), a handful per engine.
+AllowedMetaservers = Annotated[
+    tuple[Annotated[str, Meta(min_length=1, max_length=2048)], ...], Meta(max_length=MAX_ALLOWED_METASERVERS)
+]
+MetaserverConnections = Annotated[int, Meta(ge=1, le=MAX_METASERVER_CONNECTIONS)]
 # An operator's name for the model's identity in pool keys (lw_vllm.identity.model_identity).
 ModelId = Annotated[str, Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$")]
 
@@ -55,6 +63,8 @@ _NOTES = {
     "h2d_stagger_us": "0 = off",
     "layerwise_prefetch_layers": "typical: 1-4",
     "stream_recv_threads": "typical: 2-8",
+    "pd_allowed_metaservers": f"each {ENTRY_FORM}; null = loopback proxies only",
+    "pd_metaserver_max_connections": "metaserver calls open at once; more wait for a connection",
     "model_id": "1-200 characters: letters, digits and . _ : / @ + -, starting with a letter or digit",
 }
 __all__ = ["ConfigError", "PoolConfig", "default_embedded_path", "known_keys", "parse_config", "MAX_CAPACITY_BYTES"]
@@ -84,6 +94,11 @@ class PoolConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # freeing). False: each step waits for its saves, as PD prefillers always do.
     save_in_background: bool = True
     metaserver_timeout_s: Seconds = 30.0
+    # The metaservers a decoder (kv_consumer, kv_both) may call; the URL comes with each request,
+    # so from clients too (lw_core.metaserver_allow). None: a proxy on this host's loopback only.
+    pd_allowed_metaservers: AllowedMetaservers | None = None
+    # Metaserver calls (connections) open at once; more wait for one, within metaserver_timeout_s.
+    pd_metaserver_max_connections: MetaserverConnections = 1024
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
     # How a KV cache on a device (GPU) copies to and from pool memory registered with it
     # (lw_vllm.device.direct_path): the device's own gather/scatter, one batched DMA per batch, auto (by
@@ -116,6 +131,10 @@ def _validate(cfg: PoolConfig) -> None:
             f"kv_connector_extra_config.mooncake_rpc_port={cfg.mooncake_rpc_port!r} must be a port "
             'number as a string, "0" to auto-assign'
         )
+    try:
+        MetaserverAllowList(cfg.pd_allowed_metaservers)
+    except ValueError as e:
+        raise ConfigError(f"kv_connector_extra_config.pd_allowed_metaservers: entry {e} (or null: loopback only)") from None
 
 
 _ALIASES = {"lookup_rpc_port": "mooncake_rpc_port"}

@@ -59,6 +59,9 @@ def accepted_values(t: msgspec.inspect.Type) -> str:
         return "a non-empty string" if t.min_length else "a string"
     if isinstance(t, mi.NoneType):
         return "null"
+    if isinstance(t, (mi.ListType, mi.VarTupleType)):
+        most = f" (at most {t.max_length} entries)" if t.max_length is not None else ""
+        return f"a list{most} of: {accepted_values(t.item_type)}"
     if isinstance(t, mi.UnionType):
         return " or ".join(accepted_values(x) for x in t.types)
     return type(t).__name__

@@ -22,7 +22,9 @@ through lw-core's ``register_backend`` seam (plugin "faulty"), and a phase may t
 (a pool that fails, then recovers, without restarting vLLM); ``wipe_pool`` closes the pool,
 deletes its directory and opens a new, empty one under the same wrapper. Such phases also report
 how often each rule fired (``rule_hits``), the connector's metrics from vLLM's Prometheus registry
-(``metrics``) and the pool's object count (``pool_objects``).
+(``metrics``) and the pool's object count (``pool_objects``). Any phase may be ``{"prompts": [...],
+"reset": true}``: vLLM's prefix-cache reset with the connector's cache (``LLM.reset_prefix_cache(
+reset_connector=True)``) runs first, and the phase reports what it returned (``reset_ok``).
 """
 
 from __future__ import annotations
@@ -162,10 +164,13 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
                 fb.inner = real.open(fb.cfg)
             fb.phase = i
             fb.set_rules(ph.get("rules", []))
+        reset_ok = llm.reset_prefix_cache(reset_connector=True) if ph.get("reset") else None
         loras = [_lora(p) for p in ph["prompts"]]
         res, wall = generate_phase(llm, [_prompt(p, hidden) for p in ph["prompts"]], sp, stats_path,
                                    lora=loras if any(loras) else None)
         phase: dict[str, Any] = {"outputs": res, "wall_s": wall}
+        if ph.get("reset"):
+            phase["reset_ok"] = reset_ok
         if metrics:
             phase["metrics"] = _metrics(llm)
         if faults:

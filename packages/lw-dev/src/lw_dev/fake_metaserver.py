@@ -16,17 +16,21 @@ class FakeMetaserver:
     """``mode``: "ok" (200), "error" (502 with a JSON error), "silent" (holds the POST forever),
     "bad-body" (200 with a body that is not the wire struct), "held" (holds the POST until the
     next ``release()``, then answers as the mode set then says, 200 if it is still "held": a proxy
-    answering once its prefill is done; ``close`` releases too)."""
+    answering once its prefill is done; ``close`` releases too). A request for any other path or
+    method is answered 200 and listed in ``stray`` ("METHOD /path"): a URL the engine must not call."""
 
-    def __init__(self, host: str = "127.0.0.1") -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int | None = None) -> None:
+        """``port``: a fixed one (another host's namespace, where its engines were told which
+        metaservers they may call: pd_allowed_metaservers); a free one by default."""
         self.mode = "ok"
         self.host = host
         self.bodies: list[dict] = []
+        self.stray: list[str] = []
         self.cancelled = 0
         # Which requests' POSTs were cancelled: a module-scoped server still holds POSTs of earlier
         # tests whose cancellations can arrive late, so tests check their own request ids.
         self.cancelled_ids: list[str] = []
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://{host}:{self.port}/v1/metaserver"
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -58,6 +62,10 @@ class FakeMetaserver:
             raise
         raise AssertionError("unreachable")
 
+    async def _stray(self, request: web.Request) -> web.Response:
+        self.stray.append(f"{request.method} {request.path}")
+        return web.json_response({"status": "ok"})
+
     def release(self) -> None:
         """Answer the POSTs held in mode "held"; later ones are held until the next release."""
 
@@ -73,6 +81,7 @@ class FakeMetaserver:
         self._released = asyncio.Event()
         app = web.Application()
         app.router.add_post("/v1/metaserver", self._handle)
+        app.router.add_route("*", "/{tail:.*}", self._stray)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         self._loop.run_until_complete(self._runner.setup())
         self._loop.run_until_complete(web.TCPSite(self._runner, self.host, self.port).start())

@@ -37,14 +37,16 @@ def streaming_stack(model: str, timeout_s: float, tmp_path_factory: pytest.TempP
         shutil.rmtree(pool, ignore_errors=True)
 
 
-def decoder_first(stack: Stack, body: dict[str, Any], parent: str, *, host: str = "127.0.0.1") -> tuple[int, Any, float]:
+def decoder_first(stack: Stack, body: dict[str, Any], parent: str, *, host: str = "127.0.0.1",
+                  port: int | None = None) -> tuple[int, Any, float]:
     """Send ``body`` to the decoder as a remote-prefill request, let it park and open its chunks
     for a second (nothing is reserved yet), then run the prefill straight on the prefiller.
     Returns the decoder's (status, body) and seconds taken. The fake metaserver answers "ok" once
     the prefiller has answered, as the proxy does: the decoder's receive takes that answer for
     "what is not in the pool now never comes". ``host``: the fake's address, one the decoder
-    reaches (a namespace host's, called from inside it)."""
-    fake = FakeMetaserver(host)
+    reaches (a namespace host's, called from inside it); ``port``: the fake's, one the decoder's
+    ``pd_allowed_metaservers`` lists (a free one by default, which a loopback host needs not)."""
+    fake = FakeMetaserver(host, port)
     fake.mode = "held"
     try:
         params = {"do_remote_prefill": True, "do_remote_decode": False, "metaserver": fake.url,
@@ -75,12 +77,12 @@ def decoder_first(stack: Stack, body: dict[str, Any], parent: str, *, host: str 
 
 
 def streams_in_decoder_first(stack: Stack, body: dict[str, Any], parent: str, label: str,
-                             timeout_s: float, *, host: str = "127.0.0.1") -> dict[str, Any]:
+                             timeout_s: float, *, host: str = "127.0.0.1", port: int | None = None) -> dict[str, Any]:
     """``decoder_first``, checked: the output is the single engine's, the decoder streamed the
     whole prompt but its last token (every chunk landed) and its receive ended with the prefill,
     long before ``timeout_s``. Returns the decoder's stats record."""
     ref = completion_choice(baseline(stack, "/v1/completions", body)["choices"][0])
-    status, out, took = decoder_first(stack, body, parent, host=host)
+    status, out, took = decoder_first(stack, body, parent, host=host, port=port)
     assert status == 200, out
     assert_same(ref, completion_choice(out["choices"][0]), label)
     assert took < timeout_s, f"{took:.1f} s: the decoder waited for its deadline instead of streaming"

@@ -76,6 +76,7 @@ class Knobs:
     recompute_after: int | None = None  # decoder: end the first answer after k tokens with "recomputed"
     recompute_times: int = 1
     reset_status: int = 200
+    reset_success: bool = True  # the body of a 200 answer to /reset_prefix_cache: {"success": ...}, as vLLM's
     health_status: int = 200
     status_after_metaserver: int | None = None  # decoder: call the metaserver back, then fail with this
     fail_times: int | None = None  # status_after_metaserver for this many requests only (None: all)
@@ -103,6 +104,7 @@ class MockState:
     completed: int = 0
     recomputed: int = 0
     resets: int = 0
+    reset_queries: list[dict[str, str]] = field(default_factory=list)
     health_calls: int = 0
     started: asyncio.Event = field(default_factory=asyncio.Event)
     background: list[asyncio.Future] = field(default_factory=list)
@@ -227,7 +229,8 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
 
     async def reset(request: web.Request) -> web.Response:
         st.resets += 1
-        return web.json_response({}, status=st.knobs.reset_status)
+        st.reset_queries.append(dict(request.query))
+        return web.json_response({"success": st.knobs.reset_success}, status=st.knobs.reset_status)
 
     async def models(request: web.Request) -> web.Response:
         st.passthrough.append(("GET /v1/models", None, request.headers.get("Authorization")))

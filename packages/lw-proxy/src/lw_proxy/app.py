@@ -3,8 +3,10 @@
 Run the app with ``handler_cancellation=True`` (``server.start`` does): a client that disconnects then
 cancels its handler, which closes the upstream connection, which makes vLLM abort the request.
 
-Auth: with an API key, generation and admin endpoints need ``Authorization: Bearer <key>`` (the
-scheme in any case), and metaserver calls need their parent's token. Without a key, the admin endpoint
+Auth: with an API key, generation and admin endpoints and ``/metrics`` need ``Authorization: Bearer
+<key>`` (the scheme in any case), and metaserver calls need their parent's token; ``/healthcheck``
+answers everyone (load balancers probe it), but only a caller with the key gets the backends' URLs and
+loads, the others the bare status and counts. Without a key, the admin endpoint
 (``/reset_prefix_cache``) is refused unless ``allow_unauthenticated_admin``.
 
 Metaserver calls are judged by their header before their body is read (``ParentRegistry.token_refusal``):
@@ -87,6 +89,32 @@ async def read_body(request: web.Request, limit: int, idle: float, total: float 
         raise ProxyError(400, f"request body incomplete: the client ended it after {len(buf)} bytes{want} "
                          f"({e})") from None
     return bytes(buf)
+
+
+RESET_FLAGS = ("reset_running_requests", "reset_external")  # vLLM's /reset_prefix_cache query
+
+
+def reset_query(request: web.Request) -> dict[str, str]:
+    """The flags of vLLM's ``/reset_prefix_cache`` the client gave (``reset_external=true`` also
+    clears each engine's connector cache: the pool's objects of its model), passed on to every
+    engine; anything else is a 400 naming it."""
+    out = {}
+    for key, value in request.query.items():
+        if key not in RESET_FLAGS or value.lower() not in ("true", "false"):
+            raise ProxyError(400, f"/reset_prefix_cache: query {key}={value!r} is not accepted; accepted: "
+                             f"{' and '.join(RESET_FLAGS)}, each true or false")
+        out[key] = value.lower()
+    return out
+
+
+def said_no(text: str) -> bool:
+    """Whether an engine's 200 answer to ``/reset_prefix_cache`` says it did not reset (vLLM answers
+    ``{"success": false}`` while blocks are held, or when its connector could not reset)."""
+    try:
+        body = msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        return False
+    return isinstance(body, dict) and body.get("success") is False
 
 
 def close_unread(request: web.Request, resp: web.StreamResponse) -> None:
@@ -206,11 +234,19 @@ class _Handlers:
     async def healthcheck(self, request: web.Request) -> web.StreamResponse:
         return await self._timed("/healthcheck", request, self._healthcheck)
 
+    def _authenticated(self, request: web.Request) -> bool:
+        """Whether the caller may see details (backend URLs): always without a key."""
+        if self._key is None:
+            return True
+        got = bearer(request)
+        return got is not None and same_secret(got, self._key)
+
     async def _healthcheck(self, request: web.Request) -> web.Response:
         p = self.p
         hp, hd = p.prefillers.healthy_count(), p.decoders.healthy_count()
+        # The backends' URLs are for callers with the key; a liveness probe gets status and counts.
         backends = [BackendState(url=b.url, role=b.role, healthy=b.healthy, in_flight=b.in_flight, load=b.load)
-                    for pool in (p.prefillers, p.decoders) for b in pool.backends]
+                    for pool in (p.prefillers, p.decoders) for b in pool.backends] if self._authenticated(request) else []
         body = HealthcheckResponse(
             status="ok" if hp and hd else "degraded",
             prefill_instances=len(p.prefillers.backends), decode_instances=len(p.decoders.backends),
@@ -226,12 +262,14 @@ class _Handlers:
         self._check_admin(request)
         p = self.p
         timeout = aiohttp.ClientTimeout(total=self.cfg.connect_timeout + 30)
+        query = reset_query(request)
 
         async def one(url: str) -> BackendFailure | None:
             try:
-                async with p.client().post(url + "/reset_prefix_cache", headers=p.headers, timeout=timeout) as r:
+                async with p.client().post(url + "/reset_prefix_cache", params=query, headers=p.headers,
+                                           timeout=timeout) as r:
                     text = await r.text(errors="replace")
-                    if r.status == 200:
+                    if r.status == 200 and not said_no(text):
                         return None
                     return BackendFailure(url=url, status=r.status, message=text[:500])
             except UPSTREAM_ERRORS as e:
@@ -246,6 +284,11 @@ class _Handlers:
                             content_type="application/json")
 
     async def metrics(self, request: web.Request) -> web.Response:
+        try:
+            self._check_auth(request)  # with a key: its labels name every backend's URL
+        except ProxyError as e:
+            self.p.m.errors.labels(e.kind).inc()
+            return e.response()
         data, ctype = self.p.m.render()
         return web.Response(body=data, headers={"Content-Type": ctype})
 

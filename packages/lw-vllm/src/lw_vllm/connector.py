@@ -175,6 +175,11 @@ class LayerwiseStoreConnector(KVConnectorBase_V1, SupportsHMA):
         while finished requests' blocks are held for their background saves (they come back
         within the saves' deadlines), so it waits for those instead of preempting."""
         return self._sched is not None and self._sched.has_pending_block_frees()
+    def reset_cache(self) -> bool | None:
+        """vLLM's prefix-cache reset of the connector's cache (``reset_external`` /
+        ``reset_connector``): this model's objects leave the pool, DRAM and disk tier
+        (``pool_reset``); False when the backend cannot or some stayed. Scheduler side only."""
+        return self._sched.reset_pool() if self._sched is not None else None
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         """The pool's chunks stored and found gone since the last call (``pool_events``)."""

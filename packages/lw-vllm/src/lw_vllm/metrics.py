@@ -54,6 +54,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "pd_prefill_not_in_pool": ("vllm:lw_pool_pd_prefill_not_in_pool_total",
                                "Decoder requests whose prefill the metaserver reported committed while the pool held "
                                "none of it (another pool, model identity or KV layout; computed here instead)"),
+    "pd_metaserver_refused": ("vllm:lw_pool_pd_metaserver_refused_total",
+                              "Remote-prefill requests whose metaserver URL pd_allowed_metaservers does not allow "
+                              "(never called; the request is computed here)"),
 }
 # Histograms: payload key -> (Prometheus name, help, buckets).
 _WAIT_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -120,7 +123,7 @@ class LayerwiseStats(KVConnectorStats):
         out["hit_rate_pct"] = round(100.0 * d.get("hit_tokens", 0) / d["lookup_tokens"], 1) if d.get("lookup_tokens") else 0.0
         for k in ("hit_tokens", "loaded_objects", "loaded_bytes", "load_failed_blocks", "load_deadline_misses",
                   "saved_objects", "saved_bytes", "save_failed_objects", "save_deadline_misses", "evictions",
-                  "lookup_errors", "pd_prefill_not_in_pool"):
+                  "lookup_errors", "pd_prefill_not_in_pool", "pd_metaserver_refused"):
             out[k] = d.get(k, 0)
         for k in POLLED[1:]:  # the disk tier's, when it is on
             if d.get(k):

@@ -19,7 +19,8 @@ cache also learns what the pool holds:
   ("CPU", and "STORAGE" as vLLM's own disk offloading says).
 * ``BlockRemoved`` when this engine finds a chunk it announced missing from the pool (evicted or
   the pool was wiped): the pool's stores do not tell anyone what they evicted, so the engine that
-  next looks the prefix up says so; its later chunks go with it (chained keys).
+  next looks the prefix up says so; its later chunks go with it (chained keys); and every announced
+  chunk after a prefix-cache reset purged the model's objects (``pool_reset``).
 
 Announced chunks, and chunks some ranks but not yet all committed, are remembered up to
 ``MAX_ANNOUNCED`` each (oldest forgotten first). Events are built only when vLLM publishes KV
@@ -133,6 +134,17 @@ class PoolEvents:
         media = {h: self._announced.pop(h) for h in gone}
         for medium in dict.fromkeys(media.values()):
             self._events.append(BlockRemoved(block_hashes=[h for h in gone if media[h] == medium], medium=medium))
+
+    def cleared(self) -> None:
+        """The pool forgot this model's objects (a prefix-cache reset): every announced chunk is gone."""
+        if not self.enabled or not self._announced:
+            return
+        from vllm.distributed.kv_events import BlockRemoved
+
+        media = dict(self._announced)
+        self._announced.clear()
+        for medium in dict.fromkeys(media.values()):  # each chunk from the medium it was announced in
+            self._events.append(BlockRemoved(block_hashes=[h for h, m in media.items() if m == medium], medium=medium))
 
     def take(self) -> list[Any]:
         out, self._events = self._events, []

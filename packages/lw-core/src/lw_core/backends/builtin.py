@@ -65,6 +65,17 @@ def _open_embedded(cfg: Any, **kwargs: Any) -> StreamingBackend[EmbeddedHandle]:
     return EmbeddedBackend.from_keys(cfg.backend_keys, **kwargs)
 
 
+def _purge_embedded(cfg: Any, prefix: str, timeout_s: float) -> dict[str, int]:
+    try:
+        from lw_core.backends.embedded import purge_offline
+    except ModuleNotFoundError as e:
+        if e.name not in ("lmdb", "numpy"):
+            raise
+        raise BackendError(f"backend='embedded' needs {e.name}, which lw-core's base install lacks: {EMBEDDED_EXTRA}") from e
+
+    return purge_offline(cfg.backend_keys, prefix, timeout_s)
+
+
 @contextmanager
 def _embedded_bench_pool(capacity: int, path: str | None) -> Iterator[dict[str, Any]]:
     tmp = None
@@ -86,6 +97,7 @@ EMBEDDED = BackendPlugin(
     check=_check_embedded,
     notes={"embedded_capacity_bytes": "1 MiB to 16 TiB", "embedded_disk_capacity_bytes": "64 MiB to 16 TiB"},
     bench_pool=_embedded_bench_pool,
+    purge=_purge_embedded,
 )
 
 

@@ -50,6 +50,9 @@ class BackendPlugin:
     is the ``keys`` struct. ``check(keys)``: cross-field checks, returns an error text or None.
     ``notes``: said after a key's accepted range in errors. ``bench_pool(capacity, path)``: a
     context that yields the extra config of a throwaway pool of that size (lw-bench).
+    ``purge(cfg, prefix, timeout_s)``: remove the objects whose key starts with ``prefix`` ("" =
+    all) from the pool ``cfg`` names, with or without engines attached (``lw-pool purge``); counts
+    as the ``purge`` method's (``lw_core.backend``). None: the backend cannot.
     """
 
     name: str
@@ -58,6 +61,7 @@ class BackendPlugin:
     check: Callable[[Any], str | None] | None = None
     notes: Mapping[str, str] = field(default_factory=dict)
     bench_pool: Callable[[int, str | None], AbstractContextManager[dict[str, Any]]] | None = None
+    purge: Callable[[Any, str, float], dict[str, int]] | None = None
 
 
 class UnknownBackend(BackendError):

@@ -52,6 +52,9 @@ POOL_POLL_S = 0.001
 # "The prefill is committed but this pool holds none of it" is logged at most this often (each
 # occurrence is counted in ``pd_prefill_not_in_pool``).
 NOT_IN_POOL_LOG_S = 60.0
+# Remote-prefill params a client may have made up (a metaserver URL not allowed, malformed params)
+# are logged at most this often (each refused URL is counted in ``pd_metaserver_refused``).
+REFUSED_LOG_S = 60.0
 
 
 class Lookup(Protocol):
@@ -107,6 +110,8 @@ class PdCoordinator:
         self._streams: dict[str, ReqState] = {}  # receives sent, metaserver not answered
         self._not_in_pool_logged_at: float | None = None
         self._not_in_pool_unlogged = 0
+        self._refused_logged_at: float | None = None
+        self._refused_unlogged = 0
 
     # --- the scheduler side's calls ---
     def begin_step(self, build: int, empty: bool) -> None:
@@ -184,6 +189,20 @@ class PdCoordinator:
             self.keyspace.layout_fp, NOT_IN_POOL_LOG_S,
             f" ({more} more since the last message)" if more else "",
         )
+
+    def _log_refused(self, request_id: str, why: str) -> None:
+        """Remote-prefill params refused (made up by a client, or a misconfigured proxy): one line
+        per ``REFUSED_LOG_S``, saying how many more there were, never one per request."""
+        now = time.monotonic()
+        last = self._refused_logged_at
+        if last is not None and now - last < REFUSED_LOG_S:
+            self._refused_unlogged += 1
+            return
+        more = self._refused_unlogged
+        self._refused_logged_at, self._refused_unlogged = now, 0
+        log.warning("lw-vllm: %s: remote prefill refused: %s; no metaserver is called, the request is computed "
+                    "here (from what the pool holds). Logged at most every %.0f s%s.", request_id, why,
+                    REFUSED_LOG_S, f" ({more} more refused since the last message)" if more else "")
 
     def prompt_hashes(self, st: ReqState) -> list[bytes]:
         """Full chunks of the prompt, then (PD, ``discard_partial_chunks`` false) the partial one."""
@@ -319,8 +338,14 @@ class PdCoordinator:
             params = remote_prefill_params(getattr(req, "kv_transfer_params", None))
             if params is None:
                 return False
+            if not isinstance(params, str):
+                refused = self.metaserver.allow.why_refused(params.metaserver)
+                if refused is not None:  # never called: the request is computed here
+                    self.metrics.add(pd_metaserver_refused=1)
+                    params = (f"kv_transfer_params.metaserver={params.metaserver[:200]!r} is not allowed ({refused}; "
+                              "kv_connector_extra_config.pd_allowed_metaservers lists the proxies this engine calls)")
             if isinstance(params, str):
-                log.warning("lw-vllm: %s: %s; computing what the pool lacks", req.request_id, params)
+                self._log_refused(req.request_id, params)
                 st.remote = RemotePrefill(RemotePhase.BAD_PARAMS, error=params)
                 return True
             skip = getattr(req, "skip_reading_prefix_cache", False)

@@ -8,6 +8,12 @@ per call would not scale. The scheduler only polls: ``poll`` is a dict read, nev
 
 Every call has a deadline (``metaserver_timeout_s``), enforced twice: by aiohttp on the call, and by
 ``poll`` from the scheduler's clock, so a wedged loop can never keep a request waiting.
+
+The URL comes with the request, from whoever sent it: the client calls only URLs its allow list
+(``pd_allowed_metaservers``, ``lw_core.metaserver_allow``) accepts (the coordinator asks first; ``post``
+refuses any other, so no path makes an outbound call to an unlisted URL), follows no redirect, and
+holds at most ``max_connections`` connections open (``pd_metaserver_max_connections``): further calls
+wait for one, within their deadline.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
+from lw_core.metaserver_allow import MetaserverAllowList
 from lw_core.wire import DecodeTransferParams, MetaserverRequest, MetaserverResponse, decode_transfer_params
 from lw_vllm.request.request_state import Outcome
 
@@ -61,10 +68,14 @@ class _Call:
 
 
 class MetaserverClient:
-    """Starts its loop thread on first use (the engine core forks before any request arrives)."""
+    """Starts its loop thread on first use (the engine core forks before any request arrives).
+    ``allow``: the URLs it may call (``None``: the default rule, a proxy on loopback);
+    ``max_connections``: calls open at once."""
 
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, allow: MetaserverAllowList | None = None, max_connections: int = 1024) -> None:
         self.timeout_s = timeout_s
+        self.allow = allow if allow is not None else MetaserverAllowList(None)
+        self.max_connections = max_connections
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -78,6 +89,9 @@ class MetaserverClient:
         ``needs_prefill``: see ``lw_core.wire.MetaserverRequest``."""
         if request_id in self._calls:
             return
+        refused = self.allow.why_refused(params.metaserver)
+        if refused is not None:  # the coordinator asks first: reaching here is a bug, never a call
+            raise ValueError(f"metaserver {params.metaserver!r} is not allowed: {refused}")
         body = msgspec.json.encode(MetaserverRequest(lw_parent_id=params.lw_parent_id, request_id=request_id,
                                                      needs_prefill=needs_prefill))
         loop = self._ensure_loop()
@@ -148,15 +162,16 @@ class MetaserverClient:
 
         t0 = time.monotonic()
         if self._session is None:
-            # No connection limit: each call is held until its prefill is done, and the proxy
-            # bounds the number of children per parent.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # Each call is held until its prefill is done: many may be open at once, but never
+            # more than max_connections (the rest wait for a connection, within their deadline).
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+                limit=self.max_connections, limit_per_host=self.max_connections))
         headers = {"Content-Type": "application/json"}
         if token is not None:  # the per-parent token the proxy handed us: it authenticates this call
             headers["Authorization"] = f"Bearer {token}"
         try:
             async with self._session.post(
-                url, data=body, headers=headers,
+                url, data=body, headers=headers, allow_redirects=False,  # only the URL that was allowed
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             ) as r:
                 raw = await r.read()

@@ -4,7 +4,8 @@ plus the metaserver's ``Outcome`` instead of strings.
 
 Remote-prefill phases (``RemotePhase``), decided once when vLLM first asks about the request:
 
-* ``BAD_PARAMS``: our ``kv_transfer_params`` but malformed; the pool is looked up, vLLM computes the rest.
+* ``BAD_PARAMS``: our ``kv_transfer_params`` but malformed, or naming a metaserver this engine may not
+  call (``pd_allowed_metaservers``); no call is made, the pool is looked up, vLLM computes the rest.
 * ``NOTHING_TO_LOAD``: the prompt is shorter than a chunk, or the request skips the prefix cache.
 * ``POOL_HOLDS_PROMPT``: the local prefix cache plus the pool held every full chunk before posting.
 * ``STREAMING``: ``pd_streaming``: posted, and pulling the prompt's layers as the prefiller

@@ -45,6 +45,7 @@ from typing import Any
 
 from lw_core.config import PoolConfig
 from lw_core.keys import chunk_hashes
+from lw_core.metaserver_allow import MetaserverAllowList
 from lw_vllm import pool
 from lw_vllm.hybrid import state_layout
 from lw_vllm.hybrid.group_blocks import GroupBlocks
@@ -55,6 +56,7 @@ from lw_vllm.pd.pd_coordinator import PdCoordinator, parent_id
 from lw_vllm.pd.pd_metaserver import MetaserverClient
 from lw_vllm.pool_events import PoolEvents, events_enabled
 from lw_vllm.request.request_state import RemotePhase, ReqState
+from lw_vllm.scheduler import pool_reset
 from lw_vllm.scheduler.late_frees import LateFrees
 from lw_vllm.scheduler.pool_lookup import PoolLookup
 from lw_vllm.scheduler.request_stats import StatsLog
@@ -131,7 +133,9 @@ class SchedulerSide:
                                  cfg.lookup_timeout_s, self.metrics)
         self.reqs: dict[str, ReqState] = {}
         # A prefiller never waits for anyone; a decoder (or a kv_both engine behind the proxy) does.
-        metaserver = MetaserverClient(cfg.metaserver_timeout_s) if role in ("kv_consumer", "kv_both") else None
+        metaserver = (MetaserverClient(cfg.metaserver_timeout_s, MetaserverAllowList(cfg.pd_allowed_metaservers),
+                                       cfg.pd_metaserver_max_connections)
+                      if role in ("kv_consumer", "kv_both") else None)
         self.pd = PdCoordinator(cfg, self.block_size, self.keyspace, self.tags, self.other_tp, metaserver,
                                 self.metrics, self.lookup, functools.partial(pool.tp_mismatch, vllm_config),
                                 self.groups, states=self.states is not None)
@@ -417,6 +421,11 @@ class SchedulerSide:
 
     def request_finished_all_groups(self, req: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         return self.request_finished(req, list(block_ids[self.groups.anchor]) if block_ids else [])
+
+    def reset_pool(self) -> bool:
+        """vLLM's prefix-cache reset with the connector's cache: this model's objects leave the
+        pool (``pool_reset``)."""
+        return pool_reset.reset_pool(self.backend, self.keyspace, self.events)
 
     def shutdown(self) -> None:
         for st in self.late.drain():

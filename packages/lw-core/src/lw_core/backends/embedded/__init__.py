@@ -19,6 +19,8 @@ with explicit arguments, and holds only its settings, its own counters and the r
 * ``object_writer`` -- ``ObjectWriter``: reserve, write, commit, abort.
 * ``sweep``    -- ``Sweeper``: reclaiming dead writers' reservations, eviction (CLOCK over the LRU order).
 * ``stream``   -- ``StreamIndex``: the streaming extension (publish a prefix before commit, wait for it).
+* ``purge``    -- ``Purger``: removing every object under a key prefix (a model's, or all), DRAM and disk
+  (vLLM's prefix-cache reset, ``lw-pool purge``); ``offline``: the same for a pool no engine runs on.
 * ``verify``   -- ``Verifier``: the shared counters and the full-index consistency check.
 * ``disk_tier`` -- ``DiskTier``: the opt-in local-disk tier (``embedded_disk_path``): evicted objects
   are demoted to files by a writer thread, found again by lookup/open, read with ``pread``.
@@ -41,6 +43,7 @@ Whether a reservation's or a lease row's owner (pid namespace, pid, start time) 
 """
 
 from lw_core.backends.embedded.backend import EmbeddedBackend
+from lw_core.backends.embedded.offline import purge_offline
 from lw_core.backends.embedded.records import COUNTERS, FORMAT, PAGE, EmbeddedHandle
 
-__all__ = ["COUNTERS", "FORMAT", "PAGE", "EmbeddedBackend", "EmbeddedHandle"]
+__all__ = ["COUNTERS", "FORMAT", "PAGE", "EmbeddedBackend", "EmbeddedHandle", "purge_offline"]

@@ -17,6 +17,7 @@ from lw_core.backends.embedded.disk_tier import DISK_STATS, DiskTier
 from lw_core.backends.embedded.object_reader import ObjectReader
 from lw_core.backends.embedded.object_writer import ObjectWriter
 from lw_core.backends.embedded.pool_files import PoolFiles
+from lw_core.backends.embedded.purge import Purger
 from lw_core.backends.embedded.records import PAGE, POOL_CHECK_S, EmbeddedHandle, T, encode_keys, log
 from lw_core.backends.embedded.stream import StreamIndex
 from lw_core.backends.embedded.sweep import Sweeper
@@ -63,7 +64,10 @@ class EmbeddedBackend:
         disk_path: str | None = None,
         disk_capacity_bytes: int = DISK_CAPACITY_DEFAULT,
         disk_direct_io: bool = False,
+        create: bool = True,
     ) -> None:
+        """``create``: False attaches to an existing pool of this capacity only, never building or
+        rebuilding one (``lw-pool purge``)."""
         st = convert_strict(
             {"path": path, "capacity_bytes": capacity_bytes, "lease_ttl_s": lease_ttl_s,
              "reservation_timeout_s": reservation_timeout_s, "lock_timeout_s": lock_timeout_s,
@@ -81,7 +85,7 @@ class EmbeddedBackend:
         self._me = current_owner()
         self._lock = WriterLock(self.path, timeout_s=self.lock_timeout_s, capacity=self.capacity)
         self._closed = False
-        self._pool = PoolFiles(self.path, self.capacity, populate=populate)
+        self._pool = PoolFiles(self.path, self.capacity, populate=populate, create=create)
         self._verifier = Verifier(self._pool)
         self._disk: DiskTier | None = None  # the opt-in disk tier (disk_tier.py), opened once attached
         self._tiered: TieredReads | None = None  # reads over DRAM then disk, while the tier is on
@@ -109,6 +113,7 @@ class EmbeddedBackend:
             self._pool, self._lock, self._me,
             reservation_timeout_s=self.reservation_timeout_s, usable=self._usable, local=self._local,
         )
+        self._purger = Purger(self._pool, self._me, self._write)
         self._attach()
         if st.disk_path is not None:
             dpath = os.path.abspath(st.disk_path)
@@ -255,6 +260,18 @@ class EmbeddedBackend:
 
     def wait_published(self, handles: Sequence[EmbeddedHandle], upto: int, timeout_s: float) -> list[bool]:
         return self._streams.wait_published(handles, upto, timeout_s)
+
+    # ----------------------------------------------------------------- purge (purge.py)
+
+    def purge(self, prefix: str, timeout_s: float = 10.0) -> dict[str, int]:
+        """Remove every object whose key starts with ``prefix`` ("" = every object), from DRAM and
+        from the disk tier when it is on; reservations under it will not be published. Returns
+        ``objects``/``bytes`` removed from DRAM, ``reservations`` that lost their key,
+        ``disk_objects`` files removed, and ``leased``: objects still being read at
+        ``timeout_s``, which stay (purge again)."""
+        self._usable()
+        self._check_pool()
+        return self._purger.purge(prefix, timeout_s, self._disk)
 
     # ----------------------------------------------------------------- counters and checks
 

@@ -34,7 +34,7 @@ from collections.abc import Iterator
 
 from lw_core.backend import BackendError
 from lw_core.backends.embedded import files
-from lw_core.backends.embedded.disk_format import SUFFIX
+from lw_core.backends.embedded.disk_format import SUFFIX, BadFile, read_header
 from lw_core.procs import Owner, boot_id, current_owner, owner_alive
 
 MARKER = "LW_DISK_TIER"
@@ -217,3 +217,39 @@ def _read_capacity(marker: str) -> int | None:
                     f"line (the directory's embedded_disk_capacity_bytes) or use another embedded_disk_path"
                 ) from None
     return None
+
+
+def purge_dir(path: str, prefix: bytes) -> list[tuple[str, int]]:
+    """Remove the tier's object files whose key starts with ``prefix`` (every one for ``b""``);
+    their names and sizes. A file whose header cannot be read is left to the tier (a miss it
+    removes). The directory must be a disk tier (its ``MARKER``): nothing is removed anywhere else."""
+    if not os.path.isfile(os.path.join(path, MARKER)):
+        raise BackendError(f"embedded disk tier: {path!r} is not a disk tier (no {MARKER} file); nothing removed")
+    removed = []
+    for ent in os.scandir(path):
+        if not ent.name.endswith(SUFFIX) or ent.name.startswith(TMP_PREFIX) or not ent.is_file(follow_symlinks=False):
+            continue
+        try:
+            size = ent.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue  # removed meanwhile
+        if prefix:
+            try:
+                fd = os.open(ent.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            except OSError:
+                continue  # removed meanwhile
+            try:
+                if not read_header(fd).bkey.startswith(prefix):
+                    continue
+            except (BadFile, OSError):
+                continue
+            finally:
+                os.close(fd)
+        try:
+            os.unlink(ent.path)
+        except FileNotFoundError:
+            continue
+        except OSError as e:
+            raise BackendError(f"embedded disk tier: cannot remove {ent.path!r}: {e}") from e
+        removed.append((ent.name, size))
+    return removed

@@ -44,7 +44,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from lw_core.backend import BackendError, Buffer, ObjectMissing
 from lw_core.backends.embedded import disk_format as fmt
 from lw_core.backends.embedded import files
-from lw_core.backends.embedded.disk_dir import TierDir, unlink
+from lw_core.backends.embedded.disk_dir import TierDir, purge_dir, unlink
 from lw_core.backends.embedded.disk_format import DiskHandle
 from lw_core.backends.embedded.disk_payload_reads import PayloadReads, aligned
 from lw_core.backends.embedded.records import bytes_view, log
@@ -473,6 +473,32 @@ class DiskTier:
         with self._cv:
             self.counters["disk_corrupt"] += 1
         log.warning("embedded disk tier %r: removed %s, a miss: %s", self.path, name, e)
+
+    # ----------------------------------------------------------------- purge (lw_core.backends.embedded.purge)
+
+    def purge(self, prefix: bytes, timeout_s: float = 30.0) -> int:
+        """Remove the objects whose key starts with ``prefix`` ("" = all): queued demotions of
+        them are dropped, the one being written is waited for (at most ``timeout_s``), then their
+        files go (other processes' too). The number of files removed."""
+        with self._cv:
+            keep = [(bk, data) for bk, data in self._queue if not bk.startswith(prefix)]
+            for bk, data in self._queue:
+                if bk.startswith(prefix):
+                    self._queued.discard(fmt.file_name(bk))
+                    self._queued_bytes -= len(data)
+            self._queue.clear()
+            self._queue.extend(keep)
+            end = time.monotonic() + timeout_s
+            while self._busy and time.monotonic() < end:
+                self._cv.wait(end - time.monotonic())
+        with self.dir.lock():  # against every process's count of the directory's bytes
+            removed = purge_dir(self.path, prefix)
+            self.dir.set_total(max(0, self.dir.total() - sum(size for _, size in removed)))
+        with self._cv:
+            for name, _ in removed:
+                self._bytes -= self._index.pop(name, 0)
+                self._verified.pop(name, None)
+        return len(removed)
 
     # ----------------------------------------------------------------- listing, stats, close
 

@@ -283,6 +283,20 @@ class LeaseTable:
             return LEASED
         return FREE
 
+    def reclaim(self, page: int, oid: int, now: float, rows: np.ndarray) -> bool:
+        """``evict`` without CLOCK's second chance (a purge removes objects however recently read):
+        False while someone holds a lease on it; True once its generation is cleared (readers of
+        the old object will notice) and its extent may be freed."""
+        if self.hint[page] > now and self.leased(oid, now, rows):
+            return False
+        self.gen[page] = 0
+        fences.fence()  # the tombstone is visible before the leases are read
+        if self.hint[page] > now and self.leased(oid, now, rows):
+            self.gen[page] = oid  # a reader leased it just now: keep it
+            return False
+        self.ref[page] = 0
+        return True
+
     def close(self, keep_mappings: bool = False) -> None:
         """Give up our row; unmap too unless another thread may still use the mappings."""
         self.unclaim()

@@ -35,10 +35,11 @@ from lw_core.procs import Owner
 class PoolFiles:
     """The pool directory ``path``'s files for one backend: index, arena mapping, lease table."""
 
-    def __init__(self, path: str, capacity: int, *, populate: bool) -> None:
+    def __init__(self, path: str, capacity: int, *, populate: bool, create: bool = True) -> None:
         self.path = path
         self.capacity = capacity
         self.populate = populate  # pre-fault the arena mapping at attach
+        self.create = create  # False: attach to an existing, matching pool only (never build one)
         self.ident: tuple[int, int] | None = None
         self.env: Any = None
         self.obj: Any = None
@@ -77,6 +78,8 @@ class PoolFiles:
         """Create the pool if needed, attach (a lease row for ``me``) and map the arena.
         ``on_attached`` runs under the writer lock once attached (the backend sweeps there)."""
         self._attach_fd = None
+        if not self.create and not os.path.isdir(self.path):
+            raise BackendError(f"embedded pool: there is no pool at {self.path!r} (no such directory)")
         files.prepare_dir(self.path)
         lock.open_files()
         self._attach_fd = files.open_file(os.path.join(self.path, "attach.lock"), os.O_RDWR | os.O_CREAT)
@@ -94,6 +97,12 @@ class PoolFiles:
                     except BlockingIOError:
                         alone = False
                     reason = self._check_existing(alone)
+                if reason and not self.create:
+                    raise BackendError(
+                        f"embedded pool at {self.path!r}: not attaching, and not building one: "
+                        + ("there is no pool there" if reason == "new" else f"{reason}; give the engines' "
+                           "embedded_capacity_bytes")
+                    )
                 if reason:
                     # Nobody is attached (alone, or the files are gone) and other openers wait on
                     # create.lock; the index gets its format mark last, so a creator killed here

@@ -124,7 +124,10 @@ def _state_marks(llm: Any) -> tuple[str, ...]:
     from lw_vllm.hybrid import state_layout
 
     vc = llm.llm_engine.vllm_config
-    kc = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # None: a multi-process engine core
+    if core is None:
+        return ()
+    kc = core.scheduler.kv_cache_config
     if not pool.state_groups(kc) or state_layout.why_not_restorable(kc) is not None:
         return ()
     ks = state_layout.state_keyspace(pool.key_space(vc, kc, pool.pool_config(vc)), state_layout.state_layout(kc))
@@ -133,7 +136,9 @@ def _state_marks(llm: Any) -> tuple[str, ...]:
 
 def _time_steps(llm: Any) -> list[float]:
     """Record every engine step's duration (in-process engine core) into the returned list."""
-    core = llm.llm_engine.engine_core.engine_core
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise ValueError("job step_times needs an in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
     inner = core.step_fn
     steps: list[float] = []
 

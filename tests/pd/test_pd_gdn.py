@@ -14,6 +14,7 @@ that position, which is not block aligned: vLLM keeps no such state.
 from __future__ import annotations
 
 import pytest
+from pd_state_flow import check_prompt_ending_on_a_block
 
 from lw_bench.models import GDN_SPEC
 from lw_bench.pd.stack import Stack
@@ -60,3 +61,10 @@ def test_gdn_prompts_match_single_engine_and_decoder_loads_up_to_the_last_state(
         assert r["promised_tokens"] == r["loaded_tokens"] == hit and r["failed_blocks"] == 0, r
         # The two attention layers' chunks and, with a hit, the state object at its end.
         assert r["loaded_bytes"] == 2 * (hit // bs) * page + (gdn_state_nbytes() if hit else 0), r
+
+
+def test_gdn_prompt_ending_on_a_block_waits_for_its_state_and_never_loads_the_one_after_its_last_token(
+        gdn_stack: Stack) -> None:
+    """The pool holds the prompt's chunks and the state after its last token (a longer prompt's):
+    tests/pd/pd_state_flow.py."""
+    check_prompt_ending_on_a_block(gdn_stack, seed=81)

@@ -9,6 +9,7 @@ states at that boundary included (as for gated delta-net: tests/pd/test_pd_gdn.p
 from __future__ import annotations
 
 import pytest
+from pd_state_flow import check_prompt_ending_on_a_block
 
 from lw_bench.pd.stack import Stack
 from lw_dev.harness import assert_same_greedy
@@ -52,3 +53,10 @@ def _check(stack: Stack, *, streaming: bool) -> None:
             assert r["remote_prefill"] in ("streaming", "pool holds the prompt"), r
         assert r["promised_tokens"] == r["loaded_tokens"] == hit and r["failed_blocks"] == 0, r
         assert (r["loaded_bytes"] > 0) == (hit > 0), r
+
+
+def test_mamba2_prompt_ending_on_a_block_waits_for_its_state_and_never_loads_the_one_after_its_last_token(
+        mamba2_stack: Stack) -> None:
+    """The pool holds the prompt's chunks and the state after its last token (a longer prompt's):
+    tests/pd/pd_state_flow.py."""
+    check_prompt_ending_on_a_block(mamba2_stack, seed=91)

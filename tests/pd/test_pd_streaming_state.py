@@ -225,7 +225,9 @@ def test_a_state_receive_waiting_does_not_hold_a_worker_from_a_ready_one(be):
 BLOCK, PAGE = 16, 4096
 
 
-def _gdn_side(pool_dir: str, timeout_s: float):
+def _gdn_side(pool_dir: str, timeout_s: float, *, streaming: bool = True, role: str = "kv_consumer", **extra):
+    """A gated delta-net engine's scheduler part (block ``BLOCK``) over a fresh embedded pool, and
+    its KV cache config; ``extra``: more connector settings."""
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
     from types import SimpleNamespace
 
@@ -240,8 +242,8 @@ def _gdn_side(pool_dir: str, timeout_s: float):
         parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
         scheduler_config=SimpleNamespace(async_scheduling=False))
     cfg = parse_config({"embedded_path": pool_dir, "embedded_capacity_bytes": 4 << 20, "use_layerwise": True,
-                        "pd_streaming": True, "metaserver_timeout_s": timeout_s})
-    return SchedulerSide(vc, kc, cfg, "kv_consumer"), kc
+                        "pd_streaming": streaming, "metaserver_timeout_s": timeout_s, **extra})
+    return SchedulerSide(vc, kc, cfg, role), kc
 
 
 @pytest.mark.parametrize("state_saved", [True, False], ids=["state-saved", "state-never-saved"])

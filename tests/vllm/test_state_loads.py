@@ -1,7 +1,10 @@
 """Recurrent-state loads off the forward thread (state_loads), without an engine: the read runs on
 a thread of its own, a receive that ends before its request's state landed is held (vLLM must not
 run the request or free its blocks while the state is written), and a state read that fails fails
-the request's load, its running receive flagged so the worker stops it."""
+the request's load, its running receive flagged so the worker stops it. Deadlines: a state read
+stuck past ``layer_wait_timeout_s`` fails its load, never lands, and does not hold the loads after
+it; a step's state saves end within ``save_timeout_s`` (recurrent_states), and one that finishes
+late publishes the state of its step, not what its block holds by then."""
 
 from __future__ import annotations
 
@@ -68,17 +71,22 @@ class ThreadRecorder:
         return getattr(self.inner, name)
 
 
-def _stores(rules: list[dict[str, Any]]) -> tuple[dict, dict, StateLoads, ThreadRecorder]:
+def _stores(rules: list[dict[str, Any]], timeout_s: float = 30.0,
+            threads: int = 1) -> tuple[dict, dict, StateLoads, ThreadRecorder]:
     lay = _layout()
     pool = MemoryBackend(1 << 20)
     src, dst = _caches(lay, True), _caches(lay, False)
     assert StateStore(pool, KS, TAG, lay, src, NBLOCKS).save(b"h", [3]) == "saved"
     rec = ThreadRecorder(FaultyBackend(pool, rules))
-    return src, dst, StateLoads(StateStore(rec, KS, TAG, lay, dst, NBLOCKS)), rec
+    return src, dst, StateLoads(StateStore(rec, KS, TAG, lay, dst, NBLOCKS), timeout_s, threads=threads), rec
 
 
-def _landed(src: dict, dst: dict) -> bool:
-    return all(torch.equal(s[3], d[1]) for name in src for s, d in zip(src[name], dst[name]))
+def _landed(src: dict, dst: dict, row: int = 1) -> bool:
+    return all(torch.equal(s[3], d[row]) for name in src for s, d in zip(src[name], dst[name]))
+
+
+def _untouched(dst: dict, row: int) -> bool:
+    return not any(t[row].any() for ts in dst.values() for t in ts)
 
 
 def test_the_state_is_read_off_the_callers_thread_and_an_ended_receive_waits_for_it() -> None:
@@ -119,3 +127,56 @@ def test_a_state_read_that_fails_fails_the_load_and_flags_its_running_receive() 
         assert outcome == {"q": "state object missing"} and not dst[next(iter(dst))][0][2].any()
     finally:
         loads.close()
+
+
+def test_a_state_read_stuck_past_its_deadline_fails_never_lands_and_does_not_hold_later_loads() -> None:
+    deadline_s, stall_s = 0.3, 1.5
+    src, dst, loads, _ = _stores([{"op": "open", "action": "stall", "seconds": stall_s, "times": 1}],
+                                 timeout_s=deadline_s, threads=1)
+    try:
+        t0 = time.monotonic()
+        loads.start("r", b"h", [1])
+        stuck = RecvDone("r", [5], 1, (0.0, 1.0))
+        ready, outcome = loads.settle([stuck], wait_s=5.0)  # never past the load's deadline
+        assert ready == [stuck] and "deadline" in str(outcome["r"]), outcome
+        assert time.monotonic() - t0 < deadline_s + 1.0 < stall_s
+        assert loads.stats.take().data["load_deadline_misses"] == 1  # type: ignore[union-attr]
+        # The one load thread is still stuck in the pool: the next load gets a fresh one.
+        loads.start("q", b"h", [2])
+        ready, outcome = loads.settle([RecvDone("q", [6], 1, (0.0, 1.0))], wait_s=5.0)
+        assert outcome == {"q": None} and _landed(src, dst, row=2)
+        time.sleep(max(0.0, t0 + stall_s + 0.3 - time.monotonic()))  # the stuck read returned meanwhile
+        assert _untouched(dst, 1)  # ... and did not land: its block may be another request's by now
+    finally:
+        loads.close()
+
+
+def test_state_saves_end_within_the_save_deadline_and_a_late_one_publishes_its_steps_state() -> None:
+    from lw_vllm.meta import StateXfer
+    from lw_vllm.metrics import Collector
+    from lw_vllm.worker.recurrent_states import RecurrentStates
+
+    deadline_s, stall_s = 0.3, 1.0
+    lay = _layout()
+    pool = MemoryBackend(1 << 20)
+    src, dst = _caches(lay, True), _caches(lay, False)
+    step_state = {n: [t[3].clone() for t in ts] for n, ts in src.items()}
+    stalled = FaultyBackend(pool, [{"op": "reserve", "action": "stall", "seconds": stall_s, "times": 1}])
+    states = RecurrentStates(StateStore(stalled, KS, TAG, lay, src, NBLOCKS), Collector(), save_timeout_s=deadline_s)
+    try:
+        t0 = time.monotonic()
+        states.save([StateXfer("r", b"h", [3])])
+        assert time.monotonic() - t0 < deadline_s + 0.5 < stall_s  # the step goes on
+        data = states.stats.take().data  # type: ignore[union-attr]
+        assert data["save_deadline_misses"] == 1 and data["save_failed_objects"] == 1 and data["saved_objects"] == 0
+        for ts in src.values():  # vLLM hands the block to another request
+            for t in ts:
+                t[3].zero_()
+        reader = StateStore(pool, KS, TAG, lay, dst, NBLOCKS)
+        deadline = time.monotonic() + 5.0
+        while reader.load(b"h", [1]) is not None:  # the late save commits the copy taken in its step
+            assert time.monotonic() < deadline, "the late save never committed"
+            time.sleep(0.05)
+        assert all(torch.equal(a, d[1]) for n in dst for a, d in zip(step_state[n], dst[n]))
+    finally:
+        states.close()

@@ -15,7 +15,9 @@ from lw_vllm.hybrid import state_layout
 from lw_vllm.hybrid.state_plan import StatePlan
 from lw_vllm.hybrid.state_store import StateStore
 from lw_vllm.meta import StateXfer, Xfer
+from lw_vllm.metrics import Collector
 from lw_vllm.request.request_state import ReqState
+from lw_vllm.scheduler.pool_lookup import PoolLookup
 
 BS = 4
 KS = KeySpace(model_fp="m", layout_fp="l")
@@ -62,7 +64,8 @@ def _st(rid: str, prompt_len: int) -> ReqState:
 
 
 def _plan(backend: object = None) -> StatePlan:
-    return StatePlan(backend, KS, TAGS, state_layout.state_layout(_cfg()), BS)
+    lookup = PoolLookup(backend, KS, TAGS, {}, [], 5.0, Collector())  # type: ignore[arg-type]
+    return StatePlan(lookup, KS, TAGS, state_layout.state_layout(_cfg()), BS)
 
 
 def test_saves_take_live_requests_chunk_boundaries_inside_the_prompt_with_real_blocks() -> None:

@@ -22,9 +22,13 @@ through lw-core's ``register_backend`` seam (plugin "faulty"), and a phase may t
 (a pool that fails, then recovers, without restarting vLLM); ``wipe_pool`` closes the pool,
 deletes its directory and opens a new, empty one under the same wrapper. Such phases also report
 how often each rule fired (``rule_hits``), the connector's metrics from vLLM's Prometheus registry
-(``metrics``) and the pool's object count (``pool_objects``). Any phase may be ``{"prompts": [...],
-"reset": true}``: vLLM's prefix-cache reset with the connector's cache (``LLM.reset_prefix_cache(
-reset_connector=True)``) runs first, and the phase reports what it returned (``reset_ok``).
+(``metrics``) and the pool's object count (``pool_objects``). A rule's ``"objects": "state"`` picks
+the engine's recurrent-state keys (this runner tells the wrapper the connector's state key space).
+Any phase may be ``{"prompts": [...], "reset": true}``: vLLM's prefix-cache reset with the
+connector's cache (``LLM.reset_prefix_cache(reset_connector=True)``) runs first, and the phase
+reports what it returned (``reset_ok``). A phase ``{"reset_prefix_cache": true, ...}`` first empties
+vLLM's own prefix cache only (its hits then come from the pool). ``"step_times": true``: each phase
+also reports its engine steps' longest duration (``max_step_s``) and their count (``steps``).
 """
 
 from __future__ import annotations
@@ -115,6 +119,42 @@ def _faulty_pool(extra: Any) -> tuple[dict[str, Any], list[Any], Any]:
     return {**extra, "backend": "faulty"}, wrappers, real
 
 
+def _state_marks(llm: Any) -> tuple[str, ...]:
+    """Substrings naming this engine's recurrent-state keys (its connector's state key space), if
+    the pool restores its states."""
+    from lw_vllm import pool
+    from lw_vllm.hybrid import state_layout
+
+    vc = llm.llm_engine.vllm_config
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)  # None: a multi-process engine core
+    if core is None:
+        return ()
+    kc = core.scheduler.kv_cache_config
+    if not pool.state_groups(kc) or state_layout.why_not_restorable(kc) is not None:
+        return ()
+    ks = state_layout.state_keyspace(pool.key_space(vc, kc, pool.pool_config(vc)), state_layout.state_layout(kc))
+    return (f"/{ks.layout_fp}/",)
+
+
+def _time_steps(llm: Any) -> list[float]:
+    """Record every engine step's duration (in-process engine core) into the returned list."""
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    if core is None:
+        raise ValueError("job step_times needs an in-process engine core (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    inner = core.step_fn
+    steps: list[float] = []
+
+    def timed() -> Any:
+        t = time.perf_counter()
+        try:
+            return inner()
+        finally:
+            steps.append(time.perf_counter() - t)
+
+    core.step_fn = timed
+    return steps
+
+
 def run(job: dict[str, Any]) -> dict[str, Any]:
     stats_path = in_process_engine("lw-stats-", force=False)
     faults = bool(job.get("faults"))
@@ -150,6 +190,8 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     start_s = time.perf_counter() - t0
     if faults:
         assert len(wrappers) == 1, f"expected one shared pool backend, got {len(wrappers)}"
+        wrappers[0].state_marks = _state_marks(llm)
+    steps = _time_steps(llm) if job.get("step_times") else None
     sp = SamplingParams(**{"temperature": 0.0, **job.get("sampling", {})}, max_tokens=job.get("max_tokens", 8),
                         logprobs=2, ignore_eos=True)
     hidden = int(llm.llm_engine.model_config.get_hidden_size())
@@ -165,12 +207,18 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             fb.phase = i
             fb.set_rules(ph.get("rules", []))
         reset_ok = llm.reset_prefix_cache(reset_connector=True) if ph.get("reset") else None
+        if ph.get("reset_prefix_cache"):
+            assert llm.reset_prefix_cache(), "vLLM did not reset its prefix cache"
+        if steps is not None:
+            steps.clear()
         loras = [_lora(p) for p in ph["prompts"]]
         res, wall = generate_phase(llm, [_prompt(p, hidden) for p in ph["prompts"]], sp, stats_path,
                                    lora=loras if any(loras) else None)
         phase: dict[str, Any] = {"outputs": res, "wall_s": wall}
         if ph.get("reset"):
             phase["reset_ok"] = reset_ok
+        if steps is not None:
+            phase.update(max_step_s=max(steps, default=0.0), steps=len(steps))
         if metrics:
             phase["metrics"] = _metrics(llm)
         if faults:

@@ -8,6 +8,9 @@ A rule (dict, JSON-friendly so a test can hand it to an engine subprocess)::
   ``read`` also covers zero-copy ``view`` of a committed object and ``write`` the ``view`` of a
   reserved one, so a rule applies whichever path the pipeline takes.
 * ``layer``: only reads/writes of that layer (objects are layer-major: layer = offset // length).
+* ``objects``: "state": only calls naming a recurrent-state object's key (lookup, reserve, open);
+  the keys are told apart by ``state_marks`` (substrings of their key space, which the engine
+  runner sets from the connector's: ``lw_dev.engine``).
 * ``action``: "fail" raises ``error`` (BackendUnavailable by default, or BackendError /
   ObjectMissing / PoolFull, or RuntimeError for a programming-error-like crash); "stall" sleeps
   ``seconds`` and then performs the call.
@@ -30,7 +33,8 @@ OPS = ("lookup", "open", "read", "reserve", "write", "commit", "release", "abort
 ACTIONS = ("fail", "stall")
 ERRORS = {"unavailable": BackendUnavailable, "error": BackendError, "missing": ObjectMissing,
           "full": PoolFull, "crash": RuntimeError}
-_KEYS = {"op", "layer", "action", "seconds", "times", "skip", "phases", "error"}
+_KEYS = {"op", "layer", "action", "seconds", "times", "skip", "phases", "error", "objects"}
+KEYED_OPS = ("lookup", "reserve", "open")  # the calls that name keys
 
 
 def check_rule(rule: dict[str, Any]) -> dict[str, Any]:
@@ -43,6 +47,12 @@ def check_rule(rule: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"fault rule: action={rule.get('action')!r}; accepted: {ACTIONS}")
     if rule.get("error", "unavailable") not in ERRORS:
         raise ValueError(f"fault rule: error={rule.get('error')!r}; accepted: {sorted(ERRORS)}")
+    if "objects" in rule:
+        if rule["objects"] != "state":
+            raise ValueError(f"fault rule: objects={rule['objects']!r}; accepted: 'state'")
+        if rule.get("op") not in KEYED_OPS:
+            raise ValueError(f"fault rule: objects needs an op naming keys, got op={rule.get('op')!r}; "
+                             f"accepted: {KEYED_OPS}")
     return rule
 
 
@@ -52,6 +62,7 @@ class FaultyBackend:
         self.name = f"faulty({getattr(inner, 'name', type(inner).__name__)})"
         self.rules = [check_rule(dict(r)) for r in rules]
         self.layer_nbytes = layer_nbytes
+        self.state_marks: tuple[str, ...] = ()  # substrings naming recurrent-state keys (rule "objects")
         self.phase = 0
         self.hits = [0] * len(self.rules)
         self._seen = [0] * len(self.rules)
@@ -59,8 +70,12 @@ class FaultyBackend:
         self._reserved: set[int] = set()  # id() of handles we handed out for writing
 
     def set_rules(self, rules: Sequence[dict[str, Any]]) -> None:
+        checked = [check_rule(dict(r)) for r in rules]
+        if any("objects" in r for r in checked) and not self.state_marks:
+            raise ValueError("fault rule: objects='state', but no state key space is known (state_marks: "
+                             "a model whose recurrent states the pool restores, run by lw_dev.engine)")
         with self._lock:
-            self.rules = [check_rule(dict(r)) for r in rules]
+            self.rules = checked
             self.hits = [0] * len(self.rules)
             self._seen = [0] * len(self.rules)
 
@@ -69,13 +84,15 @@ class FaultyBackend:
         n = self.layer_nbytes or length
         return offset // n if n else 0
 
-    def _fire(self, op: str, layers: Sequence[int] = ()) -> None:
+    def _fire(self, op: str, layers: Sequence[int] = (), keys: Sequence[str] = ()) -> None:
         todo = []
         with self._lock:
             for i, r in enumerate(self.rules):
                 if r["op"] not in (op, "*"):
                     continue
                 if "layer" in r and r["layer"] not in layers:
+                    continue
+                if "objects" in r and not any(m in k for k in keys for m in self.state_marks):
                     continue
                 if "phases" in r and self.phase not in r["phases"]:
                     continue
@@ -95,11 +112,11 @@ class FaultyBackend:
 
     # --- Backend protocol ---
     def lookup(self, keys: Sequence[str]) -> int:
-        self._fire("lookup")
+        self._fire("lookup", keys=keys)
         return self.inner.lookup(keys)
 
     def reserve(self, keys: Sequence[str], nbytes: int) -> list[Any]:
-        self._fire("reserve")
+        self._fire("reserve", keys=keys)
         hs = self.inner.reserve(keys, nbytes)
         with self._lock:
             self._reserved.update(id(h) for h in hs if h is not None)
@@ -124,7 +141,7 @@ class FaultyBackend:
         self.inner.abort(handles)
 
     def open(self, keys: Sequence[str]) -> list[Any]:
-        self._fire("open")
+        self._fire("open", keys=keys)
         return self.inner.open(keys)
 
     def read(self, handles: Sequence[Any], offsets: Sequence[int], dsts: Sequence[Any]) -> None:

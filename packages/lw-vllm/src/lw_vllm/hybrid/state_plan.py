@@ -9,16 +9,22 @@ preempted in this step: its blocks may already be someone else's), as vLLM's own
 
 Hits: a hit of ``j`` chunks needs the attention KV of chunks ``[0, j)`` and the state object of
 boundary ``j`` (every rank's). The longest such ``j`` wins; no state object means a shorter hit, never
-a wrong one. The restored state goes to the block vLLM allocates for it: with ``N = j * block``
-computed tokens a state group's table is ``j - 1`` null blocks then that block (``MambaManager``:
-``get_num_skipped_tokens`` is ``N - 1``).
+a wrong one. The boundaries are looked up through the scheduler side's ``PoolLookup`` (one call under
+``lookup_timeout_s`` and its back-off, in vLLM's scheduler loop). The restored state goes to the
+block vLLM allocates for it: with ``N = j * block`` computed tokens a state group's table is
+``j - 1`` null blocks then that block (``MambaManager``: ``get_num_skipped_tokens`` is ``N - 1``).
+
+A hit never ends past ``(n - 1) // block`` for an ``n``-token request (``last_boundary``): vLLM
+computes at least the last token, so it is told at most ``n - 1`` tokens are computed, and the state
+after token ``n - 1`` (boundary ``n / block`` of a prompt that ends on a block) would run that token
+through the recurrent layers twice.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -31,21 +37,37 @@ from lw_vllm.request.request_state import ReqState
 log = logging.getLogger(__name__)
 
 
+class HeldLookup(Protocol):
+    """``pool_lookup.PoolLookup.first_held``: raises when the pool cannot answer in time."""
+
+    def first_held(self, candidates: list[list[str]]) -> int: ...
+
+
+def last_boundary(n_tokens: int, block_size: int) -> int:
+    """The last boundary a hit of an ``n_tokens`` request may end at (module docstring)."""
+    return max(0, n_tokens - 1) // block_size
+
+
 class StatePlan:
-    def __init__(self, backend: Any, keyspace: KeySpace, tags: Sequence[str], layout: StateLayout,
+    """``lookup``: the scheduler side's pool lookup (deadline, back-off)."""
+
+    def __init__(self, lookup: HeldLookup, keyspace: KeySpace, tags: Sequence[str], layout: StateLayout,
                  block_size: int) -> None:
-        self.backend, self.keyspace, self.tags, self.layout = backend, keyspace, list(tags), layout
+        self.lookup, self.keyspace, self.tags, self.layout = lookup, keyspace, list(tags), layout
         self.block_size = block_size
         self._targets: dict[str, list[int]] = {}  # request -> state blocks of its pending load
 
     def longest(self, hashes: Sequence[bytes], local: int, hit: int) -> int:
         """The longest ``j`` in ``(local, hit]`` whose boundary state is in the pool for every rank;
-        ``local`` when none is."""
-        for j in range(hit, local, -1):
-            keys = [self.keyspace.key(t, hashes[j - 1]) for t in self.tags]
-            if self.backend.lookup(keys) == len(keys):
-                return j
-        return local
+        ``local`` when none is. Raises when the pool cannot answer (``PoolLookup``)."""
+        js = list(range(hit, local, -1))
+        i = self.lookup.first_held([[self.keyspace.key(t, hashes[j - 1]) for t in self.tags] for j in js])
+        return js[i] if i < len(js) else local
+
+    def held(self, hashes: Sequence[bytes], j: int) -> bool:
+        """Whether the pool holds boundary ``j``'s state for every rank (``True`` for ``j`` 0:
+        the empty prefix needs none). Raises when the pool cannot answer."""
+        return j <= 0 or self.longest(hashes, j - 1, j) == j
 
     def allocated(self, st: ReqState, ids: Any) -> None:
         """vLLM allocated the blocks of ``st``'s pending load (``st.load``): note the state groups'

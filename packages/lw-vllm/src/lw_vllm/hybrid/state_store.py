@@ -9,10 +9,14 @@ a hybrid's load is asynchronous, vLLM parks the request until the workers report
 ``wait_for_save`` of the step whose forward wrote it (vLLM hands the boundary off in that step's
 scheduler output; without speculative decoding each state layer's forward writes its state in
 place into the boundary's block, after ``preprocess_mamba`` copied the running state there), one
-synchronous object of ``StateLayout.nbytes`` per boundary: split per layer at ``save_kv_layer`` it
-would do the same copies on the forward thread between layers (on a GPU with a stream sync per
-layer), and hybrids finish their saves in their step, before vLLM may hand the block to another
-request.
+object of ``StateLayout.nbytes`` per boundary: split per layer at ``save_kv_layer`` it would do the
+same copies on the forward thread between layers (on a GPU with a stream sync per layer), and
+hybrids finish their saves in their step, before vLLM may hand the block to another request.
+
+Neither direction lets a late pool call touch the KV cache: a save copies the block's state first
+(``snapshot``) and writes that copy (``put``), a load reads into buffers of its own (``fetch``) and
+copies them into the block (``land``) only if its deadline has not passed (``state_loads``,
+``recurrent_states``: the pool calls run on threads of their own under the chunks' deadlines).
 """
 
 from __future__ import annotations
@@ -67,8 +71,17 @@ class StateStore:
     def save(self, chunk_hash: bytes, blocks: Sequence[int]) -> str:
         """Write the state in ``blocks`` (one per state group) under the boundary chunk's hash:
         "saved", "present" (the pool has it), or "failed" (logged; a later request misses it)."""
+        return self.put(chunk_hash, self.snapshot(blocks))
+
+    def snapshot(self, blocks: Sequence[int]) -> list[np.ndarray]:
+        """A copy of the state in ``blocks``, per state tensor: what ``put`` writes, whenever it
+        runs (the blocks may belong to another request once the step ended)."""
         import torch
 
+        return [r.contiguous().view(torch.uint8).reshape(-1).cpu().numpy().copy() for r in self._rows(blocks)]
+
+    def put(self, chunk_hash: bytes, srcs: Sequence[np.ndarray]) -> str:
+        """Write a ``snapshot`` under the boundary chunk's hash (``save``'s outcomes)."""
         key = self.keyspace.key(self.tag, chunk_hash)
         try:
             (h,) = self.backend.reserve([key], self.layout.nbytes)
@@ -78,8 +91,7 @@ class StateStore:
         if h is None:
             return "present"
         try:
-            srcs = [r.contiguous().view(torch.uint8).reshape(-1).cpu().numpy() for r in self._rows(blocks)]
-            self.backend.write([h] * len(srcs), self.offsets, srcs)
+            self.backend.write([h] * len(srcs), self.offsets, list(srcs))
             self.backend.commit([h])
         except Exception as e:
             log.warning("lw-vllm: state save %s failed (not published): %s", key, e)
@@ -92,8 +104,15 @@ class StateStore:
 
     def load(self, chunk_hash: bytes, blocks: Sequence[int]) -> str | None:
         """Read the boundary's state into ``blocks``; ``None`` when it landed, else why not."""
-        import torch
+        got = self.fetch(chunk_hash)
+        if isinstance(got, str):
+            return got
+        self.land(blocks, got)
+        return None
 
+    def fetch(self, chunk_hash: bytes) -> list[np.ndarray] | str:
+        """The boundary's state, per state tensor, read into buffers of its own (never into the KV
+        cache: a read that returns late must not land); else why not."""
         key = self.keyspace.key(self.tag, chunk_hash)
         try:
             (h,) = self.backend.open([key])
@@ -102,11 +121,9 @@ class StateStore:
         if h is None:
             return "state object missing"
         try:
-            rows = self._rows(blocks)
-            bufs = [np.empty(int(r.numel()) * r.element_size(), dtype=np.uint8) for r in rows]
+            bufs = [np.empty(n, dtype=np.uint8) for ts in self.tensors
+                    for n in (int(t[0].numel()) * t.element_size() for t in ts)]
             self.backend.read([h] * len(bufs), self.offsets, bufs)
-            for r, b in zip(rows, bufs):
-                r.copy_(torch.from_numpy(b).view(r.dtype).reshape(r.shape))
         except Exception as e:
             return f"read failed: {e}"
         finally:
@@ -114,4 +131,11 @@ class StateStore:
                 self.backend.release([h])
             except BackendError:
                 pass
-        return None
+        return bufs
+
+    def land(self, blocks: Sequence[int], bufs: Sequence[np.ndarray]) -> None:
+        """Copy a ``fetch``'s buffers into ``blocks`` (one per state group)."""
+        import torch
+
+        for r, b in zip(self._rows(blocks), bufs):
+            r.copy_(torch.from_numpy(b).view(r.dtype).reshape(r.shape))

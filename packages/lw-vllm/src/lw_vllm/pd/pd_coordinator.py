@@ -6,7 +6,10 @@ POSTs to the metaserver once (pd_metaserver, off this thread) and is reported "n
 first: the metaserver's 200, or the pool holding the whole prompt (the prefiller commits its objects
 before it answers, and the proxy's answer is three HTTP hops later; see ``POOL_POLL_S``).
 Before posting, the decoder checks whether its local prefix cache plus the pool already hold every
-full chunk of the prompt; if so its POST says ``needs_prefill: false`` and it does not wait.
+full chunk of the prompt; if so its POST says ``needs_prefill: false`` and it does not wait. For a
+recurrent-state model (``states``) that is what its hit can load: the chunks up to the last
+boundary before the prompt's last token (``state_plan.last_boundary``) and the state there; chunks
+without that state are no hit (the proxy would skip the prefill and the decoder recompute the prompt).
 
 The whole prompt travels: the prefiller also saves the trailing partial chunk under a key scoped to
 the parent request (``lw_parent_id``, ``keys.partial_chunk_hash``) unless ``discard_partial_chunks``
@@ -29,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from lw_core.config import PoolConfig
 from lw_core.keys import KeySpace, chunk_hashes, partial_chunk_hash
 from lw_vllm.hybrid.group_blocks import GroupBlocks
+from lw_vllm.hybrid.state_plan import last_boundary
 from lw_vllm.meta import LayerwiseMeta
 from lw_vllm.metrics import Collector
 from lw_vllm.pd.pd_metaserver import MetaserverClient, remote_prefill_params
@@ -37,6 +41,8 @@ from lw_vllm.request.request_state import Outcome, RemotePhase, RemotePrefill, R
 
 if TYPE_CHECKING:
     from collections.abc import Callable
+
+    from lw_vllm.hybrid.state_plan import StatePlan
 
 log = logging.getLogger(__name__)
 
@@ -88,10 +94,11 @@ class PdCoordinator:
     def __init__(self, cfg: PoolConfig, block_size: int, keyspace: KeySpace, tags: list[str],
                  other_tp: dict[int, tuple[KeySpace, list[str]]], metaserver: MetaserverClient | None,
                  metrics: Collector, lookup: Lookup, tp_mismatch: Callable[[int], str],
-                 groups: GroupBlocks | None = None, states: bool = False) -> None:
+                 groups: GroupBlocks | None = None, states: StatePlan | None = None) -> None:
         """``groups``: the scheduler side's block groups (a hybrid's receives carry every attention
-        group's blocks); ``None``: one group. ``states``: the model restores recurrent states, so a
-        streamed hit ends where the prefiller is handed one (``stream_match``)."""
+        group's blocks); ``None``: one group. ``states``: the model's recurrent-state plan when it
+        restores states, so a hit ends where the prefiller is handed one (``stream_match``,
+        ``_load_end``) and the pool holds a prompt only with that state."""
         self.cfg = cfg
         self.states = states
         self.groups = groups if groups is not None else GroupBlocks(0, [])
@@ -232,28 +239,42 @@ class PdCoordinator:
             return None
         return hashes[i], st.block_ids[i]
 
+    def _load_end(self, st: ReqState) -> int:
+        """The full chunks a hit of ``st``'s prompt may end at: all of them, or for a state model
+        the last boundary before its last token (``state_plan.last_boundary``)."""
+        if self.states is None:
+            return st.prompt_len // self.block_size
+        return last_boundary(st.prompt_len, self.block_size)
+
     def _held(self, st: ReqState, local_tokens: int) -> bool:
         """Whether the local prefix cache (``local_tokens``, block aligned) plus the pool hold every
-        full chunk of the prompt. A failed lookup says no (the decoder then waits as before)."""
-        n_full = st.prompt_len // self.block_size
+        full chunk of the prompt the decoder can load (``_load_end``), a state model's state at its
+        end too. A failed lookup says no (the decoder then waits as before)."""
+        end = self._load_end(st)
         local = local_tokens // self.block_size
-        if local >= n_full:
+        if local >= end:
             return True
+        hashes = self.prompt_hashes(st)
         try:
-            return self._lookup(self.prompt_hashes(st)[local:n_full]) == n_full - local
+            return self._lookup(hashes[local:end]) == end - local and (
+                self.states is None or self.states.held(hashes, end))
         except Exception:
             return False
 
     def _pool_has_prompt(self, st: ReqState, force: bool = False) -> bool:
-        """Throttled: the prompt's last object first (cheap miss), then all of them."""
+        """Throttled: the prompt's last object first (cheap miss), then all of them; for a state
+        model what its hit loads, the state first (``_load_end``)."""
         now = time.monotonic()
         if now < st.next_pool_check and not force:
             return False
         st.next_pool_check = now + POOL_POLL_S
         hashes = self.prompt_hashes(st)
-        if not hashes:
-            return False
         try:
+            if self.states is not None:
+                end = self._load_end(st)
+                return end > 0 and self.states.held(hashes, end) and self._lookup(hashes[:end]) == end
+            if not hashes:
+                return False
             return self._lookup(hashes[-1:]) == 1 and self._lookup(hashes) == len(hashes)
         except Exception:
             return False
@@ -280,8 +301,8 @@ class PdCoordinator:
         if st.stream_pending or st.stream_sent:
             return 0, False  # asked again after the receive: vLLM holds what arrived
         hashes = self.prompt_hashes(st)
-        if self.states:
-            hashes = hashes[:(st.prompt_len - 1) // self.block_size]
+        if self.states is not None:
+            hashes = hashes[:self._load_end(st)]
         n = min(len(hashes) * self.block_size, st.prompt_len - 1) - num_computed_tokens
         if n <= 0:
             return 0, False
@@ -349,7 +370,8 @@ class PdCoordinator:
                 st.remote = RemotePrefill(RemotePhase.BAD_PARAMS, error=params)
                 return True
             skip = getattr(req, "skip_reading_prefix_cache", False)
-            short = st.prompt_len // self.block_size == 0
+            # Nothing to wait for: no full chunk, or (a state model) no boundary before the last token.
+            short = st.prompt_len // self.block_size == 0 or self._load_end(st) == 0
             held = not skip and not short and self._held(st, local_tokens)
             # Post even when this request will not wait: the proxy dispatches the prefill only once
             # every child of the parent has called.

@@ -6,7 +6,8 @@ Remote-prefill phases (``RemotePhase``), decided once when vLLM first asks about
 
 * ``BAD_PARAMS``: our ``kv_transfer_params`` but malformed, or naming a metaserver this engine may not
   call (``pd_allowed_metaservers``); no call is made, the pool is looked up, vLLM computes the rest.
-* ``NOTHING_TO_LOAD``: the prompt is shorter than a chunk, or the request skips the prefix cache.
+* ``NOTHING_TO_LOAD``: the prompt is shorter than a chunk (a recurrent-state model's: has no chunk
+  boundary before its last token), or the request skips the prefix cache.
 * ``POOL_HOLDS_PROMPT``: the local prefix cache plus the pool held every full chunk before posting.
 * ``STREAMING``: ``pd_streaming``: posted, and pulling the prompt's layers as the prefiller
   publishes them (vLLM's async load); no metaserver answer is awaited.

@@ -10,6 +10,9 @@ or fails is counted in ``lookup_errors`` here; callers turn the exception into a
 Nothing under this engine's TP size: ``at_other_tp`` looks for chunks an engine of this model at
 another TP size saved whose GQA heads this engine reads by byte ranges (``lw_core.tp_split``).
 
+Recurrent-state boundaries (``state_plan``) are not a chained prefix: ``first_held`` looks up
+candidates one by one, all of them in one call under the same deadline and back-off.
+
 State this module owns: its lookup thread and the time until which lookups are paused.
 """
 
@@ -63,6 +66,20 @@ class PoolLookup:
                     break
                 n = min(n, self.backend.lookup(ks.keys(tag, hashes[:n])))
             return n
+
+        return self._deadlined(run)
+
+    def first_held(self, candidates: list[list[str]]) -> int:
+        """Index of the first of ``candidates`` (each a list of keys) whose every key the pool
+        holds; ``len(candidates)`` when none is. One call, one deadline, however many candidates."""
+        if not candidates:
+            return 0
+
+        def run() -> int:
+            for i, keys in enumerate(candidates):
+                if keys and self.backend.lookup(keys) == len(keys):
+                    return i
+            return len(candidates)
 
         return self._deadlined(run)
 

@@ -49,7 +49,7 @@ from lw_core.metaserver_allow import MetaserverAllowList
 from lw_vllm import pool
 from lw_vllm.hybrid import state_layout
 from lw_vllm.hybrid.group_blocks import GroupBlocks
-from lw_vllm.hybrid.state_plan import StatePlan
+from lw_vllm.hybrid.state_plan import StatePlan, last_boundary
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector
 from lw_vllm.pd.pd_coordinator import PdCoordinator, parent_id
@@ -125,12 +125,12 @@ class SchedulerSide:
         if self.inert:
             self.can_load = self.can_save = False
         self.backend = pool.acquire_backend(cfg)
-        if state and not self.inert:
-            layout = state_layout.state_layout(kv_cache_config)
-            self.states = StatePlan(self.backend, state_layout.state_keyspace(self.keyspace, layout), self.tags,
-                                    layout, self.block_size)
         self.lookup = PoolLookup(self.backend, self.keyspace, self.tags, self.other_tp, self.readable_tp,
                                  cfg.lookup_timeout_s, self.metrics)
+        if state and not self.inert:
+            layout = state_layout.state_layout(kv_cache_config)
+            self.states = StatePlan(self.lookup, state_layout.state_keyspace(self.keyspace, layout), self.tags,
+                                    layout, self.block_size)
         self.reqs: dict[str, ReqState] = {}
         # A prefiller never waits for anyone; a decoder (or a kv_both engine behind the proxy) does.
         metaserver = (MetaserverClient(cfg.metaserver_timeout_s, MetaserverAllowList(cfg.pd_allowed_metaservers),
@@ -138,7 +138,7 @@ class SchedulerSide:
                       if role in ("kv_consumer", "kv_both") else None)
         self.pd = PdCoordinator(cfg, self.block_size, self.keyspace, self.tags, self.other_tp, metaserver,
                                 self.metrics, self.lookup, functools.partial(pool.tp_mismatch, vllm_config),
-                                self.groups, states=self.states is not None)
+                                self.groups, states=self.states)
         self._builds = 0
         self._lag = 1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0
         # Finished requests' stats lines, written once their last step's worker report arrived.
@@ -201,8 +201,9 @@ class SchedulerSide:
         st.local_computed = num_computed_tokens
         if remote and st.parent is not None:
             # The whole prompt, partial chunk included: the decoder computes the last token only.
+            # A state model's hit ends at a state before the last token (state_plan.last_boundary).
             hashes = self.pd.prompt_hashes(st)
-            limit = len(hashes)
+            limit = len(hashes) if self.states is None else min(len(hashes), last_boundary(n_tokens, self.block_size))
         else:
             hashes = self._hashes(st)
             limit = (n_tokens - 1) // self.block_size  # leave one token to compute

@@ -131,7 +131,7 @@ class WorkerSide:
         pool.check_streaming(self.cfg, self.backend)
         self._pool_counters = PoolCounters(self.backend)
         self.states = RecurrentStates.of_model(self.kv_cache_config, self.backend, self.keyspace, self.tag, kv_caches,
-                                               num_blocks, self.stats)
+                                               num_blocks, self.stats, self.cfg)
         self.pipe = LayerPipeline(
             self.backend,
             copier,
@@ -280,14 +280,17 @@ class WorkerSide:
             return
         if self._loading:
             self._finish_load(pipe)
+        t0 = time.monotonic()
         if meta.state_saves:  # the boundary states the step's forward wrote (recurrent_states)
             saves, meta.state_saves = meta.state_saves, []
             if self.states is not None and self.saves_here:
-                self.states.save(saves)
+                self.states.start_save(saves)  # beside the chunks' saves, within their deadline
         self._start_save()
         assert self.ledger is not None  # built with the pipeline
         self.ledger.finish(self._book, in_step=meta.saves_in_step)
         self._book = SaveBook()
+        if self.states is not None:
+            self.states.finish_save(t0 + self.cfg.save_timeout_s)
 
     def _finish_load(self, pipe: LayerPipeline) -> None:
         self._loading = False

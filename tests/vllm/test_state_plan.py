@@ -164,3 +164,22 @@ def test_state_tensors_that_do_not_match_the_spec_are_refused() -> None:
     bad = {n: [torch.zeros(5, 2, 2, dtype=torch.bfloat16), torch.zeros(5, 4)] for n in lay.layers}
     with pytest.raises(NotImplementedError, match="state tensors"):
         StateStore(MemoryBackend(1 << 20), KS, TAGS[0], lay, bad, 5)
+
+
+def test_engine_record_names_what_vllm_decided_for_the_states() -> None:
+    """The stats file's engine record (engine_facts): per group its kind, block and page size, a
+    state group's tensor shapes, dtypes and cache mode; the pool's block and a state object's bytes."""
+    from lw_vllm.engine_facts import engine_facts
+
+    vc = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16),
+                         cache_config=SimpleNamespace(cache_dtype="auto", mamba_ssm_cache_dtype="auto"))
+    kc = _cfg()
+    rec = engine_facts(vc, kc, state_layout.state_layout(kc))
+    assert rec == {
+        "block_size": BS, "dtype": "bfloat16", "kv_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto",
+        "groups": [{"kind": "MambaSpec", "layers": 2, "block_size": BS, "page_size_bytes": 64, "shapes": [[2, 3], [4]],
+                    "dtypes": ["bfloat16", "float32"], "mamba_cache_mode": "align"},
+                   {"kind": "FullAttentionSpec", "layers": 2, "block_size": BS, "page_size_bytes": 64}],
+        "state_bytes": 56,
+    }
+    assert engine_facts(vc, kc, None)["state_bytes"] is None  # the pool keeps no states (inert)

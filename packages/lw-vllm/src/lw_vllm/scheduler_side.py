@@ -28,7 +28,8 @@ into a response, so a ``max_tokens: 1`` prefill is answered only after its objec
 
 Stats (``LW_VLLM_STATS_FILE``, one JSON line per finished request) are written once the worker
 report of the request's last step has arrived, so a prefill's ``saved_chunks`` counts what was
-committed before its answer (``request_stats.StatsLog``).
+committed before its answer (``request_stats.StatsLog``); the file starts with one engine record
+(``engine_facts``: block sizes, state dtypes and bytes, as vLLM decided them on this machine).
 
 Collaborators this side builds and owns: ``PoolLookup`` (pool_lookup: lookups under a deadline),
 ``PdCoordinator`` (pd_coordinator: PD), ``StatsLog`` (request_stats), ``LateFrees`` (late_frees:
@@ -46,6 +47,7 @@ from typing import Any
 from lw_core.config import PoolConfig
 from lw_core.keys import chunk_hashes
 from lw_vllm import pool, state_layout
+from lw_vllm.engine_facts import engine_facts
 from lw_vllm.group_blocks import GroupBlocks
 from lw_vllm.late_frees import LateFrees
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
@@ -122,8 +124,8 @@ class SchedulerSide:
         if self.inert:
             self.can_load = self.can_save = False
         self.backend = pool.acquire_backend(cfg)
-        if state and not self.inert:
-            layout = state_layout.state_layout(kv_cache_config)
+        layout = state_layout.state_layout(kv_cache_config) if state and not self.inert else None
+        if layout is not None:
             self.states = StatePlan(self.backend, state_layout.state_keyspace(self.keyspace, layout), self.tags,
                                     layout, self.block_size)
         self.lookup = PoolLookup(self.backend, self.keyspace, self.tags, self.other_tp, self.readable_tp,
@@ -138,6 +140,8 @@ class SchedulerSide:
         self._lag = 1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0
         # Finished requests' stats lines, written once their last step's worker report arrived.
         self.stats = StatsLog.from_env(self.block_size, self._lag)
+        if self.stats.path is not None:
+            self.stats.engine(engine_facts(vllm_config, kv_cache_config, layout))
         # Whether the last get_num_new_matched_tokens call looked the pool up (for lookup metrics:
         # "not ready yet" answers and plain requests on a non-loading role are not lookups).
         self.last_call_looked_up = False

@@ -71,7 +71,7 @@ def state_layout(kv_cache_config: Any) -> StateLayout:
     for _, g in rows:
         spec = groups[g].kv_cache_spec
         nbytes.append(tuple(int(prod(s)) * _itemsize(d) for s, d in zip(spec.shapes, spec.dtypes)))
-        tensors.append(tuple((tuple(int(n) for n in s), _dtype_name(d)) for s, d in zip(spec.shapes, spec.dtypes)))
+        tensors.append(tuple((tuple(int(n) for n in s), dtype_name(d)) for s, d in zip(spec.shapes, spec.dtypes)))
     modes = tuple(str(getattr(groups[g].kv_cache_spec, "mamba_cache_mode", "none")) for g in state)
     return StateLayout(tuple(n for n, _ in rows), tuple(g for _, g in rows), tuple(nbytes), tuple(state),
                        tuple(tensors), modes)
@@ -81,7 +81,7 @@ def _order(name: str) -> tuple[int, ...]:
     return tuple(int(n) for n in re.findall(r"\d+", name))
 
 
-def _dtype_name(dtype: Any) -> str:
+def dtype_name(dtype: Any) -> str:
     """``bfloat16`` for ``torch.bfloat16`` (numpy dtypes and strings by their own name)."""
     return str(dtype).removeprefix("torch.")
 

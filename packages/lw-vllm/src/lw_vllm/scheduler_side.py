@@ -141,7 +141,10 @@ class SchedulerSide:
         # Finished requests' stats lines, written once their last step's worker report arrived.
         self.stats = StatsLog.from_env(self.block_size, self._lag)
         if self.stats.path is not None:
-            self.stats.engine(engine_facts(vllm_config, kv_cache_config, layout))
+            try:
+                self.stats.engine(engine_facts(vllm_config, kv_cache_config, layout))
+            except Exception as e:  # a diagnostic: never what stops an engine
+                log.warning("lw-vllm: cannot describe this engine in the stats file: %s", e)
         # Whether the last get_num_new_matched_tokens call looked the pool up (for lookup metrics:
         # "not ready yet" answers and plain requests on a non-loading role are not lookups).
         self.last_call_looked_up = False

@@ -11,9 +11,10 @@ Engines: a reference without pool or prefix caching; a saver (prefix caching on,
 of 512 tokens, states retained every block); a loader over the saver's pool; and, on an affected
 vLLM, one without the fix, which still fails. The saver and the loader run twice, with the SSM
 state cache forced to float32 and to bf16 (``mamba_ssm_cache_dtype``), each asserting from its
-engine record which dtype ran: vLLM's CPU platform keeps an explicit bf16 for this model only on
-CPUs without AVX512-BF16 (with it, it resets every SSM cache but gated delta-net's to float32), so
-there the bf16 run is skipped, saying so.
+engine record which dtype ran. With AVX512-BF16, vLLM's CPU platform keeps an explicit bf16 only
+for a model whose config lists ``linear_attention`` layers (its test for gated delta-net, which this
+model passes: transformers names Granite 4's Mamba layers so) and resets others to float32; should
+it reset this one, the bf16 run is skipped, saying so.
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def test_mamba2_state_saved_and_restored_by_a_fresh_engine(pool_path: str, ssm: 
     ran = ssm_dtype(saver["engine"])
     if ran != ssm:
         assert ssm != "float32" and ran == "float32", saver["engine"]
-        pytest.skip(f"vLLM's CPU platform ran this Mamba2 SSM cache in {ran}, not the {ssm} asked for (it keeps "
-                    "an explicit bf16 only for gated delta-net on CPUs with AVX512-BF16)")
+        pytest.skip(f"vLLM's CPU platform ran this Mamba2 SSM cache in {ran}, not the {ssm} asked for (on CPUs "
+                    "with AVX512-BF16 it keeps an explicit bf16 only for models with linear_attention layers)")
     state = mamba2_state_nbytes(ssm_dtype=ssm)
     assert saver["engine"]["state_bytes"] == state, saver["engine"]
     block = saver["engine"]["block_size"]

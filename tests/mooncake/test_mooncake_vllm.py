@@ -11,7 +11,10 @@ from mc_cluster import start_cluster
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
+from lw_bench.pd.stack import cpu_ids  # noqa: E402
 from lw_dev.harness import assert_same_greedy, random_tokens, run_engine  # noqa: E402
+
+CPUS = cpu_ids()  # the engines' OpenMP CPUs: two this process may use (not 0 and 1 by name)
 
 pytestmark = pytest.mark.slow
 BLOCK = {"gqa": 32, "mla": 16}  # vLLM's CPU MLA forces block 16
@@ -40,7 +43,7 @@ def saved_on_a(hosts, vllm_cluster):
 
     def get(model: str) -> dict:
         if model not in done:
-            a = run_engine(_job(hosts, vllm_cluster, "a", model, True), env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+            a = run_engine(_job(hosts, vllm_cluster, "a", model, True), env={"VLLM_CPU_OMP_THREADS_BIND": CPUS[0]},
                            launcher=hosts.argv("a", []))["phases"][0]["outputs"][0]
             assert a["stats"]["promised_tokens"] == 0, a["stats"]
             assert a["stats"]["saved_chunks"] == len(P1) // BLOCK[model], a["stats"]
@@ -57,7 +60,7 @@ def test_kv_both_saved_on_host_a_hits_on_host_b(hosts, vllm_cluster, saved_on_a,
                                                  load: str) -> None:
     bs = BLOCK[model]
     a = saved_on_a(model)
-    b = run_engine(_job(hosts, vllm_cluster, "b", model, layerwise, load), env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
+    b = run_engine(_job(hosts, vllm_cluster, "b", model, layerwise, load), env={"VLLM_CPU_OMP_THREADS_BIND": CPUS[1]},
                    launcher=hosts.argv("b", []))["phases"][0]["outputs"][0]
     assert_same_greedy(a, b)
     st = b["stats"]

@@ -10,7 +10,10 @@ from cluster import Cluster
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
+from lw_bench.pd.stack import cpu_ids  # noqa: E402
 from lw_dev.harness import assert_same_greedy, random_tokens, run_engine  # noqa: E402
+
+CPUS = cpu_ids()  # the engines' OpenMP CPUs: two this process may use (not 0 and 1 by name)
 
 pytestmark = pytest.mark.slow
 
@@ -25,11 +28,11 @@ def _job(cluster: Cluster, host: str, prompts: list[list[int]]) -> dict:
 
 
 def test_kv_both_saved_on_host_a_hits_on_host_b(cluster: Cluster) -> None:
-    a = run_engine(_job(cluster, "a", [P1]), env={"VLLM_CPU_OMP_THREADS_BIND": "0"},
+    a = run_engine(_job(cluster, "a", [P1]), env={"VLLM_CPU_OMP_THREADS_BIND": CPUS[0]},
                    launcher=cluster.launcher("a"))["phases"][0]["outputs"]
     assert a[0]["stats"]["promised_tokens"] == 0, a[0]["stats"]
     assert a[0]["stats"]["saved_chunks"] == len(P1) // BLOCK, a[0]["stats"]
-    b = run_engine(_job(cluster, "b", [P1]), env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
+    b = run_engine(_job(cluster, "b", [P1]), env={"VLLM_CPU_OMP_THREADS_BIND": CPUS[1]},
                    launcher=cluster.launcher("b"))["phases"][0]["outputs"]
     assert_same_greedy(a[0], b[0])
     st = b[0]["stats"]

@@ -1,10 +1,12 @@
 """1P1D on real vLLM (CPU) with the tiny gated delta-net hybrid (Qwen3-Next style: layers 0 and 2
 linear attention, 1 and 3 full attention; bf16, prefix caching on so vLLM keeps block-aligned
-states, block 256): through lw-proxy the decoder gives the single engine's greedy output.
+states, block 256 asked for): through lw-proxy the decoder gives the single engine's greedy output.
+The block and the state's dtype (float32 or bf16, by the CPU: lw_dev.state_sizes) are the engines'
+own, from their connector's engine record.
 
 What the decoder loads: the prefiller saves every chunk of the prompt, its partial one too, but
 vLLM hands it a recurrent state only at the prompt's last full boundary before its last token
-(``(n - 1) // 256 * 256``, the default ``prefix_cache_retention_interval``). A hit must end where a
+(``(n - 1) // block * block``, the default ``prefix_cache_retention_interval``). A hit must end where a
 state is, so the decoder loads up to that boundary, state included, and computes the rest of the
 prompt (less than a block beyond it, or a whole block when the prompt ends on one); a prompt
 shorter than a block loads nothing. Loading "the prompt less its last token" would need a state at
@@ -21,7 +23,7 @@ from lw_bench.pd.stack import Stack
 from lw_dev.harness import assert_same_greedy
 from lw_dev.pd_flow import baseline, text, through
 from lw_dev.pd_oracle import SAMPLING, by_index, completion_choice
-from lw_dev.state_sizes import gdn_state_nbytes
+from lw_dev.state_sizes import gdn_state_nbytes, ssm_dtype
 
 pytestmark = pytest.mark.slow
 
@@ -29,8 +31,10 @@ MAX_TOKENS = 8
 
 
 def test_gdn_prompts_match_single_engine_and_decoder_loads_up_to_the_last_state(gdn_stack: Stack) -> None:
-    bs = gdn_stack.block_size
-    assert bs == 256
+    bs = gdn_stack.block_size  # the engines' (their engine record)
+    engine = gdn_stack.decode.engine()
+    state = gdn_state_nbytes(ssm_dtype=ssm_dtype(engine))  # the state's dtype as this CPU runs it
+    assert engine["state_bytes"] == state, engine
     # Two full chunks and a partial one (a hit of 512 tokens, state at 512), and a partial chunk only.
     prompts = [text(61, 420), text(62, 100)]
     body = {"model": "tiny", "prompt": prompts, "max_tokens": MAX_TOKENS, "logprobs": 2, **SAMPLING}
@@ -60,7 +64,7 @@ def test_gdn_prompts_match_single_engine_and_decoder_loads_up_to_the_last_state(
         assert r["remote_prefill"] in (("nothing to load",) if n < bs else ("ok", "pool holds the prompt")), r
         assert r["promised_tokens"] == r["loaded_tokens"] == hit and r["failed_blocks"] == 0, r
         # The two attention layers' chunks and, with a hit, the state object at its end.
-        assert r["loaded_bytes"] == 2 * (hit // bs) * page + (gdn_state_nbytes() if hit else 0), r
+        assert r["loaded_bytes"] == 2 * (hit // bs) * page + (state if hit else 0), r
 
 
 def test_gdn_prompt_ending_on_a_block_waits_for_its_state_and_never_loads_the_one_after_its_last_token(

@@ -1,8 +1,8 @@
 """1P1D on real vLLM (CPU) with the tiny Mamba2 hybrid (Granite 4 style: layers 0 and 2 Mamba2,
-1 and 3 full attention; float32, prefix caching on, block 128; lw_vllm.cpu_fixes.mamba2_fix makes its
-prefills run on the CPU build): through lw-proxy the decoder gives the single engine's greedy
+1 and 3 full attention; float32, prefix caching on, block 128 asked for; lw_vllm.cpu_fixes.mamba2_fix makes
+its prefills run on the CPU build): through lw-proxy the decoder gives the single engine's greedy
 output, loading up to the last block boundary before the prompt's last token, the conv and SSM
-states at that boundary included (as for gated delta-net: tests/pd/test_pd_gdn.py); with
+states at that boundary included (block and state dtype as the engines report them) (as for gated delta-net: tests/pd/test_pd_gdn.py); with
 ``pd_streaming`` the state lands after the streamed chunks (tests/pd/test_pd_streaming_gdn.py).
 """
 
@@ -11,10 +11,12 @@ from __future__ import annotations
 import pytest
 from pd_state_flow import check_prompt_ending_on_a_block
 
+from lw_bench.models import MAMBA2_SPEC
 from lw_bench.pd.stack import Stack
 from lw_dev.harness import assert_same_greedy
 from lw_dev.pd_flow import baseline, text, through
 from lw_dev.pd_oracle import SAMPLING, by_index, completion_choice
+from lw_dev.state_sizes import mamba2_state_nbytes, ssm_dtype
 
 pytestmark = pytest.mark.slow
 
@@ -30,8 +32,13 @@ def test_mamba2_streaming_pd_matches_single_engine_and_loads_up_to_the_last_stat
 
 
 def _check(stack: Stack, *, streaming: bool) -> None:
-    bs = stack.block_size
-    assert bs == 128
+    bs = stack.block_size  # the engines' (their engine record)
+    engine = stack.decode.engine()
+    state = mamba2_state_nbytes(ssm_dtype=ssm_dtype(engine))
+    assert engine["state_bytes"] == state, engine
+    # One block of one attention layer: K and V, 2 kv heads of 32 (hidden 128 / 4 heads), float32.
+    page = 2 * MAMBA2_SPEC["num_key_value_heads"] * (MAMBA2_SPEC["hidden_size"] // MAMBA2_SPEC["num_attention_heads"]) \
+        * 4 * bs
     prompts = [text(71, 420), text(72, 60)]  # several chunks and a partial one; a partial chunk only
     body = {"model": "tiny", "prompt": prompts, "max_tokens": MAX_TOKENS, "logprobs": 2, **SAMPLING}
     base = baseline(stack, "/v1/completions", {**body, "cache_salt": "single-engine"})
@@ -52,7 +59,8 @@ def _check(stack: Stack, *, streaming: bool) -> None:
         if streaming and hit:  # streamed, or loaded should the prefill have committed first
             assert r["remote_prefill"] in ("streaming", "pool holds the prompt"), r
         assert r["promised_tokens"] == r["loaded_tokens"] == hit and r["failed_blocks"] == 0, r
-        assert (r["loaded_bytes"] > 0) == (hit > 0), r
+        # The two attention layers' chunks and, with a hit, the state object at its end.
+        assert r["loaded_bytes"] == 2 * (hit // bs) * page + (state if hit else 0), r
 
 
 def test_mamba2_prompt_ending_on_a_block_waits_for_its_state_and_never_loads_the_one_after_its_last_token(

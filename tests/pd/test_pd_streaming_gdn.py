@@ -1,12 +1,13 @@
 """Streaming PD (``pd_streaming``) with the tiny gated delta-net hybrid (Qwen3-Next style: layers 0
 and 2 linear attention, 1 and 3 full attention; bf16, prefix caching on so vLLM keeps block-aligned
-states, block 256) on real vLLM (CPU): the decoder parks first and pulls the full-attention
-layers' chunks while the prefill runs, then the recurrent state at the hand-off boundary, which
-the prefiller saves after its forward (stream_recv's tail).
+states, block 256 asked for; block and state dtype as the engines report them) on real vLLM (CPU):
+the decoder parks first and pulls the full-attention layers' chunks while the prefill runs, then
+the recurrent state at the hand-off boundary, which the prefiller saves after its forward
+(stream_recv's tail).
 
 What the decoder loads is what non-streaming GDN PD loads (tests/pd/test_pd_gdn.py): vLLM hands the
 prefiller a state only at the prompt's last full boundary before its last token
-(``(n - 1) // 256 * 256``), so the streamed hit ends there and the decoder computes the rest (less
+(``(n - 1) // block * block``), so the streamed hit ends there and the decoder computes the rest (less
 than a block, or a block when the prompt ends on one). A prefill that never comes ends the receive
 at its deadline and vLLM recomputes the request whole (a hybrid's failed receive)."""
 
@@ -23,7 +24,7 @@ from lw_dev.harness import assert_same_greedy
 from lw_dev.pd_flow import baseline, text, through
 from lw_dev.pd_oracle import SAMPLING, by_index, completion_choice
 from lw_dev.pd_streaming_flow import STREAM_TIMEOUT_S, decoder_first
-from lw_dev.state_sizes import gdn_state_nbytes
+from lw_dev.state_sizes import gdn_state_nbytes, ssm_dtype
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -32,6 +33,14 @@ MAX_TOKENS = 8
 
 def _body(prompt: str) -> dict:
     return {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "logprobs": 2, **SAMPLING}
+
+
+def _state_nbytes(stack: Stack) -> int:
+    """One state object's bytes, in the dtype the decoder stores states in on this CPU."""
+    engine = stack.decode.engine()
+    state = gdn_state_nbytes(ssm_dtype=ssm_dtype(engine))
+    assert engine["state_bytes"] == state, engine
+    return state
 
 
 def _ref(stack: Stack, body: dict) -> dict:
@@ -43,8 +52,7 @@ def _ref(stack: Stack, body: dict) -> dict:
 def test_streamed_prompt_matches_single_engine_and_loads_up_to_the_last_state(
         gdn_stream_stack: Stack, seed: int, words: int) -> None:
     stack = gdn_stream_stack
-    bs = stack.block_size
-    assert bs == 256
+    bs = stack.block_size  # the engines' (their engine record)
     body = _body(text(seed, words))
     ref = _ref(stack, body)
     status, out, took = decoder_first(stack, body, f"parent-gdn-stream-{seed}")
@@ -61,7 +69,7 @@ def test_streamed_prompt_matches_single_engine_and_loads_up_to_the_last_state(
     assert rec["promised_tokens"] == rec["loaded_tokens"] == hit and rec["failed_blocks"] == 0, rec
     # The two full-attention layers' chunks (K and V, 2 kv heads of 64, bf16), then the state object.
     page = 2 * GDN_SPEC["num_key_value_heads"] * GDN_SPEC["head_dim"] * 2 * bs
-    assert rec["loaded_bytes"] == 2 * (hit // bs) * page + gdn_state_nbytes(), rec
+    assert rec["loaded_bytes"] == 2 * (hit // bs) * page + _state_nbytes(stack), rec
     t = rec["t"]  # the receive ended with the prefill, not at its deadline
     assert t["load_done"] - t["stream_sent"] < STREAM_TIMEOUT_S / 2, t
 
@@ -112,7 +120,7 @@ def test_through_the_proxy_prompts_match_single_engine_and_a_short_one_loads_not
     hit = (long["prompt_tokens"] - 1) // bs * bs
     assert long["remote_prefill"] in ("streaming", "pool holds the prompt"), long
     assert long["promised_tokens"] == long["loaded_tokens"] == hit and long["failed_blocks"] == 0, long
-    assert long["loaded_bytes"] == 2 * (hit // bs) * page + gdn_state_nbytes(), long  # streamed or loaded
+    assert long["loaded_bytes"] == 2 * (hit // bs) * page + _state_nbytes(stack), long  # streamed or loaded
     assert short["remote_prefill"] == "nothing to load" and short["loaded_tokens"] == 0, short
 
 

@@ -242,11 +242,14 @@ def test_prefiller_saves_what_the_pool_lacks_and_reports_it_with_the_answer(pool
         assert x.block_ids == [12] and x.hashes == chunk_hashes(req.all_token_ids, BLOCK)[2:3]  # only chunk 2
         # max_tokens=1: vLLM finishes the request before handing over that step's worker report.
         side.request_finished(req, [10, 11, 12, 13])
-        assert not stats.exists() or stats.read_text() == ""
-        side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=LayerwiseWorkerMeta(saved={"p-1": 1})))
         import json
 
-        (rec,) = [json.loads(line) for line in stats.read_text().splitlines()]
+        def requests() -> list[dict]:  # the request records (the file starts with the engine's)
+            return [r for r in map(json.loads, stats.read_text().splitlines()) if "engine" not in r]
+
+        assert requests() == []
+        side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=LayerwiseWorkerMeta(saved={"p-1": 1})))
+        (rec,) = requests()
         assert rec["req_id"] == "p-1" and rec["saved_chunks"] == 1 and "remote_prefill" not in rec
     finally:
         side.shutdown()

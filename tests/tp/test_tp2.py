@@ -1,5 +1,5 @@
 """Tensor parallel 2 on vLLM's CPU build (one worker process per core: ``mp`` executor,
-``VLLM_CPU_OMP_THREADS_BIND=0|1``): a kv_both TP=2 engine saves, a fresh TP=2 engine loads, and
+``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0|1``): a kv_both TP=2 engine saves, a fresh TP=2 engine loads, and
 its greedy output equals the same TP=2 engine without the pool.
 
 GQA (2 kv heads: each rank saves and loads its own head under its own rank tag) and MLA (the latent
@@ -20,13 +20,15 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
+from lw_bench.pd.stack import cpu_ids  # noqa: E402
 from lw_dev.harness import assert_same_greedy, random_tokens, run_engine  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 TP = 2
-# One OpenMP thread per worker, each on its own core (the engine core and the pool share them).
-ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+# One OpenMP thread per worker, each on its own core of those this process may use (the engine core
+# and the pool share them).
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(cpu_ids())}
 BLOCK = {"gqa": 32, "mla": 16}
 MAX_TOKENS = 8
 P1 = random_tokens(31, 167)  # several full chunks and a partial tail

@@ -28,6 +28,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
 
+from lw_bench.pd.stack import cpu_ids  # noqa: E402
 from lw_dev.harness import assert_same_greedy, random_tokens, run_engine  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -36,8 +37,9 @@ BLOCK = 32
 MAX_TOKENS = 8
 A = random_tokens(41, 3 * BLOCK + 7)  # three full chunks and a partial tail
 B = random_tokens(42, 2 * BLOCK + 5)
-# One OpenMP thread per worker, each on its own core (the engine core and the pool share them).
-TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+# One OpenMP thread per worker, each on its own core of those this process may use (the engine core
+# and the pool share them).
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "|".join(cpu_ids())}
 
 
 def _run(tp: int, prompts: list, pool: str) -> list:

@@ -92,7 +92,12 @@ def test_scheduler_frees_a_saving_request_late_and_writes_its_stats_when_sending
             assert side.has_pending_block_frees()
             side.update_connector_output(SimpleNamespace(kv_connector_worker_meta=None, finished_sending={"r-save"}))
             assert not side.has_pending_block_frees()
-        recs = {r["req_id"]: r for r in map(json.loads, stats.read_text().splitlines())}
+        engine, *lines = map(json.loads, stats.read_text().splitlines())
+        # The engine record comes first (lw_vllm.scheduler.engine_facts), then one line per request.
+        assert engine["engine"]["block_size"] == BLOCK and engine["engine"]["state_bytes"] is None, engine
+        assert engine["engine"]["groups"] == [{"kind": "SimpleNamespace", "layers": 1, "block_size": BLOCK,
+                                               "page_size_bytes": 4096}], engine
+        recs = {r["req_id"]: r for r in lines}
         assert recs["r-save"]["saved_chunks"] == 3 and "r-none" in recs
         assert side.late.sending == {}
     finally:

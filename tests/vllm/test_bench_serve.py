@@ -150,6 +150,9 @@ def test_gdn_states_are_the_save_engines_objects_beyond_its_chunks() -> None:
     cfg = bench_serve._config(_args("--model", "gdn", "--lengths", "1024,2048", "--reps", "1"))
     chunks = 2 * (2 + 4)  # warm-up and one measured prefix per length, 512-token chunks
     chunk_bytes = 512 * cfg["kv_bytes_per_token"]
-    st = bench_serve._states(cfg, [{"saved_objects": chunks + 4, "saved_bytes": chunks * chunk_bytes + 4 * 1000}])
+    engine = {"block_size": 512, "groups": [{"kind": "MambaSpec", "dtypes": ["bfloat16", "float32"]},
+                                            {"kind": "FullAttentionSpec", "dtype": "bfloat16"}]}
+    st = bench_serve._states(cfg, [{"saved_objects": chunks + 4, "saved_bytes": chunks * chunk_bytes + 4 * 1000}],
+                             engine)
     assert st == {"chunk_objects": chunks, "objects": 4, "per_prefix": 1.0, "bytes_per_object": 1000,
-                  "save_failed_objects": 0}
+                  "save_failed_objects": 0, "ssm_dtype": "float32"}  # the engine's recurrent state dtype

@@ -32,9 +32,10 @@ class MambaSpec(SimpleNamespace):
     pass
 
 
-def _cfg(mode: str = "align", state_bs: int = BS, spec_blocks: int = 0) -> SimpleNamespace:
+def _cfg(mode: str = "align", state_bs: int = BS, spec_blocks: int = 0, shapes: tuple = ((2, 3), (4,)),
+         dtypes: tuple = (torch.bfloat16, torch.float32)) -> SimpleNamespace:
     state = dict(block_size=state_bs, page_size_bytes=64, mamba_cache_mode=mode, num_speculative_blocks=spec_blocks,
-                 shapes=((2, 3), (4,)), dtypes=(torch.bfloat16, torch.float32))
+                 shapes=shapes, dtypes=dtypes)
     return SimpleNamespace(kv_cache_groups=[
         SimpleNamespace(kv_cache_spec=MambaSpec(**state), layer_names=["m.layers.2.la", "m.layers.0.la"]),
         SimpleNamespace(kv_cache_spec=FullAttentionSpec(block_size=BS, page_size_bytes=64),
@@ -55,6 +56,21 @@ def test_layout_in_model_order_and_its_own_key_space() -> None:
     assert lay.tensor_nbytes == ((12, 16), (12, 16)) and lay.nbytes == 56
     sks = state_layout.state_keyspace(KS, lay)
     assert sks.model_fp == KS.model_fp and sks.layout_fp != KS.layout_fp
+
+
+@pytest.mark.parametrize("other", [
+    {"dtypes": (torch.float16, torch.float32)},  # --mamba-ssm-cache-dtype float16 against bfloat16: same bytes
+    {"dtypes": (torch.bfloat16, torch.int32)},
+    {"shapes": ((3, 2), (4,))},  # a conv state stored the other way round (VLLM_SSM_CONV_STATE_LAYOUT)
+    {"mode": "none"},
+])
+def test_states_of_other_dtypes_shapes_or_modes_never_share_keys(other: dict) -> None:
+    """Two engines whose state tensors differ in dtype, shape or cache mode, byte sizes alike, key
+    their states apart (one never loads the other's bits); the same layout keys alike."""
+    lay, alt = state_layout.state_layout(_cfg()), state_layout.state_layout(_cfg(**other))
+    assert alt.tensor_nbytes == lay.tensor_nbytes
+    assert state_layout.state_keyspace(KS, alt) != state_layout.state_keyspace(KS, lay)
+    assert state_layout.state_keyspace(KS, state_layout.state_layout(_cfg())) == state_layout.state_keyspace(KS, lay)
 
 
 def _st(rid: str, prompt_len: int) -> ReqState:
@@ -151,3 +167,22 @@ def test_state_tensors_that_do_not_match_the_spec_are_refused() -> None:
     bad = {n: [torch.zeros(5, 2, 2, dtype=torch.bfloat16), torch.zeros(5, 4)] for n in lay.layers}
     with pytest.raises(NotImplementedError, match="state tensors"):
         StateStore(MemoryBackend(1 << 20), KS, TAGS[0], lay, bad, 5)
+
+
+def test_engine_record_names_what_vllm_decided_for_the_states() -> None:
+    """The stats file's engine record (engine_facts): per group its kind, block and page size, a
+    state group's tensor shapes, dtypes and cache mode; the pool's block and a state object's bytes."""
+    from lw_vllm.scheduler.engine_facts import engine_facts
+
+    vc = SimpleNamespace(model_config=SimpleNamespace(dtype=torch.bfloat16),
+                         cache_config=SimpleNamespace(cache_dtype="auto", mamba_ssm_cache_dtype="auto"))
+    kc = _cfg()
+    rec = engine_facts(vc, kc, state_layout.state_layout(kc))
+    assert rec == {
+        "block_size": BS, "dtype": "bfloat16", "kv_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto",
+        "groups": [{"kind": "MambaSpec", "layers": 2, "block_size": BS, "page_size_bytes": 64, "shapes": [[2, 3], [4]],
+                    "dtypes": ["bfloat16", "float32"], "mamba_cache_mode": "align"},
+                   {"kind": "FullAttentionSpec", "layers": 2, "block_size": BS, "page_size_bytes": 64}],
+        "state_bytes": 56,
+    }
+    assert engine_facts(vc, kc, None)["state_bytes"] is None  # the pool keeps no states (inert)

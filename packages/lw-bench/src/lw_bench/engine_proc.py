@@ -32,14 +32,27 @@ def in_process_engine(prefix: str, *, force: bool = True) -> str:
 
 
 def read_stats(path: str) -> dict[str, Any]:
-    """The connector's stats records in ``path``, by request id."""
+    """The connector's per-request stats records in ``path``, by request id."""
     out: dict[str, Any] = {}
     with open(path) as f:
         for line in f:
             if line.strip():
                 rec = json.loads(line)
-                out[rec["req_id"]] = rec
+                if "req_id" in rec:
+                    out[rec["req_id"]] = rec
     return out
+
+
+def read_engine(path: str) -> dict[str, Any] | None:
+    """The connector's engine record in ``path`` (lw_vllm.scheduler.engine_facts: block sizes, state dtypes
+    and bytes as vLLM decided them on this machine); ``None`` when no connector wrote one."""
+    found = None
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                found = rec.get("engine", found)
+    return found
 
 
 def settle(llm: Any, stats_path: str, request_ids: list[str], timeout_s: float = 60.0) -> dict[str, Any]:

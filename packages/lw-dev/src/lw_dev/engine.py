@@ -13,8 +13,10 @@ token ids or ``{"ids": [...], "salt": "tenant"}`` (vLLM's ``cache_salt``), ``{"i
 ``{"embeds": seed, "n": tokens}`` (``prompt_embeds``: ``n`` random rows of the model's hidden size
 drawn from ``seed``; the engine needs ``enable_prompt_embeds``). ``sampling``: ``SamplingParams``
 keyword arguments replacing greedy decoding (e.g. ``{"temperature": 0.8, "seed": 1}``).
-Result per prompt: generated token ids, per position the top-2 (token, logprob) pairs, the finish
-reason, vLLM's cached-token count and the connector's per-request stats when a connector ran.
+The result's ``engine``: the connector's engine record (``lw_vllm.scheduler.engine_facts``: block sizes, state
+dtypes and bytes as vLLM decided them on this machine; ``None`` without a connector). Result per
+prompt: generated token ids, per position the top-2 (token, logprob) pairs, the finish reason,
+vLLM's cached-token count and the connector's per-request stats when a connector ran.
 
 ``"faults": true`` wraps the job's pool backend (default "embedded") in ``lw_dev.faulty_backend``
 through lw-core's ``register_backend`` seam (plugin "faulty"), and a phase may then be
@@ -39,7 +41,7 @@ import shutil
 import time
 from typing import Any
 
-from lw_bench.engine_proc import emit, in_process_engine, main, settle, stats_for
+from lw_bench.engine_proc import emit, in_process_engine, main, read_engine, settle, stats_for
 
 RESULT_MARK = "LW-ENGINE-RESULT "
 
@@ -188,6 +190,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     start_s = time.perf_counter() - t0
+    engine = read_engine(stats_path)  # the connector's engine record, before the phases empty the file
     if faults:
         assert len(wrappers) == 1, f"expected one shared pool backend, got {len(wrappers)}"
         wrappers[0].state_marks = _state_marks(llm)
@@ -225,7 +228,7 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             phase.update(rule_hits=list(fb.hits), pool_objects=fb.inner.stats().get("objects"))
         phases.append(phase)
     os.unlink(stats_path)
-    return {"start_s": start_s, "phases": phases}
+    return {"start_s": start_s, "engine": engine, "phases": phases}
 
 
 def generate_phase(llm: Any, prompts: list[Any], sp: Any, stats_path: str,

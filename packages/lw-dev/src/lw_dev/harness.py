@@ -66,15 +66,17 @@ def pool_dir(prefix: str = "lw-fault-pool") -> str:
     return f"{base}/{prefix}-{uuid.uuid4().hex[:8]}"
 
 
-def run_faulty(job: dict[str, Any]) -> tuple[dict[str, Any], str]:
+def run_faulty(job: dict[str, Any], *, keep_pool: bool = False) -> tuple[dict[str, Any], str]:
     """One engine whose pool is wrapped in ``lw_dev.faulty_backend`` (``"faults": true``, see
-    ``lw_dev.engine``): its result and whole output; the job's embedded pool is removed after."""
+    ``lw_dev.engine``): its result and whole output; the job's embedded pool is removed after
+    unless ``keep_pool`` (a later engine of the test reads it; the test's fixture removes it)."""
     try:
         return run_engine_with_output({**job, "faults": True}, timeout_s=FAULT_TIMEOUT_S)
     except EngineFailed as e:
         raise AssertionError(f"fault engine failed: {e}") from None
     finally:
-        shutil.rmtree(job["extra"]["embedded_path"], ignore_errors=True)
+        if not keep_pool:
+            shutil.rmtree(job["extra"]["embedded_path"], ignore_errors=True)
 
 
 

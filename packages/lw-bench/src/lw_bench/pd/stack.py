@@ -22,6 +22,8 @@ from typing import Any
 
 from aiohttp.test_utils import unused_port
 
+from lw_bench.engine_proc import read_engine
+
 # vLLM's API server imports for ~1-2 min on a loaded 2-core machine.
 SERVER_START_TIMEOUT_S = 420.0
 PROXY_START_TIMEOUT_S = 30.0
@@ -164,11 +166,21 @@ class VllmServer:
         self._stats_mark = self.stats_path.stat().st_size if self.stats_path.exists() else 0
 
     def new_stats(self) -> list[dict[str, Any]]:
+        """The per-request records written since ``mark`` (not the engine record)."""
         if not self.stats_path.exists():
             return []
         with open(self.stats_path, "rb") as f:
             f.seek(self._stats_mark)
-            return [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+            recs = [json.loads(line) for line in f.read().decode().splitlines() if line.strip()]
+        return [r for r in recs if "engine" not in r]
+
+    def engine(self) -> dict[str, Any]:
+        """The connector's engine record (lw_vllm.scheduler.engine_facts): what vLLM decided on this machine
+        (block sizes, state dtypes and bytes), written at start-up."""
+        found = read_engine(str(self.stats_path)) if self.stats_path.exists() else None
+        if found is None:
+            raise RuntimeError(f"{self.proc.name}: no engine record in {self.stats_path}")
+        return found
 
 
 def start_vllm(name: str, model_dir: str, *, kv_role: str, extra: dict[str, Any], cpu: str, log_dir: Path,
@@ -261,8 +273,11 @@ def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout
     mla = model == "mla"
     # swa: the sliding-window hybrid, run with vLLM's hybrid KV cache manager (its blocks are 32).
     # gdn: the gated delta-net hybrid, bf16 (vLLM's CPU GDN kernels), prefix caching on so vLLM hands
-    # its states off at block boundaries ("align" mode); vLLM raises its block to 256 tokens.
-    # mamba2: the Mamba2 hybrid, float32, prefix caching on likewise; vLLM raises its block to 128.
+    # its states off at block boundaries ("align" mode), asked for blocks of 256 tokens (a page then
+    # holds a layer's state whichever dtype vLLM's CPU platform stores it in: float32 with
+    # AVX512-BF16, bf16 without). mamba2: the Mamba2 hybrid, float32, prefix caching on likewise,
+    # blocks of 128. vLLM may still raise a hybrid's block: the stack's block_size is the one the
+    # engines report (their connector's engine record, lw_vllm.scheduler.engine_facts).
     model_dir = str({"mla": models.mla_model, "swa": models.swa_model, "gdn": models.gdn_model,
                      "mamba2": models.mamba2_model}.get(model, models.gqa_model)())
     state_block = {"gdn": 256, "mamba2": 128}.get(model)
@@ -281,6 +296,10 @@ def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout
                             block_size=block, mla=mla, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                             dtype=dtype, prefix_caching=prefix_caching)
         wait_ready([prefill.proc, decode.proc], "/health", SERVER_START_TIMEOUT_S)
+        blocks = {s.proc.name: s.engine()["block_size"] for s in (prefill, decode)}
+        if len(set(blocks.values())) != 1:
+            raise RuntimeError(f"the engines run blocks of different sizes: {blocks}")
+        block = prefill.block_size = decode.block_size = blocks["prefill"]
         for s in (prefill, decode):
             for path, body in (("/v1/completions", {"prompt": "warm up", "logprobs": 2}),
                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "warm up"}],

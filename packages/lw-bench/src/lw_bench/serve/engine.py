@@ -10,7 +10,9 @@ report the connector's pool counters at the end) and ``items``: ``[{"id": str, "
 order, each as its own ``generate`` call with ``max_tokens=1`` so the call's wall time is the
 request's time to first token.
 
-stdout: a line ``LW-SERVE-STARTED <seconds>`` once the engine is up, ``LW-SERVE-ITEM <json>`` per
+stdout: a line ``LW-SERVE-STARTED <seconds>`` once the engine is up, with a connector then
+``LW-SERVE-ENGINE <json>`` (its engine record, lw_vllm.scheduler.engine_facts: the block and state dtypes vLLM
+ran on this machine), ``LW-SERVE-ITEM <json>`` per
 item (``id``, ``ttft_s``, ``cached_tokens`` as vLLM reports them, ``pool`` = the connector's
 per-request stats or null), with ``metrics``: ``LW-SERVE-METRICS <json>`` (the engine's
 ``vllm:lw_pool_*`` counters without that prefix, e.g. ``disk_hits``, ``disk_read_bytes``), and
@@ -24,12 +26,13 @@ import os
 import time
 from typing import Any
 
-from lw_bench.engine_proc import emit, in_process_engine, main, settle, stats_for
+from lw_bench.engine_proc import emit, in_process_engine, main, read_engine, settle, stats_for
 
 STARTED = "LW-SERVE-STARTED "
 ITEM = "LW-SERVE-ITEM "
 DONE = "LW-SERVE-DONE"
 METRICS = "LW-SERVE-METRICS "
+ENGINE = "LW-SERVE-ENGINE "
 _PROM = "vllm:lw_pool_"
 
 
@@ -63,6 +66,9 @@ def run(job: dict[str, Any]) -> None:
     t0 = time.perf_counter()
     llm = LLM(**kw)
     emit(STARTED + repr(time.perf_counter() - t0))
+    engine = read_engine(stats_path)
+    if engine is not None:
+        emit(ENGINE + json.dumps(engine))
     sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
     if job.get("metrics"):
         _poll_step(llm, sp)  # the counters' baseline, before any measured request

@@ -67,7 +67,9 @@ returns it as the JSON object, lengths as string keys, times in seconds):
   (same depth), ``layered_vs_local`` (same depth), ``targets`` (0.3, 0.85, 1.0), ``length``
 * ``states`` (``--model gdn``): ``chunk_objects``, ``objects`` (state objects the save engine
   committed besides its chunks, from its pool counters), ``per_prefix``, ``bytes_per_object``,
-  ``save_failed_objects``; a hit loads one state object, counted in ``pool_loaded_bytes``
+  ``save_failed_objects``, ``ssm_dtype`` (the recurrent state's dtype as the engine ran it: float32
+  on CPUs with AVX512-BF16, bf16 elsewhere; it sets ``bytes_per_object``); a hit loads one state
+  object, counted in ``pool_loaded_bytes``
 * ``checks``: ``pool_hits_ok`` (every first request of a pool mode loaded exactly ``L`` tokens,
   none failed), ``local_hits_ok`` (every second request was a vLLM prefix-cache hit of ``L``),
   ``saved_ok`` (the save engine saved ``L / block_size`` chunks per prefix), ``problems``
@@ -105,8 +107,9 @@ from lw_bench.serve.run import EngineError, run_engine
 
 BLOCK_SIZE = 32
 # ``--model gdn``: vLLM raises a GDN hybrid's attention block until a page holds a layer's recurrent
-# state (268 KiB here: a float32 16 x 64 x 64 state and a bf16 convolution state); asked for 512
-# tokens (512 KiB pages) it keeps them.
+# state (268 KiB with a float32 16 x 64 x 64 state and a bf16 convolution state, as vLLM's CPU
+# platform stores it on CPUs with AVX512-BF16; 140 KiB with the bf16 state it keeps elsewhere);
+# asked for 512 tokens (512 KiB pages) it keeps them either way (checked: _run_engines).
 GDN_BLOCK_SIZE = 512
 MODELS = ("bench", "tiny", "swa", "gdn")
 # ``--model swa``: the same layerwise mode with vLLM's hybrid KV cache manager off, so the
@@ -329,7 +332,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         with backends.stores(cfg) as extras:
             modes = _modes(cfg, extras)
-            records, starts, counters, seq = _run_engines(args, cfg, model_dir, modes)
+            records, starts, counters, seq, engines = _run_engines(args, cfg, model_dir, modes)
     finally:
         if own_pool:
             shutil.rmtree(cfg["pool_path"], ignore_errors=True)
@@ -337,7 +340,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     result = summarize(cfg, [m[0] for m in modes], records)
     result["backend_rows"] = backends.rows(cfg, result["ttft_s"])
     if cfg["model"] == "gdn":
-        result["states"] = _states(cfg, counters.get("save", []))
+        result["states"] = _states(cfg, counters.get("save", []), engines.get("save"))
     if cfg.get("disk_dir"):
         result["disk"] = disk.rows(cfg, result, backends.hit_mode(cfg, "embedded"), seq, counters.get(disk.HIT, []))
         if not result["disk"]["disk_hits_ok"]:
@@ -359,9 +362,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _run_engines(args: argparse.Namespace, cfg: dict[str, Any], model_dir: str,
-                 modes: list[tuple[str, dict[str, Any] | None, bool]]) -> tuple[dict, dict, dict, list[float]]:
+                 modes: list[tuple[str, dict[str, Any] | None, bool]]) -> tuple[dict, dict, dict, list[float], dict]:
     """Every engine in schedule order: (records, start times, pool counters by mode, the disk
-    tier directory's sequential reads)."""
+    tier directory's sequential reads, the connector's engine record by mode). An engine whose
+    block vLLM raised past the one asked for (a hybrid's state page) ends the run: every figure
+    counts chunks of ``block_size``."""
     from tqdm import tqdm
 
     prompts = _prompts(cfg)
@@ -381,6 +386,7 @@ def _run_engines(args: argparse.Namespace, cfg: dict[str, Any], model_dir: str,
     starts: dict[str, list[float]] = {}
     counters: dict[str, list[dict[str, float]]] = {}
     seq: list[float] = []
+    engines: dict[str, dict[str, Any]] = {}
     total = sum(len(jobs[name]["items"]) + 1 for name in schedule)
     with tqdm(total=total, desc="lw-bench serve", unit="step", file=sys.stderr) as bar:
         for name in schedule:
@@ -396,23 +402,33 @@ def _run_engines(args: argparse.Namespace, cfg: dict[str, Any], model_dir: str,
                 bar.set_postfix_str(name)
 
             try:
-                start_s, recs, pool = run_engine(job, env=env, timeout_s=args.engine_timeout_s, on_event=on_event)
+                start_s, recs, pool, engine = run_engine(job, env=env, timeout_s=args.engine_timeout_s,
+                                                         on_event=on_event)
             except EngineError as e:
                 raise SystemExit(f"lw-bench serve: engine '{name}' failed: {e}") from None
+            if engine is not None:
+                if engine["block_size"] != cfg["block_size"]:
+                    raise SystemExit(f"lw-bench serve: engine '{name}' runs blocks of {engine['block_size']} tokens, "
+                                     f"not the {cfg['block_size']} asked for (vLLM raised them so a page holds the "
+                                     "model's recurrent state)")
+                engines.setdefault(name, engine)
             starts.setdefault(name, []).append(start_s)
             records.setdefault(name, []).extend(recs)
             if job.get("metrics"):
                 counters.setdefault(name, []).append(pool)
-    return records, starts, counters, seq
+    return records, starts, counters, seq, engines
 
 
 # --- figures -------------------------------------------------------------------------------------
 
 
-def _states(cfg: dict[str, Any], counters: list[dict[str, float]]) -> dict[str, Any]:
+def _states(cfg: dict[str, Any], counters: list[dict[str, float]], engine: dict[str, Any] | None) -> dict[str, Any]:
     """``--model gdn``: the recurrent-state objects the save engine committed besides its chunks
     (its pool counters less the chunks its first requests saved). A hit loads one of them, which
-    the connector's per-request ``loaded_bytes`` counts besides the chunks."""
+    the connector's per-request ``loaded_bytes`` counts besides the chunks. ``ssm_dtype``: the
+    dtype the save engine stored the recurrent state in (its engine record): vLLM's CPU platform
+    picks float32 on CPUs with AVX512-BF16 and the model's bf16 elsewhere, which halves
+    ``bytes_per_object``."""
     c = counters[0] if counters else {}
     chunks = (cfg["reps"] + 1) * sum(cfg["lengths"]) // cfg["block_size"]
     objects = int(c.get("saved_objects", 0)) - chunks
@@ -423,7 +439,16 @@ def _states(cfg: dict[str, Any], counters: list[dict[str, float]]) -> dict[str, 
         "per_prefix": objects / ((cfg["reps"] + 1) * len(cfg["lengths"])),
         "bytes_per_object": state_bytes // objects if objects > 0 else None,
         "save_failed_objects": int(c.get("save_failed_objects", 0)),
+        "ssm_dtype": _ssm_dtype(engine),
     }
+
+
+def _ssm_dtype(engine: dict[str, Any] | None) -> str | None:
+    """The recurrent (last) state tensor's dtype of the engine record's state group."""
+    for g in (engine or {}).get("groups", []):
+        if g.get("dtypes"):
+            return str(g["dtypes"][-1])
+    return None
 
 
 
@@ -564,7 +589,8 @@ def print_table(r: dict[str, Any]) -> None:
     if r.get("states"):
         st = r["states"]
         print(f"recurrent states saved: {st['objects']} objects ({st['per_prefix']:.2f} per prefix) of "
-              f"{st['bytes_per_object']} bytes, beside {st['chunk_objects']} chunks; a hit loads one besides its chunks")
+              f"{st['bytes_per_object']} bytes (recurrent state in {st.get('ssm_dtype')}, vLLM's choice on this CPU), "
+              f"beside {st['chunk_objects']} chunks; a hit loads one besides its chunks")
     backends.print_rows(r)
     if r.get("disk"):
         disk.print_rows(r["disk"], lengths)

@@ -114,6 +114,7 @@ class StatesRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     per_prefix: float  # objects / prefixes saved (1: the last boundary of each prompt)
     bytes_per_object: int | None  # one state object: every GDN layer's state at one boundary
     save_failed_objects: Annotated[int, Meta(ge=0)]
+    ssm_dtype: str | None = None  # the recurrent state's dtype as the save engine ran it (by the CPU)
 
 
 class LoadAverage(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

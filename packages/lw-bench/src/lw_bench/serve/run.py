@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from lw_bench.serve.engine import DONE, ITEM, METRICS, STARTED
+from lw_bench.serve.engine import DONE, ENGINE, ITEM, METRICS, STARTED
 
 
 class EngineError(RuntimeError):
@@ -27,9 +27,10 @@ def run_engine(
     env: dict[str, str] | None = None,
     timeout_s: float,
     on_event: Callable[[str, Any], None] | None = None,
-) -> tuple[float, list[dict[str, Any]], dict[str, float]]:
+) -> tuple[float, list[dict[str, Any]], dict[str, float], dict[str, Any] | None]:
     """Start the engine, feed it ``job``; returns (engine start seconds, item records, pool counters
-    (empty unless the job asked for ``metrics``)).
+    (empty unless the job asked for ``metrics``), the connector's engine record (``None`` without a
+    connector): block sizes and state dtypes as vLLM decided them on this machine).
 
     ``on_event("started" | "item", payload)`` is called as results arrive (for a progress bar).
     Raises EngineError with the tail of the engine's output when it fails or runs past the deadline.
@@ -58,6 +59,7 @@ def run_engine(
     deadline = time.monotonic() + timeout_s
     started, items, done = None, [], False
     metrics: dict[str, float] = {}
+    engine: dict[str, Any] | None = None
     try:
         assert proc.stdin is not None
         proc.stdin.write(json.dumps(job))
@@ -83,6 +85,8 @@ def run_engine(
                     on_event("item", rec)
             elif line.startswith(METRICS):
                 metrics = json.loads(line[len(METRICS):])
+            elif line.startswith(ENGINE):
+                engine = json.loads(line[len(ENGINE):])
             elif line.startswith(DONE):
                 done = True
             else:
@@ -93,7 +97,7 @@ def run_engine(
             except subprocess.TimeoutExpired:
                 rc = "no exit status"
             raise EngineError(f"engine stopped with {rc} before finishing; last output:\n" + "".join(tail))
-        return started, items, metrics
+        return started, items, metrics, engine
     finally:
         # A finished engine exits on its own (os._exit); anything else is killed, never waited on.
         try:

@@ -2,7 +2,9 @@
 
 With ``LW_VLLM_STATS_FILE`` set, one JSON line per finished request is appended to that file
 (``lw-bench`` and the engine tests read it): its prompt, promised, loaded and saved counts, its
-remote-prefill outcome, and wall-clock milestones (``t``). A line is written once the worker report
+remote-prefill outcome, and wall-clock milestones (``t``). At start-up the engine appends one
+engine record first, ``{"engine": ...}`` (lw_vllm.scheduler.engine_facts: block sizes, state dtypes and
+bytes as vLLM decided them here), which has no ``req_id``. A line is written once the worker report
 of the request's last step has arrived, so a prefill's ``saved_chunks`` counts what was committed
 before its answer: a request whose last step moved KV waits here ("finishing") until a later step's
 report, or until a step plan ``1 + lag`` builds later (``lag``: 1 under async scheduling, where one
@@ -40,6 +42,11 @@ class StatsLog:
     @classmethod
     def from_env(cls, block_size: int, lag: int) -> StatsLog:
         return cls(os.environ.get(STATS_ENV) or None, block_size, lag)
+
+    def engine(self, facts: dict[str, Any]) -> None:
+        """Append the engine record ``{"engine": facts}`` (lw_vllm.scheduler.engine_facts): at start-up, before
+        any request's line; readers tell it from those by its key (it has no ``req_id``)."""
+        self._append({"engine": facts})
 
     def finishing(self, request_id: str) -> ReqState | None:
         """A finished request whose last worker report is still to come (reports are applied to it)."""
@@ -88,6 +95,12 @@ class StatsLog:
             rec["remote_prefill"] = st.remote.detail
             wait_s = st.remote.wait_s
             rec["metaserver_wait_s"] = None if wait_s is None else round(wait_s, 4)
+        self._append(rec)
+
+    def _append(self, rec: dict[str, Any]) -> None:
+        path = self.path
+        if path is None:
+            return
         try:
             with self._lock, open(path, "a") as f:
                 f.write(json.dumps(rec) + "\n")

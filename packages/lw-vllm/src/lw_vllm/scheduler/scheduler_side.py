@@ -28,7 +28,8 @@ into a response, so a ``max_tokens: 1`` prefill is answered only after its objec
 
 Stats (``LW_VLLM_STATS_FILE``, one JSON line per finished request) are written once the worker
 report of the request's last step has arrived, so a prefill's ``saved_chunks`` counts what was
-committed before its answer (``request_stats.StatsLog``).
+committed before its answer (``request_stats.StatsLog``); the file starts with one engine record
+(``engine_facts``: block sizes, state dtypes and bytes, as vLLM decided them on this machine).
 
 Collaborators this side builds and owns: ``PoolLookup`` (pool_lookup: lookups under a deadline),
 ``PdCoordinator`` (pd_coordinator: PD), ``StatsLog`` (request_stats), ``LateFrees`` (late_frees:
@@ -57,6 +58,7 @@ from lw_vllm.pd.pd_metaserver import MetaserverClient
 from lw_vllm.pool_events import PoolEvents, events_enabled
 from lw_vllm.request.request_state import RemotePhase, ReqState
 from lw_vllm.scheduler import pool_reset
+from lw_vllm.scheduler.engine_facts import engine_facts
 from lw_vllm.scheduler.late_frees import LateFrees
 from lw_vllm.scheduler.pool_lookup import PoolLookup
 from lw_vllm.scheduler.request_stats import StatsLog
@@ -127,8 +129,8 @@ class SchedulerSide:
         self.backend = pool.acquire_backend(cfg)
         self.lookup = PoolLookup(self.backend, self.keyspace, self.tags, self.other_tp, self.readable_tp,
                                  cfg.lookup_timeout_s, self.metrics)
-        if state and not self.inert:
-            layout = state_layout.state_layout(kv_cache_config)
+        layout = state_layout.state_layout(kv_cache_config) if state and not self.inert else None
+        if layout is not None:
             self.states = StatePlan(self.lookup, state_layout.state_keyspace(self.keyspace, layout), self.tags,
                                     layout, self.block_size)
         self.reqs: dict[str, ReqState] = {}
@@ -143,6 +145,11 @@ class SchedulerSide:
         self._lag = 1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0
         # Finished requests' stats lines, written once their last step's worker report arrived.
         self.stats = StatsLog.from_env(self.block_size, self._lag)
+        if self.stats.path is not None:
+            try:
+                self.stats.engine(engine_facts(vllm_config, kv_cache_config, layout))
+            except Exception as e:  # a diagnostic: never what stops an engine
+                log.warning("lw-vllm: cannot describe this engine in the stats file: %s", e)
         # Whether the last get_num_new_matched_tokens call looked the pool up (for lookup metrics:
         # "not ready yet" answers and plain requests on a non-loading role are not lookups).
         self.last_call_looked_up = False

@@ -177,7 +177,9 @@ NOT_IN_PLAIN_INSTALL: dict[str, dict[str, tuple[set[str], str]]] = {
         # a package that fails to import hides its modules (lw_core.pipeline's __init__ needs numpy)
         "lw_core.backends.embedded", "lw_core.pipeline")},
     "lw-vllm": {m: _VLLM for m in (
-        "lw_vllm.connector", "lw_vllm.device.copier", "lw_vllm.device.device_path", "lw_vllm.device.device_streams", "lw_vllm.hybrid.group_blocks",
+        "lw_vllm.connector", "lw_vllm.device.copier", "lw_vllm.device.device_path", "lw_vllm.device.device_streams",
+        "lw_vllm.device.direct_path", "lw_vllm.device.host_register", "lw_vllm.device.zero_copy",
+        "lw_vllm.hybrid.group_blocks", "lw_vllm.hybrid.state_loads",
         "lw_vllm.scheduler.late_frees", "lw_vllm.worker.load_sources", "lw_vllm.meta",
         "lw_vllm.metrics", "lw_vllm.pd.pd_coordinator", "lw_vllm.scheduler.pool_lookup", "lw_vllm.worker.recurrent_states",
         "lw_vllm.worker.save_book", "lw_vllm.worker.save_ledger", "lw_vllm.scheduler.scheduler_side", "lw_vllm.device.staging", "lw_vllm.hybrid.state_plan",

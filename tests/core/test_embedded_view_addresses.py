@@ -80,3 +80,44 @@ def test_a_streaming_handle_has_no_addresses(tmp_path):
         b.abort([w])
     finally:
         b.close()
+
+
+def test_a_steps_table_answers_as_view_addresses_and_sees_every_change_after_it_was_built(tmp_path):
+    """``address_table`` is built once per step; what a handle's state becomes afterwards (released,
+    committed, aborted, evicted) is what the table's answers follow, never the state it was built in."""
+    path = str(tmp_path / "p")
+    b = EmbeddedBackend(path, capacity_bytes=2 * MiB, lease_ttl_s=2.0)
+    writer = EmbeddedBackend(path, capacity_bytes=2 * MiB)
+    try:
+        _put(b, ["a", "b", "c"], 64 << 10)
+        hs = b.open(["c", "a", "b"])
+        t = b.address_table(hs)
+        rows = np.array([2, 0])
+        assert list(b.table_addresses(t, rows, 4096, 8192)) == list(b.view_addresses([hs[2], hs[0]], 4096, 8192))
+        with pytest.raises(ValueError, match="outside object"):
+            b.table_addresses(t, rows, 60 << 10, 8192)
+        b.release([hs[0]])  # "c" released after the table was built
+        assert list(b.table_addresses(t, np.array([1, 2]), 0, 16)) == list(b.view_addresses(hs[1:], 0, 16))
+        with pytest.raises(ObjectMissing, match="not leased"):
+            b.table_addresses(t, np.array([1, 0]), 0, 16)
+
+        (w, x) = b.reserve(["d", "e"], 64 << 10)
+        wt = b.address_table([w, x])
+        assert list(b.table_addresses(wt, np.array([0, 1]), 0, 100)) == [_addr(b.view(w, 0, 100)), _addr(b.view(x, 0, 100))]
+        b.abort([w])  # no window of an aborted reservation: its space may be reused
+        b.commit([x])  # nor of a committed one through its reservation handle (no lease on it)
+        for row in (0, 1):
+            with pytest.raises(ObjectMissing):
+                b.table_addresses(wt, np.array([row]), 0, 100)
+
+        time.sleep(2.2)  # the leases of "a" and "b" end; the writer evicts them and takes the space
+        size = 2 * MiB
+        while (got := writer.reserve(["f"], size)) == [None]:  # the largest object the pool takes: it evicts them all
+            size -= 64 << 10
+        writer.commit(got)
+        assert size >= MiB
+        with pytest.raises(ObjectMissing, match="evicted"):
+            b.table_addresses(t, np.array([1, 2]), 0, 16)
+    finally:
+        b.close()
+        writer.close()

@@ -120,7 +120,10 @@ class Backend(Protocol[H]):
     # staging. Each memoryview keeps its range mapped while the copier holds it.
     # With it, optional: ``view_addresses(handles, offset, nbytes) -> int64 array | None``, the host
     # addresses of ``view``'s windows for a batch (same checks and lease renewals as ``view``), so a
-    # device copier moves a batch by address with no Python object per window.
+    # device copier moves a batch by address with no Python object per window. With that,
+    # optional: ``address_table(handles) -> table | None`` and ``table_addresses(table, rows,
+    # offset, nbytes)``: the same for the handles at ``rows`` of a table built once per step (the
+    # pipeline asks for every layer's batches of the same handles).
     # Optional: ``purge(prefix, timeout_s) -> dict[str, int]``, remove every committed object whose
     # key starts with ``prefix`` ("" = all) and keep reservations under it from being published;
     # counts: ``objects``, ``bytes``, ``reservations``, ``disk_objects`` removed, and ``leased``,

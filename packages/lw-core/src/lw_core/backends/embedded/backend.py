@@ -222,6 +222,15 @@ class EmbeddedBackend:
             return self._tiered.view_addresses(handles, offset, nbytes)
         return self._reader.view_addresses(handles, offset, nbytes)
 
+    def address_table(self, handles: Sequence[Any]) -> Any:
+        """A step's table of ``handles`` for ``table_addresses`` (None when some have no window in
+        the arena: disk hits), built once so each batch of each layer costs array work only."""
+        return self._reader.address_table(handles) if self._tiered is None else self._tiered.address_table(handles)
+
+    def table_addresses(self, table: Any, rows: Any, offset: int, nbytes: int) -> Any:
+        """``view_addresses`` of the table's handles at ``rows`` (same checks, same renewals)."""
+        return self._reader.table_addresses(table, rows, offset, nbytes)
+
     def host_regions(self) -> list[memoryview]:
         """The arena's mapping, where every ``view`` window lies (the optional protocol method): a
         new export of it, so the mapping stays while a device copier keeps it registered."""

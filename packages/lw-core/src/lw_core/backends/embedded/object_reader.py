@@ -18,6 +18,19 @@ import numpy as np
 
 from lw_core.backend import Buffer, ObjectMissing
 from lw_core.backends.embedded import fences
+from lw_core.backends.embedded.address_table import (
+    EPOCH,
+    LEASE,
+    LEASED,
+    NBYTES,
+    OFF,
+    OID,
+    SLOT,
+    STREAM,
+    WRITABLE,
+    AddressTable,
+    build_table,
+)
 from lw_core.backends.embedded.pool_files import PoolFiles
 from lw_core.backends.embedded.records import (
     COMMITTED,
@@ -151,27 +164,38 @@ class ObjectReader:
     def view_addresses(self, handles: Sequence[EmbeddedHandle], offset: int, nbytes: int) -> np.ndarray | None:
         """The host addresses of ``view(h, offset, nbytes)``'s windows, with the same checks and
         lease renewals, for a device copier that moves them by address (int64); ``None`` when a
-        handle has no window (streaming). The checks run on arrays; a handle that fails one, or
-        whose lease needs renewing, goes through ``view``'s own path (which renews or raises)."""
+        handle has no window (streaming)."""
+        hs = [own_handle(h, "view") for h in handles]
+        return self.table_addresses(build_table(hs), np.arange(len(hs)), offset, nbytes)
+
+    def address_table(self, handles: Sequence[Any]) -> AddressTable:
+        """A step's table of ``handles`` (``lw_core.backends.embedded.address_table``): build it once,
+        then ``table_addresses`` answers each batch of each layer with array work only."""
+        return build_table(handles)
+
+    def table_addresses(self, table: AddressTable, rows: np.ndarray, offset: int, nbytes: int) -> np.ndarray | None:
+        """``view_addresses`` of the table's handles at ``rows``. The checks run on arrays; a handle
+        that fails one, or whose lease needs renewing, goes through ``view``'s own path (which
+        renews or raises)."""
         self.usable()
         npa = self.pool.np
         assert npa is not None, "the pool is attached (checked by usable)"
-        hs = [own_handle(h, "view") for h in handles]
-        if any(h._stream for h in hs):
+        rows = np.asarray(rows, dtype=np.int64)
+        flags = table.flags(rows)
+        if (flags & STREAM).any():
             return None
         now = time.time()
-        a = np.array([(h._off, h.nbytes, h._epoch, h._writable, h._leased, h._lease, h._oid, h._pg) for h in hs],
-                     dtype=np.int64).reshape(len(hs), 8)
-        offs = a[:, 0]
-        slow = (a[:, 1] < offset + nbytes) | (a[:, 2] != self.pool.epoch) | (offset < 0) | (nbytes < 0)
-        r = np.flatnonzero(a[:, 3] == 0)  # leased (read) handles
+        a = table.cols[rows]
+        offs = a[:, OFF]
+        slow = (a[:, NBYTES] < offset + nbytes) | (a[:, EPOCH] != self.pool.epoch) | (offset < 0) | (nbytes < 0)
+        r = np.flatnonzero((flags & WRITABLE) == 0)  # leased (read) handles
         if len(r):
             lt = self.pool.leases
-            oids = a[r, 6]
-            fresh = (a[r, 4] != 0) & (lt.expiries(a[r, 5], oids) - now > self.lease_ttl_s / 2)
-            slow[r] |= ~fresh | (lt.generations(a[r, 7]) != oids.astype(np.uint64))
+            oids = a[r, OID]
+            fresh = ((flags[r] & LEASED) != 0) & (lt.expiries(a[r, LEASE], oids) - now > self.lease_ttl_s / 2)
+            slow[r] |= ~fresh | (lt.generations(a[r, SLOT]) != oids.astype(np.uint64))
         for i in np.flatnonzero(slow):
-            self._window(hs[i], offset, nbytes, now)  # renews the lease, or raises what view would
+            self._window(table.handles[rows[i]], offset, nbytes, now)  # renews the lease, or raises what view would
         return offs + (offset + int(npa.ctypes.data))
 
     def _window(self, h: EmbeddedHandle, offset: int, nbytes: int, now: float) -> int:

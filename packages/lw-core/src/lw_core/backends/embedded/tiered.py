@@ -109,6 +109,11 @@ class TieredReads:
             return None  # a disk hit's bytes are not in the arena
         return self.reader.view_addresses(handles, offset, nbytes)
 
+    def address_table(self, handles: Sequence[Any]) -> Any:
+        if any(type(h) is DiskHandle for h in handles):
+            return None  # a disk hit's bytes are not in the arena
+        return self.reader.address_table(handles)
+
     def intact(self, handles: Sequence[Any]) -> list[bool]:
         rest = [i for i, h in enumerate(handles) if type(h) is not DiskHandle]
         if len(rest) == len(handles):

@@ -251,6 +251,9 @@ class GatedViews(Recording):
     def view_addresses(self, handles, offset, nbytes):
         return self._gated(offset, lambda: self.inner.view_addresses(handles, offset, nbytes))
 
+    def table_addresses(self, table, rows, offset, nbytes):
+        return self._gated(offset, lambda: self.inner.table_addresses(table, rows, offset, nbytes))
+
     def view(self, handle, offset, nbytes):
         return self._gated(offset, lambda: self.inner.view(handle, offset, nbytes))
 
@@ -333,3 +336,39 @@ def test_taking_back_a_background_saves_blocks_fences_its_device_copies_before_t
     dst = _kv(False)
     assert _load(pool, _copier(dst)).ok
     _same(src, dst)
+
+
+class CountingAddresses:
+    """The pool, counting its address calls."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, inner.name
+        self.counts = {"address_table": 0, "table_addresses": 0, "view_addresses": 0}
+
+    def __getattr__(self, name):
+        attr = getattr(self.inner, name)
+        if name not in self.counts:
+            return attr
+
+        def counted(*a):
+            self.counts[name] += 1
+            return attr(*a)
+
+        return counted
+
+
+def test_a_step_builds_its_address_table_once_and_a_cpu_copier_asks_for_no_addresses(pool):
+    counting = CountingAddresses(pool)
+    src, dst = _kv(True), _kv(False)
+    cs, cd = _copier(src), _copier(dst)
+    assert _save(counting, cs).ok and _load(counting, cd).ok
+    _same(src, dst)
+    # one table per step (the save, the load), one lookup per batch of every layer, no per-batch rebuild
+    assert counting.counts == {"address_table": 2, "table_addresses": 2 * LAYERS * 2, "view_addresses": 0}
+
+    counting.counts = dict.fromkeys(counting.counts, 0)
+    host_src, host_dst = _kv(True), _kv(False)
+    on_cpu = [TorchCopier(host_src, NB), TorchCopier(host_dst, NB)]  # the CPU copier: views, never addresses
+    assert _save(counting, on_cpu[0]).ok and _load(counting, on_cpu[1]).ok
+    _same(host_src, host_dst)
+    assert counting.counts == dict.fromkeys(counting.counts, 0)

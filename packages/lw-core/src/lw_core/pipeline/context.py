@@ -100,6 +100,8 @@ class BackgroundErrors:
         return out
 
 
+NO_TABLE = object()  # a step's address table not built yet (``StepContext.address_table``)
+
 @dataclass(frozen=True)
 class StepContext:
     backend: Backend[Any]  # the pipeline never looks inside a handle
@@ -128,16 +130,32 @@ class StepContext:
     def call(self, pool: WorkerPool, fn: Callable[[], Any], on_late: Callable[[Any], None] | None = None) -> DeadlineCall:
         return DeadlineCall(pool, fn, on_late)
 
-    def addresses(self, layer: int, handles: list[Any], offset: int, nbytes: int) -> Any:
+    def moves_by_address(self) -> bool:
+        """Whether batches may move by address at all: the backend gives addresses
+        (``view_addresses``) and the copier may take them (``addressable``; a copier whose
+        ``by_address`` is False, a CPU one, never does, so nothing is computed for it)."""
+        return (getattr(self.backend, "view_addresses", None) is not None
+                and getattr(self.copier, "addressable", None) is not None
+                and getattr(self.copier, "by_address", True))
+
+    def address_table(self, handles: list[Any]) -> Any:
+        """The backend's table of a step's handles (``address_table``, optional), built once so
+        ``addresses`` of each batch costs array work only; None where there is none."""
+        make = getattr(self.backend, "address_table", None)
+        return make(handles) if make is not None and self.moves_by_address() else None
+
+    def addresses(self, layer: int, handles: list[Any] | None, offset: int, nbytes: int, table: Any = None, rows: Any = None) -> Any:
         """The host addresses of the batch's view windows when the backend gives them
-        (``view_addresses``) and the copier can move them by address (``addressable``: a device
-        copier, registered pool memory), else None (the caller takes views)."""
-        where = getattr(self.backend, "view_addresses", None)
-        movable = getattr(self.copier, "addressable", None)
-        if where is None or movable is None:
+        (``view_addresses``, or ``table_addresses`` of the step's ``table`` at ``rows``) and the
+        copier can move them by address (``addressable``: a device copier, registered pool
+        memory), else None (the caller takes views)."""
+        if not self.moves_by_address():
             return None
-        addrs = where(handles, offset, nbytes)
-        return addrs if addrs is not None and movable(layer, addrs) else None
+        if table is not None:
+            addrs = self.backend.table_addresses(table, rows, offset, nbytes)  # type: ignore[attr-defined]
+        else:
+            addrs = self.backend.view_addresses(handles, offset, nbytes)  # type: ignore[attr-defined]
+        return addrs if addrs is not None and self.copier.addressable(layer, addrs) else None  # type: ignore[attr-defined]
 
     def release_later(self, pool: WorkerPool, handles: list[Any]) -> None:
         self.background.run(pool, "release", lambda: self.backend.release(handles))

@@ -18,7 +18,9 @@ Two optional methods (looked up with ``getattr``; a copier without them works as
 * ``addressable(layer, addrs) -> bool``, ``to_kv_at(layer, block_ids, addrs)``,
   ``from_kv_at(layer, block_ids, addrs, after)``: the same copies with the views given by their
   host addresses (a backend's ``view_addresses``), when ``addressable`` says the copier moves
-  them directly: no Python object per window on the copy path.
+  them directly: no Python object per window on the copy path. ``by_address -> bool`` (a
+  property): False when the copier never moves by address (a CPU copier), so the pipeline asks
+  the backend for no addresses.
 
 Tokens and the host memory they use: a copy may read its sources (``to_kv``) or write its
 destinations (``from_kv``) until its token completes. The pipeline keeps a view's lease until then

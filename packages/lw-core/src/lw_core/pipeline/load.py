@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from lw_core.backend import BackendError
-from lw_core.pipeline.context import StepContext
+from lw_core.pipeline.context import NO_TABLE, StepContext
 from lw_core.pipeline.pool import ErrorLog, describe, log
 from lw_core.pipeline.results import LoadResult
 from lw_core.plan import ReqLoad, flatten, stagger_delay_us
@@ -58,7 +58,11 @@ class LoadStep:
         self.keys, self.blocks, self.owners = keys, blocks, owners
         # Items saved at another TP size: their head split and every source object's key.
         self.splits: list[HeadSplit | None] = [r.split for r in loads for _ in r.keys]
-        self.sources: list[list[str]] = [r.sources(i) for r in loads for i in range(len(r.keys))]
+        self.any_split = any(sp is not None for sp in self.splits)
+        self.block_arr = np.asarray(blocks, dtype=np.int64)  # per-layer work indexes arrays, not lists
+        # Every object block i reads from (one, ``keys[i]``, unless saved at another TP size).
+        self.sources: list[list[str]] = [src for r in loads for src in (
+            [r.sources(i) for i in range(len(r.keys))] if r.more_keys else [[k] for k in r.keys])]
         self.n = len(keys)
         self.lock = threading.Lock()
         self.cancelled = False
@@ -73,7 +77,8 @@ class LoadStep:
         self.misses: list[int] = []
         self.errors = ErrorLog()
         self.item_handle: list[Any] = [None] * self.n
-        self.item_sources: list[list[Any]] = [[] for _ in range(self.n)]  # handles, split items only
+        self._table: Any = NO_TABLE  # the backend's address table of the handles (``address_table``)
+        self.item_sources: dict[int, list[Any]] = {}  # split items: the handles of their sources
         self.viewed = np.zeros(self.n, dtype=bool)  # items copied into the KV straight from a view()
         self.view_copies: list[tuple[Any, list[int]]] = []  # (token, items) of every copy from views
         self.handles: list[Any] = []
@@ -85,7 +90,7 @@ class LoadStep:
         if not self.n:
             return
         ctx = self.ctx
-        uniq = list(dict.fromkeys(k for src in self.sources for k in src))
+        uniq = list(dict.fromkeys(k for src in self.sources for k in src) if self.any_split else dict.fromkeys(self.keys))
         call = ctx.call(ctx.load_pool, lambda: ctx.backend.open(uniq), on_late=self._release_late)
         if not call.wait(ctx.limits.layer_timeout_s):
             self._fail(range(self.n), f"backend.open of {len(uniq)} objects missed its {ctx.limits.layer_timeout_s}s deadline")
@@ -100,11 +105,14 @@ class LoadStep:
             return
         by_key = dict(zip(uniq, handles))
         self.handles = [h for h in handles if h is not None]
-        missing = [i for i, src in enumerate(self.sources) if any(by_key[k] is None for k in src)]
-        for i, src in enumerate(self.sources):
-            self.item_handle[i] = by_key[src[0]]
-            if self.splits[i] is not None:
-                self.item_sources[i] = [by_key[k] for k in src]
+        self.item_handle = [by_key[k] for k in self.keys]  # keys[i] is the first source of item i
+        missing = [i for i, h in enumerate(self.item_handle) if h is None]
+        if self.any_split:
+            for i, src in enumerate(self.sources):
+                if self.splits[i] is not None:
+                    self.item_sources[i] = [by_key[k] for k in src]
+            more = {i for i, hs in self.item_sources.items() if any(h is None for h in hs)}
+            missing = sorted(more.union(missing))
         if missing:
             gone = next(k for k in self.sources[missing[0]] if by_key[k] is None)
             self._fail(missing, f"{len(missing)} objects to load are missing from the pool (e.g. {gone})")
@@ -264,9 +272,10 @@ class LoadStep:
             with self.lock:
                 if self.cancelled or self.layer_cancelled[layer]:
                     return
-                idx = [i for i in rng if not self.failed[i]]
-            if not idx:
+                live = np.flatnonzero(~self.failed[rng.start : rng.stop])
+            if not len(live):
                 continue
+            idx = (live + rng.start).tolist()
             idx, srcs, bufs = self._fetch_isolating(layer, idx)
             if not idx:
                 continue
@@ -281,11 +290,10 @@ class LoadStep:
                     if self.cancelled or self.layer_cancelled[layer]:
                         return  # too late: the data must not reach the KV
                     try:
-                        blocks = [self.blocks[i] for i in idx]
                         if isinstance(srcs, At):
-                            token = ctx.copier.to_kv_at(layer, blocks, srcs.addrs)  # type: ignore[attr-defined]
+                            token = ctx.copier.to_kv_at(layer, self.block_arr[idx], srcs.addrs)  # type: ignore[attr-defined]
                         else:
-                            token = ctx.copier.to_kv(layer, blocks, srcs)
+                            token = ctx.copier.to_kv(layer, [self.blocks[i] for i in idx], srcs)
                     except Exception as e:
                         log.exception("to_kv of layer %d failed", layer)
                         self._fail_locked(idx, f"layer {layer}: copy into the KV cache: {describe(e)}")
@@ -299,18 +307,27 @@ class LoadStep:
                 for b in bufs:
                     ctx.staging.put(b, token)
 
+    def address_table(self) -> Any:
+        """The backend's table of this step's handles, built by the first batch that asks (two
+        workers building it at once build the same table)."""
+        if self._table is NO_TABLE:
+            self._table = self.ctx.address_table(self.item_handle)
+        return self._table
+
     def _fetch(self, layer: int, idx: list[int], by_address: bool = True) -> tuple[Any, list[np.ndarray]]:
         """Host sources of one batch: the views' addresses when the copier moves them by address,
         zero-copy views when the backend has them, else a staging read."""
         ctx = self.ctx
         off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
-        if any(self.splits[i] is not None for i in idx):
+        if self.any_split and any(self.splits[i] is not None for i in idx):
             return self._fetch_split(layer, idx)
-        hs = [self.item_handle[i] for i in idx]
         if ctx.views.load and by_address:
-            addrs = ctx.addresses(layer, hs, off, n)
+            table = self.address_table()
+            hs = None if table is not None else [self.item_handle[i] for i in idx]
+            addrs = ctx.addresses(layer, hs, off, n, table, idx)
             if addrs is not None:
                 return At(addrs), []
+        hs = [self.item_handle[i] for i in idx]
         if ctx.views.load:
             views = [ctx.backend.view(h, off, n) for h in hs]
             if all(v is not None for v in views):

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from lw_core.backend import BackendError
-from lw_core.pipeline.context import StepContext
+from lw_core.pipeline.context import NO_TABLE, StepContext
 from lw_core.pipeline.pool import ErrorLog, describe, log
 from lw_core.pipeline.results import SaveResult
 from lw_core.plan import ReqSave, flatten
@@ -57,6 +57,8 @@ class SaveStep:
         self.keys: list[str] = []
         self.blocks: list[int] = []
         self.handles: list[Any] = []
+        self.block_arr = np.zeros(0, dtype=np.int64)
+        self._table: Any = NO_TABLE  # the backend's address table of the handles (``address_table``)
         self.failed_early: list[str] = []  # keys that failed before any copy (reserve errors)
         self.submitted = [False] * nl
         self.events = [threading.Event() for _ in range(nl)]
@@ -109,6 +111,7 @@ class SaveStep:
         nl = ctx.layout.num_layers
         self.failed = np.zeros(self.n, dtype=bool)
         self.done = np.zeros((nl, self.n), dtype=bool)
+        self.block_arr = np.asarray(self.blocks, dtype=np.int64)  # per-layer work indexes arrays, not lists
         self.batches = ctx.split(self.n)
 
     def _abort_late(self, handles: Any) -> None:
@@ -261,7 +264,7 @@ class SaveStep:
                 with self.lock:
                     if self.cancelled:
                         return
-                    idx = [i for i in rng if not self.failed[i]]
+                    idx = (np.flatnonzero(~self.failed[rng.start : rng.stop]) + rng.start).tolist()
                 if idx:
                     self._store_isolating(layer, idx, token)
         except Exception as e:
@@ -318,21 +321,29 @@ class SaveStep:
             except BackendError as e:
                 self._fail([i], f"layer {layer}: save of {self.keys[i]}: {describe(e)}")
 
+    def address_table(self) -> Any:
+        """The backend's table of this step's handles, built by the first batch that asks (two
+        workers building it at once build the same table)."""
+        if self._table is NO_TABLE:
+            self._table = self.ctx.address_table(self.handles)
+        return self._table
+
     def _store(self, layer: int, idx: list[int], token: Any) -> None:
         ctx = self.ctx
         copier, backend = ctx.copier, ctx.backend
         off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
-        hs = [self.handles[i] for i in idx]
-        blocks = [self.blocks[i] for i in idx]
         if ctx.views.save:
-            addrs = ctx.addresses(layer, hs, off, n)
+            table = self.address_table()
+            addrs = ctx.addresses(layer, None if table is not None else [self.handles[i] for i in idx], off, n, table, idx)
             if addrs is not None:  # the copier writes the objects by address
                 with self.lock:
                     if self.cancelled:
                         return
-                    tok = copier.from_kv_at(layer, blocks, addrs, after=token)  # type: ignore[attr-defined]
+                    tok = copier.from_kv_at(layer, self.block_arr[idx], addrs, after=token)  # type: ignore[attr-defined]
                     self.pending.append((tok, layer, idx))  # done once it completes (``_settle``)
                 return
+        hs = [self.handles[i] for i in idx]
+        blocks = [self.blocks[i] for i in idx]
         views = None
         if ctx.views.save:
             views = [backend.view(h, off, n) for h in hs]

@@ -134,9 +134,10 @@ class TorchCopier:
     def _check(self, block_ids: Sequence[int], bufs: Sequence[Buffer], what: str) -> None:
         if len(block_ids) != len(bufs):
             raise ValueError(f"TorchCopier: {len(block_ids)} block ids but {len(bufs)} {what}")
-        for b in block_ids:
-            if not 0 <= b < self.num_blocks:
-                raise IndexError(f"TorchCopier: block id {b} out of range; accepted 0..{self.num_blocks - 1}")
+        ids = np.asarray(block_ids)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.num_blocks):
+            b = next(int(b) for b in ids if not 0 <= b < self.num_blocks)
+            raise IndexError(f"TorchCopier: block id {b} out of range; accepted 0..{self.num_blocks - 1}")
 
     def _check_sizes(self, layer: int, block_ids: Sequence[int], bufs: Sequence[Buffer]) -> None:
         n = self.block_nbytes(layer)
@@ -217,6 +218,12 @@ class TorchCopier:
         counted (``register_failures``) and leaves those batches on the staged path."""
         if self.dev is not None:
             self.dev.register(buffers)
+
+    @property
+    def by_address(self) -> bool:
+        """Whether this copier may move batches by address at all (a device, a direct mechanism):
+        on the CPU the pipeline then never asks a backend for addresses."""
+        return self.dev is not None and self.dev.direct.mechanism != "staged"
 
     def addressable(self, layer: int, addrs: Any) -> bool:
         """Whether pool windows of ``layer`` at these host addresses (a backend's

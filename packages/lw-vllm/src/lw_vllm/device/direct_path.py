@@ -111,7 +111,7 @@ class DirectPath:
         self._run(plan, layer, block_ids, to_device=False)
 
     def _run(self, plan: Plan, layer: torch.Tensor, block_ids: Sequence[int], to_device: bool) -> None:
-        ids = list(block_ids)
+        ids = np.asarray(block_ids, dtype=np.int64)
         if plan.how == "batch_dma":
             from lw_vllm.device.zero_copy import segments
 

@@ -73,7 +73,7 @@ def scatter_from_kv(layer: torch.Tensor, ids: torch.Tensor, region: torch.Tensor
         hw.index_copy_(0, idx, g)  # the SMs write the host pages
 
 
-def segments(layer: torch.Tensor, block_ids: Sequence[int], host_addrs: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+def segments(layer: torch.Tensor, block_ids: Sequence[int] | np.ndarray, host_addrs: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """The contiguous pieces of a batch for a DMA engine: per block and per outer segment, the KV
     address and the host address (uint64 arrays), and the segment size (``inner`` bytes)."""
     outer, nb, inner = layer.shape

@@ -65,3 +65,23 @@ def test_the_cpu_bench_does_not_import_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_host_work_times_every_case_and_mechanism_through_the_mechanism_it_names(capsys, tmp_path):
+    argv = ["pipeline", "--quick", "--json", "--kv-device", "cpu-torch", "--pool-path", str(tmp_path / "pool"), "--host-work"]
+    assert main(argv) == 0
+    r = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = r["host_work"]
+    assert {(x["case"], x["mechanism"]) for x in rows} == {
+        (c, m) for c in ("16 KiB", "64 KiB", "model") for m in ("kernel", "batch_dma")}
+    for x in rows:
+        assert x["windows"] == x["layers"] * x["blocks"]
+        assert x["used"][x["mechanism"]] > 0 and sum(x["used"].values()) == x["used"][x["mechanism"]]
+        assert x["load_ns_per_window"] > 0 and x["save_ns_per_window"] > 0
+        assert x["load_bound_gbps"] == pytest.approx(x["segment_bytes"] / x["load_ns_per_window"])
+        assert x["save_bound_gbps"] == pytest.approx(x["segment_bytes"] / x["save_ns_per_window"])
+
+
+def test_host_work_is_refused_without_cpu_torch():
+    with pytest.raises(SystemExit, match="--host-work needs --kv-device cpu-torch"):
+        main(["pipeline", "--host-work"])

@@ -372,3 +372,26 @@ def test_a_step_builds_its_address_table_once_and_a_cpu_copier_asks_for_no_addre
     assert _save(counting, on_cpu[0]).ok and _load(counting, on_cpu[1]).ok
     _same(host_src, host_dst)
     assert counting.counts == dict.fromkeys(counting.counts, 0)
+
+
+@pytest.mark.parametrize("mechanism", ["kernel", "batch_dma"])
+def test_no_copy_ops_run_every_host_step_of_a_mechanism_and_move_no_byte(pool, mechanism):
+    """``lw-bench pipeline --host-work`` times the device path with these ops: saves commit and
+    loads complete through the asked mechanism, while neither the pool nor the KV changes."""
+    from lw_vllm.device.device_streams import InlineOps, NoCopyOps
+
+    src, dst = _kv(True), _kv(False)
+    cs = TorchCopier(src, NB, ops=NoCopyOps(), mechanism=mechanism)
+    saved = _save(pool, cs)
+    assert sorted(saved.committed_keys) == sorted(KEYS), saved.errors
+    cd = TorchCopier(dst, NB, ops=NoCopyOps(), mechanism=mechanism)
+    res = _load(pool, cd)
+    assert not res.failed_block_ids, res.errors
+    assert all(not t.any() for t in dst)  # the load moved nothing into the KV
+    assert cs.mechanism_counts[mechanism] > 0 and cd.mechanism_counts[mechanism] > 0
+    assert sum(cd.mechanism_counts.values()) == cd.mechanism_counts[mechanism]
+    real = TorchCopier(dst, NB, ops=InlineOps(), mechanism=mechanism)
+    assert not _load(pool, real).failed_block_ids
+    assert all(not t.any() for t in dst)  # the save moved nothing into the pool: its objects hold zeros
+    for c in (cs, cd, real):
+        c.close()

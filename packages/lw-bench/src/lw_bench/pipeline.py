@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rates", action="store_true",
                    help="device mode: also each mechanism's pool rate against the pinned-DMA ceiling at 16/64/256 KiB "
                    "segments and the model-shaped size (32 layers x 512 blocks x 64 KiB)")
+    p.add_argument("--host-work", action="store_true",
+                   help="with --kv-device cpu-torch: also the host's own work per window of the device path "
+                   "(copies that move nothing) at the --rates cases, and the rate it alone allows")
     p.add_argument("--model-shaped", default="", metavar="SHAPE[,SHAPE]",
                    help="device mode: also time a dense prefill of these shapes (llama3-8b, llama3-70b, tiny) against "
                    "loading their prefix at the measured rates")
@@ -93,6 +96,7 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         "kv_device": getattr(args, "kv_device", "cpu") or "cpu",
         "mechanism": getattr(args, "mechanism", "auto"),
         "rates": bool(getattr(args, "rates", False)),
+        "host_work": bool(getattr(args, "host_work", False)),
         "model_shaped": [x.strip() for x in str(getattr(args, "model_shaped", "") or "").split(",") if x.strip()],
         "quick": bool(args.quick),
     }
@@ -118,6 +122,9 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
         bench_store.plugin_of("pipeline", cfg["backend"])
     if cfg["kv_device"] == "cpu" and (cfg["rates"] or cfg["model_shaped"] or cfg["mechanism"] != "auto"):
         raise SystemExit("lw-bench pipeline: --rates, --model-shaped and --mechanism need --kv-device (a torch device, or cpu-torch)")
+    if cfg["host_work"] and cfg["kv_device"] != "cpu-torch":
+        raise SystemExit(f"lw-bench pipeline: --host-work needs --kv-device cpu-torch (got --kv-device={cfg['kv_device']}): "
+                         "it times the host's part of the device path with copies that move nothing")
     shapes = ("llama3-8b", "llama3-70b", "tiny")
     bad = [x for x in cfg["model_shaped"] if x not in shapes]
     if bad:
@@ -215,7 +222,7 @@ def _print_table(r: dict[str, Any]) -> None:
     if r.get("mechanism_counts") is not None:
         moved = ", ".join(f"{k} {v}" for k, v in r["mechanism_counts"].items() if v) or "nothing"
         print(f"  copier mechanism {c.get('mechanism')}: load batches moved by {moved}")
-    from lw_bench.pipeline_tables import model_lines, rate_lines
+    from lw_bench.pipeline_tables import host_lines, model_lines, rate_lines
 
     if r.get("rates"):
         print("pool rates against the pinned-DMA ceiling (same run):")
@@ -223,6 +230,9 @@ def _print_table(r: dict[str, Any]) -> None:
     if r.get("model_shaped"):
         print("a pool hit against recomputing the prefix (dense prefill on the device):")
         print("\n".join(model_lines(r["model_shaped"])))
+    if r.get("host_work"):
+        print("the host's own work per window, copies moving nothing (--host-work):")
+        print("\n".join(host_lines(r["host_work"])))
 
 
 # --- the measurement (runs in the child; numpy is imported only here, after the BLAS env is set) ---

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from lw_bench.bench_store import open_for_pipeline as open_backend
 from lw_bench.pipeline_model import measure_model
-from lw_bench.pipeline_rates import measure_rates
+from lw_bench.pipeline_rates import measure_host_work, measure_rates
 from lw_bench.pipeline_result import PipelineBenchResult
 from lw_bench.pipeline_steps import median, summarize
 
@@ -189,6 +189,7 @@ def measure_device(cfg: dict[str, Any]) -> PipelineBenchResult:
     if cfg.get("model_shaped") and rates is None:
         rates = measure_rates(acc, cfg, only=["model"])
     model = measure_model(acc, cfg, rates) if cfg.get("model_shaped") else None
+    host = measure_host_work(cfg) if cfg.get("host_work") else None
     name = device_name(acc)
     config = {"layers": layers, "blocks": blocks, "block_bytes": bb, "layer_bytes": bb * blocks,
               "total_bytes": total, "reps": cfg["reps"], "depths": cfg["depths"], "backend": cfg["backend"],
@@ -196,7 +197,7 @@ def measure_device(cfg: dict[str, Any]) -> PipelineBenchResult:
               "kv_device": str(dev) if not acc.inline else "cpu-torch", "device_name": name,
               "torch": str(torch.__version__), "mechanism": mechanism}
     return summarize(config, samples, loop.waits, loop.failures, loop.errors, loop.verified, save_s=t_save,
-                     mechanism_counts=counts, rates=rates, model_shaped=model)
+                     mechanism_counts=counts, rates=rates, model_shaped=model, host_work=host)
 
 
 def device_name(acc: _Accel) -> str:

@@ -8,6 +8,12 @@ compute; reserve, copies, commit: ``save_gbps``), then loads (bulk: every layer 
 and release included: ``load_gbps``), every load's bytes verified. The ceiling is a plain DMA of
 the same bytes between one pinned buffer and the KV tensors on a side stream. Each row says which
 mechanisms really moved the batches (``used``): one the device lacks falls back.
+
+``--host-work`` (``measure_host_work``, with ``--kv-device cpu-torch``): the same cases through the
+same pipeline and copier, with device ops whose copies move nothing (``NoCopyOps``): what is left is
+the host's own work per window, which bounds a device's rate however fast its copies run (a 16 KiB
+window at 0.70 of a 55 GB/s link must cost the host under 430 ns). ``kernel`` and ``batch_dma``
+only: ``staged`` is a host memcpy itself.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import time
 from typing import Any
 
 from lw_bench.bench_store import open_for_pipeline as open_backend
-from lw_bench.pipeline_result import RateRow
+from lw_bench.pipeline_result import HostRow, RateRow
 from lw_core.backend import BackendError
 
 CASES = [  # name, layers, blocks, bytes of one block of one layer
@@ -168,6 +174,70 @@ def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) 
         finally:
             for c in copiers:
                 c.close()
+            backend.close()
+            if tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+def measure_host_work(cfg: dict[str, Any]) -> list[HostRow]:
+    """Per case and mechanism: the fastest of ``reps`` saves and of ``reps`` bulk loads of a step
+    whose copies move nothing (the module docstring)."""
+    import torch
+
+    from lw_core.pipeline import LayerPipeline
+    from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
+    from lw_vllm.device.copier import TorchCopier
+    from lw_vllm.device.device_streams import NoCopyOps
+
+    ops = NoCopyOps()
+    reps = max(2, cfg["reps"])
+    rows: list[HostRow] = []
+    for name, layers, blocks, bb in QUICK_CASES if cfg.get("quick") else CASES:
+        layout = ObjectLayout((bb,) * layers)
+        total = layout.nbytes * blocks
+        mechs = ("kernel", "batch_dma")
+        try:  # nothing writes the pool's bytes or the KV's: neither takes memory it does not touch
+            backend, tmp = open_backend(dict(cfg, backend_keys=None), total * reps * len(mechs) + 4 * layout.nbytes)
+        except (BackendError, OSError) as e:
+            print(f"lw-bench pipeline --host-work: case {name} skipped: no pool of its size here: {e}", file=sys.stderr)
+            continue
+        try:
+            for m in mechs:
+                copier = TorchCopier([torch.empty(blocks, bb, dtype=torch.uint8) for _ in range(layers)], blocks,
+                                     ops=ops, mechanism=m)
+                key = f"host/{name}/{m}".replace(" ", "")
+                ids = list(range(blocks))
+                try:
+                    saves: list[float] = []
+                    for r in range(reps):
+                        t0 = time.perf_counter()
+                        with LayerPipeline(backend, copier, layout, save_timeout_s=120.0) as pipe:
+                            pipe.start_save([ReqSave("bench", [f"{key}/{r}/{i}" for i in ids], ids)])
+                            for layer in range(layers):
+                                pipe.save_layer(layer)
+                            res = pipe.finish_save()
+                        saves.append(time.perf_counter() - t0)
+                        if len(res.committed_keys) != blocks:
+                            raise SystemExit(f"lw-bench pipeline --host-work: saves failed: {res.errors[:3]}")
+                    loads: list[float] = []
+                    with LayerPipeline(backend, copier, layout, layerwise=False, layer_timeout_s=120.0) as pipe:
+                        for _ in range(reps + 1):
+                            t0 = time.perf_counter()
+                            pipe.start_load([ReqLoad("bench", [f"{key}/0/{i}" for i in ids], ids)])
+                            lres = pipe.finish_load()
+                            loads.append(time.perf_counter() - t0)
+                            if lres.failed_block_ids:
+                                raise SystemExit(f"lw-bench pipeline --host-work: loads failed: {lres.errors[:3]}")
+                    used = dict(copier.mechanism_counts)
+                finally:
+                    copier.close()
+                t_save, t_load, windows = min(saves), min(loads[1:]), layers * blocks
+                rows.append(HostRow(
+                    case=name, layers=layers, blocks=blocks, segment_bytes=bb, windows=windows, mechanism=m,
+                    load_ns_per_window=t_load / windows * 1e9, save_ns_per_window=t_save / windows * 1e9,
+                    load_bound_gbps=total / t_load / 1e9, save_bound_gbps=total / t_save / 1e9, used=used))
+        finally:
             backend.close()
             if tmp:
                 shutil.rmtree(tmp, ignore_errors=True)

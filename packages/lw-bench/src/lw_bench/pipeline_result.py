@@ -52,6 +52,23 @@ class RateRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     error: str | None = None  # the mechanism failed here (its rates are 0)
 
 
+class HostRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """``--host-work``: one case and mechanism with copies that move nothing (``lw_bench.pipeline_rates``):
+    the host's own work per window (one block of one layer), the fastest of the repetitions."""
+
+    case: str  # as RateRow
+    layers: int
+    blocks: int
+    segment_bytes: int
+    windows: int  # layers x blocks
+    mechanism: str  # kernel or batch_dma
+    load_ns_per_window: float  # a bulk load (open, leases, address lookups, batches, release)
+    save_ns_per_window: float  # a save (reserve, address lookups, batches, commit)
+    load_bound_gbps: float  # the rate the host work alone allows: bytes / load time
+    save_bound_gbps: float
+    used: dict[str, int]  # batches each mechanism was handed (saves and loads)
+
+
 class ModelRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """``--model-shaped``: a dense prefill against loading its prefix (``lw_bench.pipeline_model``)."""
 
@@ -90,6 +107,7 @@ class PipelineBenchResult(msgspec.Struct, kw_only=True, omit_defaults=True, forb
     mechanism_counts: dict[str, int] | None = None  # device bench: batches the loads moved per mechanism
     rates: list[RateRow] | None = None  # device bench, --rates (or the model case for --model-shaped)
     model_shaped: list[ModelRow] | None = None  # device bench, --model-shaped
+    host_work: list[HostRow] | None = None  # --kv-device cpu-torch --host-work
     plot: str | None = None  # --plot: the PNG written
 
 

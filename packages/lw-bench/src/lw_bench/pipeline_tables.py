@@ -1,4 +1,4 @@
-"""Text tables of the device bench's ``rates`` and ``model_shaped`` figures (``lw-bench pipeline``
+"""Text tables of the device bench's ``rates``, ``model_shaped`` and ``host_work`` figures (``lw-bench pipeline``
 prints them; scripts/device-check.sh prints them in its summary)."""
 
 from __future__ import annotations
@@ -30,4 +30,16 @@ def model_lines(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         out.append(f"  {r['shape']:>10} {r['tokens']:6d} {r['prefill_s'] * 1e3:10.1f} {r['kv_bytes'] / 2**20:7.0f} "
                    f"{r['pcie_over_prefill']:12.3f} " + " ".join(f"{r['load_over_prefill'][m]:17.3f}" for m in mechs))
+    return out
+
+
+def host_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Per case and mechanism: the host's ns per window and the GB/s that alone allows, loads and saves."""
+    if not rows:
+        return []
+    out = [f"  {'case':>8} {'mechanism':>9} {'windows':>7} {'load ns/win':>11} {'bound GB/s':>10} "
+           f"{'save ns/win':>11} {'bound GB/s':>10}"]
+    for r in rows:
+        out.append(f"  {r['case']:>8} {r['mechanism']:>9} {r['windows']:7d} {r['load_ns_per_window']:11.0f} "
+                   f"{r['load_bound_gbps']:10.1f} {r['save_ns_per_window']:11.0f} {r['save_bound_gbps']:10.1f}")
     return out

@@ -365,3 +365,27 @@ class InlineOps:
 
     def batch_copy(self, dsts: np.ndarray, srcs: np.ndarray, size: int, to_device: bool) -> None:
         _memmove_all(dsts, srcs, size)
+
+
+class NoCopyOps(InlineOps):
+    """``InlineOps`` whose copies move nothing: what is left of a step is the host's own work
+    (looking windows up, checking leases, building batches, committing and releasing), which bounds
+    a device's rate however fast its copies are (``lw-bench pipeline --host-work``). The KV cache
+    and the pool keep whatever bytes they held."""
+
+    def h2d(self, layer: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor) -> None:
+        return None
+
+    def d2h(self, layer: torch.Tensor, block_ids: Sequence[int], host: torch.Tensor) -> None:
+        return None
+
+    def kernel_h2d(self, layer: torch.Tensor, ids: torch.Tensor, region: torch.Tensor, woffs: torch.Tensor,
+                   word: int) -> None:
+        return None
+
+    def kernel_d2h(self, layer: torch.Tensor, ids: torch.Tensor, region: torch.Tensor, woffs: torch.Tensor,
+                   word: int) -> None:
+        return None
+
+    def batch_copy(self, dsts: np.ndarray, srcs: np.ndarray, size: int, to_device: bool) -> None:
+        return None

@@ -13,7 +13,8 @@
 #      read across TP sizes) and the pipeline's copier-hook tests;
 #   2. runs `lw-bench pipeline --kv-device DEV`: the overlap with compute per mechanism, each
 #      mechanism's pool rate against the pinned-DMA ceiling (--rates) and a model-shaped prefill
-#      against loading its prefix (--model-shaped), and prints a short table last.
+#      against loading its prefix (--model-shaped), then the host's own work per window on this
+#      machine's CPU (--kv-device cpu-torch --host-work), and prints a short table last.
 # Takes a few minutes. Results land in $OUT (when set, e.g. by a lent-device runner) or
 # /tmp/lw-device-check: device-tests.txt, bench-*.json, summary.txt.
 #
@@ -135,9 +136,17 @@ for m in $mechs; do
   first=0
 done
 
+# The host's own part of the device path on this machine's CPU (copies that move nothing): the rate
+# it alone allows bounds the rates above. HOST_WORK=0 skips it (about a minute).
+if [ "${HOST_WORK:-1}" = 1 ]; then
+  say "lw-bench pipeline --kv-device cpu-torch --host-work"
+  timeout "${BENCH_TIMEOUT_S:-360}" "$PY" -m lw_bench.cli pipeline --json --kv-device cpu-torch --backend embedded \
+    --host-work --layers 2 --blocks 8 --depths 1 --reps 3 --timeout-s 340 > "$OUT_DIR/bench-host.json" || bench_rc=1
+fi
+
 "$PY" - "$OUT_DIR" "$tests_rc" "$bench_rc" "$(( $(date +%s) - t_start ))" $mechs <<'EOF' | tee "$OUT_DIR/summary.txt"
 import json, sys
-from lw_bench.pipeline_tables import model_lines, rate_lines
+from lw_bench.pipeline_tables import host_lines, model_lines, rate_lines
 out, tests_rc, bench_rc, secs, mechs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5:]
 print("\n== summary")
 print(f"device tests: {'passed' if tests_rc == 0 else f'FAILED (pytest exit {tests_rc})'}")
@@ -170,6 +179,13 @@ for r in runs.values():
     if r.get("model_shaped"):
         print("a hit's load / a dense prefill of the same prefix (at the model-shaped case's rates):")
         print("\n".join(model_lines(r["model_shaped"])))
+try:
+    host = json.loads(open(f"{out}/bench-host.json").read().strip().splitlines()[-1]).get("host_work")
+except Exception:  # noqa: BLE001 (skipped with HOST_WORK=0, or failed: said above)
+    host = None
+if host:
+    print("this machine's host work per window, copies moving nothing (the rate it alone allows):")
+    print("\n".join(host_lines(host)))
 print(f"device check: {'OK' if ok else 'NOT OK'} in {secs}s; files in {out}")
 sys.exit(0 if ok else 1)
 EOF

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lw_dev.engine import RESULT_MARK
+from lw_dev.zygote_client import zygote
 
 ENGINE_TIMEOUT_S = 420
 
@@ -42,19 +43,24 @@ def run_engine_with_output(job: dict[str, Any], *, env: dict[str, str] | None = 
     some tests check)."""
     e = dict(os.environ)
     e.update(env or {})
-    p = subprocess.run(
-        [*launcher, sys.executable, "-m", "lw_dev.engine"],
-        input=json.dumps(job),
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=e,
-    )
-    out = p.stdout + p.stderr
-    for line in p.stdout.splitlines():
+    forked = None if launcher else zygote.run(json.dumps(job), e, timeout_s)
+    if forked is not None:
+        rc, stdout, stderr = forked
+    else:
+        p = subprocess.run(
+            [*launcher, sys.executable, "-m", "lw_dev.engine"],
+            input=json.dumps(job),
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env=e,
+        )
+        rc, stdout, stderr = p.returncode, p.stdout, p.stderr
+    out = stdout + stderr
+    for line in stdout.splitlines():
         if line.startswith(RESULT_MARK):
             return json.loads(line[len(RESULT_MARK):]), out
-    raise EngineFailed(p.returncode, out)
+    raise EngineFailed(rc, out)
 
 
 FAULT_TIMEOUT_S = 300

@@ -40,7 +40,7 @@ def test_the_json_is_the_result_struct_and_a_missing_key_is_refused_by_name(caps
     raw = capsys.readouterr().out.strip().splitlines()[-1]
     r = json.loads(raw)
     # every field but the device bench's and --plot's, and nothing else
-    device_only = {"save_s", "mechanism_counts", "rates", "model_shaped"}
+    device_only = {"save_s", "mechanism_counts", "rates", "model_shaped", "host_work"}
     assert set(r) == set(PipelineBenchResult.__struct_fields__) - device_only - {"plot"} == KEYS
     assert set(r["config"]) == set(PipelineBenchConfig.__struct_fields__) - {"kv_device", "device_name", "torch", "mechanism"}
     assert decode(raw).config.depths == [1, 2]

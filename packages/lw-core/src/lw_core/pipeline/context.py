@@ -100,7 +100,23 @@ class BackgroundErrors:
         return out
 
 
-NO_TABLE = object()  # a step's address table not built yet (``StepContext.address_table``)
+_NOT_BUILT = object()
+
+
+class LazyAddressTable:
+    """A step's address table (``StepContext.address_table``), built by the first batch that asks
+    (on a worker, off the forward thread); two workers building it at once build the same table."""
+
+    __slots__ = ("_table",)
+
+    def __init__(self) -> None:
+        self._table: Any = _NOT_BUILT
+
+    def get(self, ctx: StepContext, handles: list[Any]) -> Any:
+        if self._table is _NOT_BUILT:
+            self._table = ctx.address_table(handles)
+        return self._table
+
 
 @dataclass(frozen=True)
 class StepContext:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from lw_core.backend import BackendError
-from lw_core.pipeline.context import NO_TABLE, StepContext
+from lw_core.pipeline.context import LazyAddressTable, StepContext
 from lw_core.pipeline.pool import ErrorLog, describe, log
 from lw_core.pipeline.results import LoadResult
 from lw_core.plan import ReqLoad, flatten, stagger_delay_us
@@ -77,7 +77,7 @@ class LoadStep:
         self.misses: list[int] = []
         self.errors = ErrorLog()
         self.item_handle: list[Any] = [None] * self.n
-        self._table: Any = NO_TABLE  # the backend's address table of the handles (``address_table``)
+        self.table = LazyAddressTable()  # the backend's address table of the handles
         self.item_sources: dict[int, list[Any]] = {}  # split items: the handles of their sources
         self.viewed = np.zeros(self.n, dtype=bool)  # items copied into the KV straight from a view()
         self.view_copies: list[tuple[Any, list[int]]] = []  # (token, items) of every copy from views
@@ -307,13 +307,6 @@ class LoadStep:
                 for b in bufs:
                     ctx.staging.put(b, token)
 
-    def address_table(self) -> Any:
-        """The backend's table of this step's handles, built by the first batch that asks (two
-        workers building it at once build the same table)."""
-        if self._table is NO_TABLE:
-            self._table = self.ctx.address_table(self.item_handle)
-        return self._table
-
     def _fetch(self, layer: int, idx: list[int], by_address: bool = True) -> tuple[Any, list[np.ndarray]]:
         """Host sources of one batch: the views' addresses when the copier moves them by address,
         zero-copy views when the backend has them, else a staging read."""
@@ -322,7 +315,7 @@ class LoadStep:
         if self.any_split and any(self.splits[i] is not None for i in idx):
             return self._fetch_split(layer, idx)
         if ctx.views.load and by_address:
-            table = self.address_table()
+            table = self.table.get(self.ctx, self.item_handle)
             hs = None if table is not None else [self.item_handle[i] for i in idx]
             addrs = ctx.addresses(layer, hs, off, n, table, idx)
             if addrs is not None:

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from lw_core.backend import BackendError
-from lw_core.pipeline.context import NO_TABLE, StepContext
+from lw_core.pipeline.context import LazyAddressTable, StepContext
 from lw_core.pipeline.pool import ErrorLog, describe, log
 from lw_core.pipeline.results import SaveResult
 from lw_core.plan import ReqSave, flatten
@@ -58,7 +58,7 @@ class SaveStep:
         self.blocks: list[int] = []
         self.handles: list[Any] = []
         self.block_arr = np.zeros(0, dtype=np.int64)
-        self._table: Any = NO_TABLE  # the backend's address table of the handles (``address_table``)
+        self.table = LazyAddressTable()  # the backend's address table of the handles
         self.failed_early: list[str] = []  # keys that failed before any copy (reserve errors)
         self.submitted = [False] * nl
         self.events = [threading.Event() for _ in range(nl)]
@@ -321,19 +321,12 @@ class SaveStep:
             except BackendError as e:
                 self._fail([i], f"layer {layer}: save of {self.keys[i]}: {describe(e)}")
 
-    def address_table(self) -> Any:
-        """The backend's table of this step's handles, built by the first batch that asks (two
-        workers building it at once build the same table)."""
-        if self._table is NO_TABLE:
-            self._table = self.ctx.address_table(self.handles)
-        return self._table
-
     def _store(self, layer: int, idx: list[int], token: Any) -> None:
         ctx = self.ctx
         copier, backend = ctx.copier, ctx.backend
         off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
         if ctx.views.save:
-            table = self.address_table()
+            table = self.table.get(self.ctx, self.handles)
             addrs = ctx.addresses(layer, None if table is not None else [self.handles[i] for i in idx], off, n, table, idx)
             if addrs is not None:  # the copier writes the objects by address
                 with self.lock:

@@ -189,7 +189,7 @@ def measure_device(cfg: dict[str, Any]) -> PipelineBenchResult:
     if cfg.get("model_shaped") and rates is None:
         rates = measure_rates(acc, cfg, only=["model"])
     model = measure_model(acc, cfg, rates) if cfg.get("model_shaped") else None
-    host = measure_host_work(cfg) if cfg.get("host_work") else None
+    host = measure_host_work(acc, cfg) if cfg.get("host_work") else None
     name = device_name(acc)
     config = {"layers": layers, "blocks": blocks, "block_bytes": bb, "layer_bytes": bb * blocks,
               "total_bytes": total, "reps": cfg["reps"], "depths": cfg["depths"], "backend": cfg["backend"],

@@ -94,9 +94,10 @@ def _save(acc: Any, backend: Any, copier: Any, layout: Any, keys: list[str]) -> 
     return _timed(acc, run)
 
 
-def _loads(acc: Any, backend: Any, copier: Any, layout: Any, keys: list[str], src: list[Any], dst: list[Any],
-           reps: int) -> tuple[float, bool]:
-    """Median time of ``reps`` bulk loads (after one warm-up), and whether every one was exact."""
+def _loads(acc: Any, backend: Any, copier: Any, layout: Any, keys: list[str], src: list[Any] | None,
+           dst: list[Any], reps: int, pick: Any = statistics.median) -> tuple[float, bool]:
+    """``pick`` (median) of the times of ``reps`` bulk loads (after one warm-up), and whether every
+    one was exact; with ``src`` None (copies that move nothing) the KV is neither reset nor checked."""
     import torch
 
     from lw_core.pipeline import LayerPipeline
@@ -114,13 +115,13 @@ def _loads(acc: Any, backend: Any, copier: Any, layout: Any, keys: list[str], sr
                 raise SystemExit(f"lw-bench pipeline --rates: loads failed: {res.errors[:3]}")
 
         for r in range(reps + 1):
-            for t in dst:
+            for t in dst if src is not None else ():
                 t.zero_()
             dt = _timed(acc, load)
             if r:
                 times.append(dt)
-            verified = verified and all(torch.equal(d, s) for d, s in zip(dst, src))
-    return statistics.median(times), verified
+            verified = verified and src is not None and all(torch.equal(d, s) for d, s in zip(dst, src))
+    return pick(times), verified
 
 
 def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) -> list[RateRow]:
@@ -180,13 +181,12 @@ def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) 
     return rows
 
 
-def measure_host_work(cfg: dict[str, Any]) -> list[HostRow]:
+def measure_host_work(acc: Any, cfg: dict[str, Any]) -> list[HostRow]:
     """Per case and mechanism: the fastest of ``reps`` saves and of ``reps`` bulk loads of a step
-    whose copies move nothing (the module docstring)."""
+    whose copies move nothing (the module docstring); ``acc``: the bench's cpu-torch device."""
     import torch
 
-    from lw_core.pipeline import LayerPipeline
-    from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
+    from lw_core.plan import ObjectLayout
     from lw_vllm.device.copier import TorchCopier
     from lw_vllm.device.device_streams import NoCopyOps
 
@@ -204,35 +204,18 @@ def measure_host_work(cfg: dict[str, Any]) -> list[HostRow]:
             continue
         try:
             for m in mechs:
-                copier = TorchCopier([torch.empty(blocks, bb, dtype=torch.uint8) for _ in range(layers)], blocks,
-                                     ops=ops, mechanism=m)
+                kv = [torch.empty(blocks, bb, dtype=torch.uint8) for _ in range(layers)]
+                copier = TorchCopier(kv, blocks, ops=ops, mechanism=m)
                 key = f"host/{name}/{m}".replace(" ", "")
-                ids = list(range(blocks))
                 try:
-                    saves: list[float] = []
-                    for r in range(reps):
-                        t0 = time.perf_counter()
-                        with LayerPipeline(backend, copier, layout, save_timeout_s=120.0) as pipe:
-                            pipe.start_save([ReqSave("bench", [f"{key}/{r}/{i}" for i in ids], ids)])
-                            for layer in range(layers):
-                                pipe.save_layer(layer)
-                            res = pipe.finish_save()
-                        saves.append(time.perf_counter() - t0)
-                        if len(res.committed_keys) != blocks:
-                            raise SystemExit(f"lw-bench pipeline --host-work: saves failed: {res.errors[:3]}")
-                    loads: list[float] = []
-                    with LayerPipeline(backend, copier, layout, layerwise=False, layer_timeout_s=120.0) as pipe:
-                        for _ in range(reps + 1):
-                            t0 = time.perf_counter()
-                            pipe.start_load([ReqLoad("bench", [f"{key}/0/{i}" for i in ids], ids)])
-                            lres = pipe.finish_load()
-                            loads.append(time.perf_counter() - t0)
-                            if lres.failed_block_ids:
-                                raise SystemExit(f"lw-bench pipeline --host-work: loads failed: {lres.errors[:3]}")
+                    t_save = min(_save(acc, backend, copier, layout, [f"{key}/{r}/{i}" for i in range(blocks)])
+                                 for r in range(reps))
+                    t_load, _ = _loads(acc, backend, copier, layout, [f"{key}/0/{i}" for i in range(blocks)], None, kv,
+                                       reps, pick=min)
                     used = dict(copier.mechanism_counts)
                 finally:
                     copier.close()
-                t_save, t_load, windows = min(saves), min(loads[1:]), layers * blocks
+                windows = layers * blocks
                 rows.append(HostRow(
                     case=name, layers=layers, blocks=blocks, segment_bytes=bb, windows=windows, mechanism=m,
                     load_ns_per_window=t_load / windows * 1e9, save_ns_per_window=t_save / windows * 1e9,

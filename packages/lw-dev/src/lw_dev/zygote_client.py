@@ -14,7 +14,6 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
 
 from lw_dev.engine_zygote import READY
 
@@ -71,7 +70,7 @@ class Zygote:
     def run(self, job: str, env: dict[str, str], timeout_s: float) -> tuple[int, str, str] | None:
         """(exit code, stdout, stderr) of ``python -m lw_dev.engine`` with ``job`` on stdin, forked
         from the zygote; raises subprocess.TimeoutExpired past ``timeout_s`` (the child killed)."""
-        if env.get("LW_ENGINE_ZYGOTE", os.environ.get("LW_ENGINE_ZYGOTE", "1")) == "0":
+        if env.get("LW_ENGINE_ZYGOTE") == "0":  # env: the job's whole environment
             return None
         if not self._lock.acquire(blocking=False):
             return None
@@ -135,4 +134,4 @@ def _kill(pid: int) -> None:
         pass
 
 
-zygote: Any = Zygote()
+zygote = Zygote()

@@ -15,8 +15,10 @@ load and the test failed with a broken pipe)."""
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -30,7 +32,8 @@ pytestmark = [needs_memcache, pytest.mark.slow, pytest.mark.timeout(240)]
 N, NL, LB = 150, 4, 65536
 
 WRITER = r"""
-import sys, time
+import faulthandler, signal, sys, time
+faulthandler.register(signal.SIGUSR1)  # the test asks where a writer that does not finish is
 import numpy as np
 from lw_core.backend import publish_layers
 from lw_memcache.backend import MemcacheBackend
@@ -99,12 +102,18 @@ def test_a_reader_racing_every_commit_loses_no_chunk(tmp_path):
         wconf = tmp_path / "mmc-writer.conf"
         wconf.write_text(re.sub(r"^(ock\.mmc\.local_service\.dram\.size\s*=).*$", r"\1 0", m.local_conf.read_text(),
                                 flags=re.M))
-        p = subprocess.Popen([sys.executable, "-c", WRITER, str(wconf), str(N), str(NL), str(LB)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        with open(tmp_path / "writer.err", "w") as err:  # the writer's tracebacks (SIGUSR1 below)
+            p = subprocess.Popen([sys.executable, "-c", WRITER, str(wconf), str(N), str(NL), str(LB)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
         assert p.stdout is not None and p.stdin is not None
         deadline = time.monotonic() + 60
         while "ready" not in p.stdout.readline():  # the library logs to stdout too
             assert time.monotonic() < deadline and p.poll() is None, "the writer never started"
+        # Drain the writer's stdout from here on: its library logs there, and a full pipe would stop
+        # the writer inside a log call.
+        said: list[str] = []
+        drain = threading.Thread(target=lambda: said.extend(p.stdout), daemon=True)
+        drain.start()
         problems: list[str] = []
         streamed = [0]
         for i in range(N):
@@ -115,7 +124,16 @@ def test_a_reader_racing_every_commit_loses_no_chunk(tmp_path):
         # Opened while the writer was still writing (a head read), not after its commit: all of
         # them here; with the old removal at commit, heads a reader could not lease made it 7-11 %.
         assert streamed[0] >= N, f"only {streamed[0]} of {2 * N} chunks were opened before their commit"
-        assert p.wait(60) == 0
+        try:
+            rc = p.wait(60)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            raise AssertionError(f"the writer did not exit 60 s after its last prompt was read; it was at:\n"
+                                 f"{(tmp_path / 'writer.err').read_text()[-4000:]}") from None
+        assert rc == 0
+        drain.join(10)
+        assert any("done" in line for line in said), "the writer did not finish its prompts"
     finally:
         if p is not None and p.poll() is None:
             p.kill()

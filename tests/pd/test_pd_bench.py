@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from lw_bench.pd import compare, compare_report, compare_stack
+from lw_bench.pd import compare, compare_report, compare_stack, request_kinds
 from lw_bench.pd import mode as bench_pd
+from lw_bench.pd.result import checked
 from lw_bench.pd.throttle import NAME, ThrottledBackend
 from lw_core.backends.memory import MemoryBackend
 from lw_core.backends.registry import register_backend, unregister_backend
@@ -144,7 +145,7 @@ def test_bad_flags_name_the_flag() -> None:
     p = argparse.ArgumentParser()
     bench_pd.add_arguments(p)
     for argv, flag in ((["--stores", "disk"], "--stores"), (["--lengths", "5000"], "--lengths"),
-                       (["--throttle-mb-s", "0"], "--throttle-mb-s")):
+                       (["--throttle-mb-s", "0"], "--throttle-mb-s"), (["--request-kinds", "chat,x"], "--request-kinds")):
         with pytest.raises(SystemExit, match=flag):
             bench_pd.config(p.parse_args(argv))
 
@@ -162,6 +163,50 @@ def test_memcache_store_wraps_lw_memcache_with_its_keys(tmp_path: Path) -> None:
             parse_config({**extra, "throttle_inner": "disk"})
     finally:
         unregister_backend(NAME)
+
+
+def test_request_kinds_flag_bodies_and_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert request_kinds.parse("all") == list(request_kinds.REQUEST_KINDS) and request_kinds.parse("none") == []
+    assert request_kinds.parse("chat, completion,chat") == ["chat", "completion"]
+    for bad in ("", "chat,embeddings", "all,chat"):
+        with pytest.raises(SystemExit, match="--request-kinds.*completion_full"):
+            request_kinds.parse(bad)
+    kinds = request_kinds.REQUEST_KINDS
+    b = request_kinds.body(kinds["chat_sampled"], [11, 12], lambda ids: f"text{ids}", max_tokens=2, seed=7)
+    assert b["messages"] == [{"role": "user", "content": "text[11, 12]"}] and "prompt" not in b
+    assert (b["temperature"], b["top_p"], b["seed"], b["stream"]) == (0.8, 0.95, 7, True)
+    b = request_kinds.body(kinds["completion_full"], [11, 12], None, max_tokens=1, seed=7)
+    assert (b["prompt"], b["temperature"], b["stream"], b["max_tokens"]) == ([11, 12], 0.0, False, 1) and "seed" not in b
+    # Prompts differ per kind and target (a repeated prompt would be a pool hit) and repeat per seed.
+    ps = {(k, t): request_kinds.prompt(0, 0, 64, k, t) for k in kinds for t in ("alone", "pd")}
+    assert len({tuple(v) for v in ps.values()}) == len(ps) and request_kinds.prompt(0, 0, 64, "chat", "pd") == ps["chat", "pd"]
+
+    recs = []
+    for rep, (alone, pd, relayed) in enumerate(((0.10, 0.12, True), (0.20, 0.30, False), (0.10, 0.13, True))):
+        recs.append({"store": "embedded", "request_kind": "chat", "target": "alone", "length": 256, "rep": rep,
+                     "status": 200, "ttft_s": alone})
+        recs.append({"store": "embedded", "request_kind": "chat", "target": "pd", "length": 256, "rep": rep,
+                     "status": 200, "ttft_s": pd, "relayed": relayed})
+    recs.append({"store": "embedded", "request_kind": "completion_full", "target": "pd", "length": 256, "rep": 0,
+                 "status": 500, "ttft_s": 0.01})
+    recs.append({"store": "embedded", "request_kind": "completion_full", "target": "alone", "length": 256, "rep": 0,
+                 "status": 200, "ttft_s": 0.2})
+    figures, problems = request_kinds.summarize(recs)
+    chat = figures["embedded"]["256"]["chat"]
+    assert chat == {"alone_s": 0.1, "pd_s": 0.13, "pd_vs_alone": 1.3, "relayed_share": 0.67}
+    full = figures["embedded"]["256"]["completion_full"]
+    assert full == {"alone_s": 0.2, "pd_s": None, "pd_vs_alone": None, "relayed_share": None}
+    assert problems == ["embedded completion_full pd 256: HTTP 500"]
+    cfg = {"lengths": [256], "reps": 2, "block_size": 128, "pd_max_tokens": 2, "throttle_bytes_per_s": 50_000_000}
+    r = compare.summarize(cfg, _records())
+    r.update(request_kinds=figures, request_kind_records=recs, runtime_s=1.0, loadavg=0.5, cpus=2,
+             config={**cfg, "quick": False, "max_model_len": 1024, "streaming": False, "stores": ["embedded"],
+                     "relay": True, "pin": True, "request_kinds": ["chat", "completion_full"]})
+    checked(r)  # the report's struct takes the figures
+    compare_report.print_table(r)
+    printed = capsys.readouterr().out
+    assert "| embedded | 256 | chat | yes | 100.0 | 130.0 | 1.30 | 67% |" in printed
+    assert "| embedded | 256 | completion_full | no | 200.0 | - | - | - |" in printed
 
 
 @pytest.mark.slow
@@ -192,5 +237,12 @@ def test_quick_run_on_real_vllm(tmp_path: Path) -> None:
             layers = rec["timeline"]["layers"]
             assert len(layers) == compare.NUM_LAYERS, rec
             assert all(x["decoder_landed"] is not None and x["prefill_saved"] is not None for x in layers), rec
+    # Every request kind, alone and through the default proxy (prefill-first, streaming decoder).
+    by_kind = r["request_kinds"][store]["200"]
+    assert set(by_kind) == set(request_kinds.REQUEST_KINDS), by_kind
+    assert all(f["alone_s"] > 0 and f["pd_s"] > 0 and f["pd_vs_alone"] > 0 and 0 <= f["relayed_share"] <= 1
+               for f in by_kind.values()), by_kind
+    assert {(x["request_kind"], x["target"]) for x in r["request_kind_records"]} == {
+        (k, t) for k in request_kinds.REQUEST_KINDS for t in ("alone", "pd")}
     assert json.loads((out / "result.json").read_text())["stores"] == [store]
     assert (out / "ttft.png").stat().st_size > 1000 and (out / "timeline.png").stat().st_size > 1000

@@ -80,8 +80,26 @@ def print_table(r: dict[str, Any]) -> None:
         for L, by_kind in r["phases_s"][store].items():
             ph = by_kind.get("pd", {})
             print(f"PD breakdown, median ms ({store}, {L}): " + " ".join(f"{k}={_ms(v)}" for k, v in ph.items()))
+    if r.get("request_kinds"):
+        print_request_kinds(r)
     for p in r["problems"]:
         print(f"PROBLEM: {p}")
+
+
+def print_request_kinds(r: dict[str, Any]) -> None:
+    """Per request kind (lw_bench.pd.request_kinds): the prefiller alone, PD through the default
+    proxy, their ratio and the share of first tokens relayed from the prefill."""
+    from lw_bench.pd.request_kinds import REQUEST_KINDS
+
+    print("\nper request kind, through the default proxy (streamed: TTFT; not streamed: the whole answer):")
+    print("\n| store | length | request kind | streamed | alone ms | PD ms | PD / alone | first token relayed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for store, by_len in r["request_kinds"].items():
+        for L, by_kind in by_len.items():
+            for name, f in by_kind.items():
+                share = "-" if f["relayed_share"] is None else f"{f['relayed_share']:.0%}"
+                print(f"| {store} | {L} | {name} | {'yes' if REQUEST_KINDS[name].stream else 'no'} | "
+                      f"{_ms(f['alone_s'])} | {_ms(f['pd_s'])} | {_x(f['pd_vs_alone'])} | {share} |")
 
 
 def _plt() -> Any:

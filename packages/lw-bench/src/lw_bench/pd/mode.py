@@ -42,6 +42,7 @@ from typing import Any
 
 import msgspec
 
+from lw_bench.pd import request_kinds
 from lw_bench.pd.report import PHASES, plot, print_table  # noqa: F401  (re-exported: the PD tests use them)
 from lw_bench.pd.request import PD_MAX_TOKENS, _prompt, _records, breakdown, stream_ttft
 
@@ -60,6 +61,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "stack each; memcache starts a MetaService and a holder on this host)")
     p.add_argument("--throttle-mb-s", type=float, default=50.0,
                    help="bandwidth of the throttled store's link per engine process, MB/s (10^6 bytes; default 50)")
+    p.add_argument("--request-kinds", default="all",
+                   help="kinds of client request measured alone and through the default proxy (lw_bench.pd.request_kinds): "
+                        "all, none, or a comma-separated list of completion, completion_full, completion_sampled, "
+                        "completion_logprobs, chat, chat_full, chat_sampled, chat_logprobs (default all)")
     p.add_argument("--no-relay", action="store_true", help="do not measure the proxy's --prefill-first (rows pd_relay, pd_stream_relay)")
     p.add_argument("--no-pin", action="store_true",
                    help="do not keep the prefiller's processes (API server and engine) alone on the first CPU; by "
@@ -109,6 +114,7 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
             "streaming": bool(getattr(args, "streaming", False)),
             "stores": _stores(getattr(args, "stores", "embedded,throttled")),
             "throttle_bytes_per_s": int(mbs * 1e6), "relay": not getattr(args, "no_relay", False),
+            "request_kinds": request_kinds.parse(getattr(args, "request_kinds", "all")),
             "pin": not getattr(args, "no_pin", False)}
 
 
@@ -237,8 +243,10 @@ def summarize(cfg: dict[str, Any], records: list[dict[str, Any]]) -> dict[str, A
                if "pd_stream" in kinds else {})}
 
 
-def _run_store(store: str, cfg: dict[str, Any], log_dir: Path, base: str) -> list[dict[str, Any]]:
-    """Start the store's stack, warm up, measure; always stop it and remove its pool."""
+def _run_store(store: str, cfg: dict[str, Any], log_dir: Path,
+               base: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Start the store's stack, warm up, measure (the comparison's records, then the request kinds');
+    always stop it and remove its pool."""
     from lw_bench.pd import compare
     from lw_bench.pd.compare_stack import start_compare_stack
 
@@ -252,13 +260,32 @@ def _run_store(store: str, cfg: dict[str, Any], log_dir: Path, base: str) -> lis
                                     relay=cfg["relay"], pin=cfg.get("pin", False))
         try:
             compare.measure(stack, {**cfg, "lengths": [min(cfg["lengths"])], "reps": 1}, seed=10_000)  # one-time costs
-            return compare.measure(stack, cfg, progress=lambda r: print(
+            records = compare.measure(stack, cfg, progress=lambda r: print(
                 f"  {r['store']:9s} {r['kind']:9s} {r['length']:5d}: TTFT {r['ttft_s'] * 1e3:7.1f} ms", file=sys.stderr))
+            by_kind: list[dict[str, Any]] = []
+            if cfg["request_kinds"]:
+                decode = _text_of_ids()
+                request_kinds.measure(stack, {**cfg, "lengths": [min(cfg["lengths"])], "reps": 1}, decode, seed=20_000)
+                by_kind = request_kinds.measure(stack, cfg, decode, progress=lambda r: print(
+                    f"  {r['store']:9s} {r['request_kind']:19s} {r['target']:5s} {r['length']:5d}: "
+                    f"{'TTFT' if request_kinds.REQUEST_KINDS[r['request_kind']].stream else 'answer'} "
+                    f"{r['ttft_s'] * 1e3:7.1f} ms", file=sys.stderr))
+            return records, by_kind
         finally:
             stack.stop()
     finally:
         os.sched_setaffinity(0, cpus)
         shutil.rmtree(pool, ignore_errors=True)
+
+
+def _text_of_ids() -> Any:
+    """The try-out model's tokenizer's decoding (chat prompts are text)."""
+    from tokenizers import Tokenizer
+
+    from lw_bench import models
+
+    tok = Tokenizer.from_file(str(models.gqa_model() / "tokenizer.json"))
+    return tok.decode
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -276,13 +303,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else str(log_dir)
     records: list[dict[str, Any]] = []
+    kind_records: list[dict[str, Any]] = []
     try:
         for store in cfg["stores"]:
-            records += _run_store(store, cfg, log_dir, base)
+            got, by_kind = _run_store(store, cfg, log_dir, base)
+            records += got
+            kind_records += by_kind
     finally:
         if args.log_dir is None:
             shutil.rmtree(log_dir, ignore_errors=True)
     result = compare.summarize(cfg, records)
+    if kind_records:
+        result["request_kinds"], problems = request_kinds.summarize(kind_records)
+        result["request_kind_records"] = kind_records
+        result["problems"] += problems
     result["runtime_s"] = round(time.perf_counter() - t0, 1)
     result["loadavg"] = round(os.getloadavg()[0], 2)
     result["cpus"] = len(os.sched_getaffinity(0))

@@ -30,6 +30,7 @@ class PdBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     stores: list[str]
     throttle_bytes_per_s: Annotated[int, Meta(gt=0)]  # the throttled store's link per engine process
     relay: bool  # prefill-first kinds measured
+    request_kinds: list[str]  # lw_bench.pd.request_kinds measured (names of REQUEST_KINDS)
     pin: bool  # the prefiller's processes alone on the first CPU
 
 
@@ -41,6 +42,13 @@ class TransferHidden(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 class PdTargets(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pd_vs_alone: float
     pd_stream_vs_alone: float
+
+
+class KindFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    alone_s: Annotated[float, Meta(ge=0)] | None  # median, the prefiller alone
+    pd_s: Annotated[float, Meta(ge=0)] | None  # median, through the default proxy
+    pd_vs_alone: Annotated[float, Meta(gt=0)] | None  # median of per-rep pairs
+    relayed_share: Annotated[float, Meta(ge=0, le=1)] | None  # first token relayed (None: no prefill-first proxy)
 
 
 class PdFiles(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -64,6 +72,8 @@ class PdBenchResult(msgspec.Struct, kw_only=True, omit_defaults=True, forbid_unk
     runtime_s: Annotated[float, Meta(ge=0)]
     loadavg: Annotated[float, Meta(ge=0)]  # the machine's 1-minute load average at the end
     cpus: Positive  # CPUs this process may run on
+    request_kinds: dict[str, dict[str, dict[str, KindFigures]]] = {}  # store -> length -> request kind
+    request_kind_records: list[dict[str, Any]] = []  # one per request of lw_bench.pd.request_kinds
     files: PdFiles | None = None  # --out: what was written there
     plot: str | None = None  # --plot: the TTFT figure written
 

@@ -1,0 +1,183 @@
+"""``lw-bench pd --request-kinds``: PD's time to first token per kind of client request, against the
+same kind of request sent to the prefiller alone, and the share whose first token lw-proxy relayed
+from the prefill (``--prefill-first``).
+
+A kind is an endpoint (``/v1/completions`` or ``/v1/chat/completions``), streamed or not, and the
+sampling fields that change how the proxy may treat it (``REQUEST_KINDS``). Per store, length, rep and
+kind two requests go out, each on a prompt of its own (a prompt seen once is in the pool, and the
+second request would measure a pool hit): ``alone`` straight to the prefiller and ``pd`` through the
+proxy a deployment runs by default (streaming decoder, ``--prefill-first``; the streaming decoder
+without it under ``--no-relay``).
+
+* streamed kinds: time to the first event that carries content (completion ``text``, chat
+  ``delta.content``); ``alone`` asks for one token, as a prefill does;
+* non-streamed kinds: time to the whole answer, ``alone`` and ``pd`` both asking for the same number
+  of tokens (a non-streamed client sees nothing before the end).
+
+Chat prompts are the tiny tokenizer's decoding of random token ids, so their length in tokens is the
+asked one give or take a few, plus the chat template's own.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import statistics
+import time
+from typing import Any
+
+import msgspec
+
+from lw_bench.pd.request import VOCAB_HI, VOCAB_LO
+from lw_bench.pd.stack import metric_sum
+
+RELAYED = "lw_proxy_prefill_first_relayed_total"
+SAMPLING = {"temperature": 0.8, "top_p": 0.95}
+
+
+class RequestKind(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    chat: bool
+    stream: bool
+    fields: dict[str, Any] = {}  # what the kind adds to a greedy request (temperature 0)
+
+
+REQUEST_KINDS: dict[str, RequestKind] = {k.name: k for k in (
+    RequestKind(name="completion", chat=False, stream=True),
+    RequestKind(name="completion_full", chat=False, stream=False),
+    RequestKind(name="completion_sampled", chat=False, stream=True, fields=SAMPLING),
+    RequestKind(name="completion_logprobs", chat=False, stream=True, fields={"logprobs": 2}),
+    RequestKind(name="chat", chat=True, stream=True),
+    RequestKind(name="chat_full", chat=True, stream=False),
+    RequestKind(name="chat_sampled", chat=True, stream=True, fields=SAMPLING),
+    RequestKind(name="chat_logprobs", chat=True, stream=True, fields={"logprobs": True, "top_logprobs": 2}),
+)}
+
+
+def parse(text: str) -> list[str]:
+    """``--request-kinds``: comma-separated names, ``all``, or ``none`` (empty list)."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    if names == ["all"]:
+        return list(REQUEST_KINDS)
+    if names == ["none"]:
+        return []
+    bad = [x for x in names if x not in REQUEST_KINDS]
+    if not names or bad:
+        raise SystemExit(f"lw-bench pd: --request-kinds={text!r}: expected all, none or a comma-separated list of "
+                         f"{', '.join(REQUEST_KINDS)}")
+    return list(dict.fromkeys(names))
+
+
+def body(kind: RequestKind, ids: list[int], decode: Any, *, max_tokens: int, seed: int) -> dict[str, Any]:
+    """The request of ``kind`` on the prompt ``ids`` (chat: their text, ``decode(ids)``)."""
+    b: dict[str, Any] = {"model": "tiny", "temperature": 0.0, "ignore_eos": True, "max_tokens": max_tokens,
+                         "stream": kind.stream, **kind.fields}
+    if "temperature" in kind.fields:
+        b["seed"] = seed  # sampled, reproducibly
+    if kind.chat:
+        b["messages"] = [{"role": "user", "content": decode(ids)}]
+    else:
+        b["prompt"] = ids
+    return b
+
+
+def _has_content(ev: dict[str, Any], chat: bool) -> bool:
+    for c in ev.get("choices") or ():
+        if (c.get("delta") or {}).get("content") if chat else c.get("text"):
+            return True
+    return False
+
+
+def timed(url: str, kind: RequestKind, b: dict[str, Any], timeout_s: float = 120.0) -> tuple[float, float, int]:
+    """POST ``b``; (send time, first content or -- not streamed -- whole answer time, status)."""
+    host, port = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    path = "/v1/chat/completions" if kind.chat else "/v1/completions"
+    try:
+        t_send = time.time()
+        conn.request("POST", path, json.dumps(b), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        if r.status != 200 or not kind.stream:
+            r.read()
+            return t_send, time.time(), r.status
+        t_first = 0.0
+        for line in r:  # read to the end so the request finishes normally
+            if not t_first and line.startswith(b"data: {") and _has_content(json.loads(line[6:]), kind.chat):
+                t_first = time.time()
+        return t_send, t_first or time.time(), r.status
+    finally:
+        conn.close()
+
+
+def prompt(seed: int, rep: int, length: int, kind: str, target: str) -> list[int]:
+    rng = random.Random(f"{seed}/{rep}/{length}/{kind}/{target}")
+    return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(length)]
+
+
+def pd_proxy(stack: Any) -> str:
+    """The proxy a deployment runs by default: streaming decoder, prefill-first when measured."""
+    return "pd_stream_relay" if "pd_stream_relay" in stack.proxies else "pd_stream"
+
+
+def measure(stack: Any, cfg: dict[str, Any], decode: Any, *, seed: int = 0, progress: Any = None) -> list[dict[str, Any]]:
+    """One record per request: store, request_kind, target (alone or pd), length, rep, status,
+    ttft_s and, through a prefill-first proxy, whether its first token was relayed."""
+    proxy = pd_proxy(stack)
+    relay = proxy.endswith("_relay")
+    out: list[dict[str, Any]] = []
+    for rep in range(cfg["reps"]):
+        for length in cfg["lengths"]:
+            for name in cfg["request_kinds"]:
+                kind = REQUEST_KINDS[name]
+                order = ("alone", "pd") if (rep + length // 16 + len(name)) % 2 else ("pd", "alone")
+                for target in order:
+                    one = kind.stream and target == "alone"  # the prefill's own answer: its first token
+                    b = body(kind, prompt(seed, rep, length, name, target), decode,
+                             max_tokens=1 if one else cfg["pd_max_tokens"], seed=seed + rep)
+                    url = stack.servers["prefill"].url if target == "alone" else stack.proxies[proxy].url
+                    before = metric_sum(url, RELAYED) if target == "pd" and relay else 0.0
+                    t_send, t_end, status = timed(url, kind, b)
+                    rec: dict[str, Any] = {"store": stack.store, "request_kind": name, "target": target,
+                                           "length": length, "rep": rep, "status": status,
+                                           "ttft_s": round(t_end - t_send, 4)}
+                    if target == "pd" and relay:
+                        rec["relayed"] = metric_sum(url, RELAYED) > before
+                    out.append(rec)
+                    if progress is not None:
+                        progress(rec)
+    return out
+
+
+def _median(xs: list[float]) -> float | None:
+    return round(statistics.median(xs), 4) if xs else None
+
+
+def summarize(records: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
+    """store -> length -> kind -> {alone_s, pd_s, pd_vs_alone (median of per-rep pairs),
+    relayed_share (None without a prefill-first proxy)}; and the failed requests."""
+    out: dict[str, Any] = {}
+    problems = [f"{r['store']} {r['request_kind']} {r['target']} {r['length']}: HTTP {r['status']}"
+                for r in records if r["status"] != 200]
+    ok = [r for r in records if r["status"] == 200]
+    for r in ok:
+        out.setdefault(r["store"], {}).setdefault(str(r["length"]), {}).setdefault(r["request_kind"], None)
+    for store, by_len in out.items():
+        for L, by_kind in by_len.items():
+            for name in by_kind:
+                rs = [r for r in ok if r["store"] == store and str(r["length"]) == L and r["request_kind"] == name]
+                pairs: dict[int, dict[str, float]] = {}
+                for r in rs:
+                    pairs.setdefault(r["rep"], {})[r["target"]] = r["ttft_s"]
+                pd = [r for r in rs if r["target"] == "pd"]
+                rel = [r["relayed"] for r in pd if "relayed" in r]
+                by_kind[name] = {
+                    "alone_s": _median([r["ttft_s"] for r in rs if r["target"] == "alone"]),
+                    "pd_s": _median([r["ttft_s"] for r in pd]),
+                    "pd_vs_alone": _median([v["pd"] / v["alone"] for v in pairs.values() if v.get("pd") and v.get("alone")]),
+                    "relayed_share": round(sum(rel) / len(rel), 2) if rel else None,
+                }
+    return out, problems
+
+
+__all__ = ["REQUEST_KINDS", "RequestKind", "measure", "parse", "summarize"]

@@ -279,13 +279,28 @@ def _run_store(store: str, cfg: dict[str, Any], log_dir: Path,
 
 
 def _text_of_ids() -> Any:
-    """The try-out model's tokenizer's decoding (chat prompts are text)."""
+    """Chat prompts are text: ``ids`` decoded with the try-out model's tokenizer, cut until the text
+    encodes to at most ``len(ids)`` tokens (decoded random ids encode to more, BPE merging across
+    their boundaries differently)."""
     from tokenizers import Tokenizer
 
     from lw_bench import models
 
     tok = Tokenizer.from_file(str(models.gqa_model() / "tokenizer.json"))
-    return tok.decode
+
+    def text(ids: list[int]) -> str:
+        enc = tok.encode(tok.decode(ids), add_special_tokens=False).ids
+        keep = len(ids)
+        out = tok.decode(enc[:keep])
+        for _ in range(8):
+            over = len(tok.encode(out, add_special_tokens=False).ids) - len(ids)
+            if over <= 0:
+                break
+            keep -= over
+            out = tok.decode(enc[:keep])
+        return out
+
+    return text
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -66,35 +66,55 @@ def test_streaming_matches_single_engine(gqa_stack: Stack) -> None:
     assert_remote_prefill_used(gqa_stack, ex, 1)
 
 
-def _relayable_greedy_body(stack: Stack) -> dict:
-    """A plain streamed greedy completion (no logprobs, what a chat UI sends) whose first token the
-    proxy may relay (lw_proxy.relay.first_event: whole text, not an empty or partial-UTF-8 token,
-    which a random-weight model does produce), judged on the single engine's one-token answer."""
+def _relayable_greedy_body(stack: Stack, chat: bool) -> dict:
+    """A plain streamed greedy completion or chat (no logprobs, what a chat UI sends) whose first
+    token the proxy may relay (lw_proxy.relay.first_event: whole text, not an empty or partial-UTF-8
+    token, which a random-weight model does produce), judged on the single engine's one-token answer."""
     for seed in range(77, 87):
-        body = {"model": "tiny", "prompt": text(seed, 150), "max_tokens": MAX_TOKENS, "temperature": 0,
-                "ignore_eos": True}
-        first = baseline(stack, "/v1/completions", {**body, "max_tokens": 1})
-        if relay.first_event(json.dumps(first).encode(), "probe") is not None:
+        body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+                **({"messages": [{"role": "user", "content": text(seed, 150)}]} if chat else {"prompt": text(seed, 150)})}
+        first = baseline(stack, _path(chat), {**body, "max_tokens": 1})
+        if relay.first_event(json.dumps(first).encode(), "probe", chat) is not None:
             return body
     pytest.fail("no prompt of seeds 77-86 starts with a token the proxy may relay")
 
 
-def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack: Stack) -> None:
-    """Through the proxy's default, a relayable streamed greedy completion's first token comes from
-    the prefill's answer, and the whole text is the single engine's; the decoder still loaded the
+def _path(chat: bool) -> str:
+    return "/v1/chat/completions" if chat else "/v1/completions"
+
+
+def _stream_text(events: list, chat: bool) -> str:
+    assert events and events[-1] == "[DONE]", events[-3:]
+    assert not any("error" in ev for ev in events[:-1]), events
+    return "".join((ch.get("delta") or {}).get("content") or "" if chat else ch.get("text") or ""
+                   for ev in events[:-1] for ch in ev["choices"])
+
+
+def _shape(ev: dict) -> tuple:
+    """An event's keys, its choices' and their deltas' (what a client's parser sees)."""
+    return (tuple(sorted(ev)), tuple((tuple(sorted(ch)), tuple(sorted(ch.get("delta") or {})))
+                                     for ch in ev.get("choices") or ()))
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack: Stack, chat: bool) -> None:
+    """Through the proxy's default, a relayable streamed greedy completion's or chat's first token
+    comes from the prefill's answer, and the whole text is the single engine's, in events shaped as
+    the single engine's (chat: one role event, then the content); the decoder still loaded the
     prompt and computed the rest.
 
     Which comes first is a race on an idle stack: the decoder answers as soon as the prefiller has
     committed the prompt to the pool, which can be before the prefiller's own HTTP answer reaches
     the proxy (then there is nothing to gain by relaying). So the decoder is frozen (SIGSTOP) until
     the proxy has relayed the prefill's token, then resumed: the relay path runs for certain."""
-    body = {**_relayable_greedy_body(gqa_stack), "stream": True}
-    ref = baseline(gqa_stack, "/v1/completions", body)["choices"][0]["text"]
+    body = {**_relayable_greedy_body(gqa_stack, chat), "stream": True}
+    status, ref_events = post_sse(gqa_stack.decode.url + _path(chat), body)  # the single engine's stream
+    assert status == 200, ref_events
     settle(gqa_stack)
     gqa_stack.decode.mark()
     before = metric_sum(gqa_stack.proxy.url, RELAYED)
     got: dict = {}
-    call = threading.Thread(target=lambda: got.update(answer=post_sse(gqa_stack.proxy.url + "/v1/completions", body)),
+    call = threading.Thread(target=lambda: got.update(answer=post_sse(gqa_stack.proxy.url + _path(chat), body)),
                             daemon=True)
     freeze(gqa_stack.decode)
     try:
@@ -109,7 +129,14 @@ def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack:
     assert relayed == 1, "the proxy did not relay the prefill's first token while the decoder was stopped"
     status, events = got["answer"]
     assert status == 200, events
-    assert completion_stream(events)["text"] == ref
+    assert _stream_text(events, chat) == _stream_text(ref_events, chat)
+    # How tokens group into events depends on timing (an engine sends what it has), so compare the
+    # shapes an event takes, and where the role goes.
+    assert {_shape(ev) for ev in events[:-1]} == {_shape(ev) for ev in ref_events[:-1]}, (events, ref_events)
+    if chat:
+        roles = [i for i, ev in enumerate(events[:-1]) for ch in ev["choices"] if "role" in (ch.get("delta") or {})]
+        assert roles == [0], events
+    assert len({ev["id"] for ev in events[:-1]}) == 1  # the relayed events carry the decoder's id
     (rec,) = gqa_stack.decode.new_stats()
     assert rec["loaded_tokens"] == rec["prompt_tokens"] - 1 and rec["failed_blocks"] == 0, rec
 

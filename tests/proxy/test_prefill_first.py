@@ -172,3 +172,117 @@ def test_cut_drops_the_relayed_text_across_events_and_refuses_a_different_one():
         pass
     else:
         raise AssertionError("a different first token must not pass")
+
+
+CHAT = {"messages": [{"role": "user", "content": "p"}], "max_tokens": 4, "stream": True, "temperature": 0}
+
+
+async def _chat_sse(h, body):
+    """(seconds to the first content event, content deltas, error events, raw events)."""
+    t0 = time.monotonic()
+    first, texts, errors, events = None, [], [], []
+    async with h.session.post(h.url + "/v1/chat/completions", json=body) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            events.append(ev)
+            if "error" in ev:
+                errors.append(ev)
+            for ch in ev.get("choices") or ():
+                if (ch.get("delta") or {}).get("content"):
+                    first = first if first is not None else time.monotonic() - t0
+                    texts.append(ch["delta"]["content"])
+    return first, texts, errors, events
+
+
+def test_a_streamed_greedy_chat_gets_its_first_token_from_the_prefill():
+    """As a single engine streams it: one role event, then the content token by token, each token
+    once; the ids the relayed events named are the decoder's."""
+    async def body():
+        async with harness() as h:
+            h.decoders[0].knobs.delay = 1.0
+            first, texts, errors, events = await _chat_sse(h, {**CHAT, "stream_options": {"include_usage": True}})
+            assert errors == [] and first < 0.7, (first, errors)
+            assert "".join(texts) == "".join(generate("p", 4)) and len(texts) == 4
+            roles = [ch["delta"]["role"] for ev in events for ch in ev.get("choices") or () if "role" in ch["delta"]]
+            assert roles == ["assistant"] and "role" in events[0]["choices"][0]["delta"]
+            assert all(ev["object"] == "chat.completion.chunk" for ev in events)
+            assert len({ev["id"] for ev in events}) <= 2 and events[-1]["usage"]["completion_tokens"] == 4
+            assert all(ev.get("prompt_token_ids") is None for ev in events)  # asked by the proxy, not the client
+            assert all(ch.get("token_ids") is None for ev in events for ch in ev.get("choices") or ())
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
+
+    run(body())
+
+
+def test_a_chat_whose_decoder_picks_another_first_token_is_resumed_after_the_relayed_one():
+    async def body():
+        async with harness() as h:
+            dec = h.decoders[0]
+            dec.knobs.delay = 1.0
+            dec.knobs.first_word = " w999"
+            first, texts, errors, events = await _chat_sse(h, {**CHAT, "max_tokens": 5})
+            assert errors == [] and first < 0.7
+            assert "".join(texts) == "".join(generate("p", 5)) and " w999" not in "".join(texts)
+            assert [ch["delta"].get("role") for ev in events for ch in ev["choices"] if "role" in ch["delta"]] == ["assistant"]
+            resumed = [b for b in dec.bodies if b.get("continue_final_message")]
+            assert len(resumed) == 1 and resumed[0]["messages"][-1] == {"role": "assistant",
+                                                                         "content": generate("p", 1)[0]}
+            prompt = tokenize("p")  # the chat's prompt as the prefill returned it, and the relayed token
+            assert resumed[0]["kv_transfer_params"]["prompt_token_ids"] == prompt + generate_ids(prompt, 1)
+            assert 'lw_proxy_errors_total{kind="relay_mismatch"} 1.0' in await h.metrics()
+
+    run(body())
+
+
+def test_chats_with_tools_or_reasoning_keep_the_decoders_first_token():
+    async def body():
+        async with harness() as h:
+            h.decoders[0].knobs.delay = 1.0
+            tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+            first, texts, _, _ = await _chat_sse(h, {**CHAT, "tools": [tool]})
+            assert first >= 0.9 and "".join(texts) == "".join(generate("p", 4))
+            for b in (*h.prefillers, *h.decoders):
+                b.knobs.reasoning = True  # the answer is reasoning, no content: nothing to relay
+            _, _, errors, events = await _chat_sse(h, CHAT)
+            reasoning = [ch["delta"].get("reasoning_content") for ev in events for ch in ev["choices"]]
+            assert errors == [] and "".join(x for x in reasoning if x) == "".join(generate("p", 4))
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 0
+
+    run(body())
+
+
+def test_chat_eligibility_and_first_events():
+    from lw_proxy.validate import parse_chat
+
+    def req(**kw):
+        return parse_chat(msgspec.json.encode({**CHAT, **kw}))
+
+    assert relay.eligible(req()) and relay.eligible(req(stream_options={"include_usage": True}))
+    for kw in ({"temperature": 0.5}, {"n": 2}, {"stream": False}, {"stop": "x"}, {"logprobs": True},
+               {"top_logprobs": 0}, {"tools": []}, {"functions": [{"name": "f"}]}, {"echo": True},
+               {"return_token_ids": True}, {"return_prompt_text": True},
+               {"stream_options": {"continuous_usage_stats": True}}):
+        assert not relay.eligible(req(**kw)), kw
+
+    def answer(msg, finish="length", **top):
+        return msgspec.json.encode({"id": "x", "created": 7, "model": "m", **top,
+                                    "choices": [{"index": 0, "message": msg, "finish_reason": finish,
+                                                 "token_ids": [9]}]})
+
+    first = relay.first_event(answer({"role": "assistant", "content": " w5"}, prompt_token_ids=[1, 2]), "abc", True)
+    role_ev, content_ev = (json.loads(x[len(b"data: "):]) for x in first.block.split(b"\n\n") if x)
+    assert role_ev["id"] == content_ev["id"] == "chatcmpl-lw-abc" and role_ev["created"] == 7
+    assert role_ev["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert content_ev["choices"][0]["delta"] == {"content": " w5"} and content_ev["object"] == "chat.completion.chunk"
+    assert (first.text, first.token_ids, first.prompt_ids) == (" w5", [9], [1, 2])
+    for msg in ({"role": "assistant", "content": None, "reasoning_content": " w5"},
+                {"role": "assistant", "content": " w5", "reasoning": "r"},
+                {"role": "assistant", "content": "", "tool_calls": [{"id": "t"}]},
+                {"role": "assistant", "content": " w5", "tool_calls": [{"id": "t"}]}, {"role": "assistant"}):
+        assert relay.first_event(answer(msg), "abc", True) is None, msg
+    assert relay.first_event(answer({"content": " w5"}, "stop"), "abc", True) is None
+    ch = {"index": 0, "delta": {"content": " w5 w6"}}
+    assert relay.cut(ch, " w5", None, True) == ("", None) and ch["delta"] == {"content": " w6"}

@@ -1,4 +1,5 @@
-"""``--prefill-first``: a streamed greedy completion's first token comes from the prefiller.
+"""``--prefill-first``: a streamed greedy completion's or chat completion's first token comes from
+the prefiller.
 
 The prefill is a ``max_tokens: 1`` completion of the client's request, so its answer already holds
 the first token. With ``--prefill-first`` the proxy writes that token to the client as the stream's
@@ -13,10 +14,19 @@ request qualifies (``eligible``) when it is a streamed ``/v1/completions`` with 
 ``logprobs``, ``echo``, ``suffix``, ``prompt_logprobs``, ``return_token_ids``,
 ``return_tokens_as_token_ids`` or ``stream_options.continuous_usage_stats`` (those change the first
 event or how text is held back) with a value other than null or false: ``logprobs: 0`` (the sampled
-token's own logprob) or ``stop: []`` count as present. Every other request takes the normal path. The prefill's token is
+token's own logprob) or ``stop: []`` count as present. A streamed ``/v1/chat/completions`` qualifies
+on the same terms (``n`` 1, explicit ``temperature`` 0, none of ``stop``, ``logprobs``,
+``top_logprobs``, ``echo``, ``prompt_logprobs``, ``return_token_ids``,
+``return_tokens_as_token_ids``, ``return_prompt_text``, ``continuous_usage_stats``) and without ``tools`` or ``functions``:
+a tool parser may hold back or reroute the first token of a stream, which the prefiller's
+non-streamed answer cannot show. Every other request takes the normal path. The prefill's token is
 relayed only when its choice ended with ``finish_reason: "length"`` (not an EOS or stop token), with
-non-empty text and no U+FFFD (a partial UTF-8 sequence that later tokens would change). The decoder
-request then carries ``X-Request-Id: lw-<parent>`` so its events' ``id`` is the one the relayed event
+non-empty text and no U+FFFD (a partial UTF-8 sequence that later tokens would change); for chat,
+only as the message's ``content`` with no ``tool_calls`` and no reasoning (a reasoning parser routes
+text the stream may send otherwise). A chat relay sends the two events a single engine opens with:
+the role (``{"role": "assistant", "content": ""}``, the prefill's role) and the first content; the
+decoder's own role event is then dropped. The decoder
+request carries ``X-Request-Id: lw-<parent>`` so its events' ``id`` is the one the relayed event
 used. Should the decoder's text not start with the relayed text (a near-tie the decoder, which
 recomputes the last prompt token over loaded KV, decides the other way; it never happened in the
 tests), the proxy drops the decoder's answer before any of it reaches the client and resumes the
@@ -36,16 +46,20 @@ from . import recompute as rc
 from .validate import ClientRequest
 
 _OFF = ("stop", "logprobs", "echo", "suffix", "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids")
+_OFF_CHAT = ("stop", "logprobs", "top_logprobs", "echo", "prompt_logprobs", "return_token_ids",
+             "return_tokens_as_token_ids", "return_prompt_text", "tools", "functions")
 
 
 def eligible(req: ClientRequest) -> bool:
     b = req.body
-    if req.chat or not req.stream or len(req.prompts) != 1 or req.n != 1 or (b.get("best_of") or 1) != 1:
+    if not req.stream or req.n != 1 or (b.get("best_of") or 1) != 1:
+        return False
+    if not req.chat and len(req.prompts) != 1:
         return False
     t = b.get("temperature")
     if isinstance(t, bool) or not isinstance(t, (int, float)) or t != 0:
         return False
-    if any(_given(b.get(k)) for k in _OFF):
+    if any(_given(b.get(k)) for k in (_OFF_CHAT if req.chat else _OFF)):
         return False
     so = b.get("stream_options")
     return not (isinstance(so, dict) and _given(so.get("continuous_usage_stats")))
@@ -71,25 +85,39 @@ class First(NamedTuple):
     prompt_ids: list[int] | None
 
 
-def first_event(data: bytes | None, parent_id: str) -> First | None:
-    """The SSE event carrying the prefill answer's first token, or None when it must not be relayed
-    (see the module docstring)."""
+def first_event(data: bytes | None, parent_id: str, chat: bool = False) -> First | None:
+    """The SSE events carrying the prefill answer's first token (chat: the role event and the first
+    content), or None when it must not be relayed (see the module docstring)."""
     if not data:
         return None
     try:
         obj = msgspec.json.decode(data)
         (ch,) = obj["choices"]
-        text = ch["text"]
+        msg = ch["message"] if chat else {}
+        text = msg["content"] if chat else ch["text"]
     except (msgspec.DecodeError, KeyError, TypeError, ValueError):
         return None
     if not isinstance(text, str) or not text or "\ufffd" in text or ch.get("finish_reason") != "length":
         return None
-    toks, pids = ch.get("token_ids"), ch.get("prompt_token_ids")
-    ev = {"id": f"cmpl-{request_id(parent_id)}", "object": "text_completion", "created": obj.get("created"),
-          "model": obj.get("model"),
-          "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None, "stop_reason": None,
-                       "prompt_token_ids": None, "token_ids": None}]}
-    return First(rc.sse_encode(ev), text, toks if _ids(toks) else None, pids if _ids(pids) else None)
+    if not isinstance(msg, dict) or any(msg.get(k) for k in ("tool_calls", "reasoning_content", "reasoning")):
+        return None
+    toks = ch.get("token_ids")
+    pids = obj.get("prompt_token_ids") if chat else ch.get("prompt_token_ids")
+    if chat:
+        head = {"id": f"chatcmpl-{request_id(parent_id)}", "object": "chat.completion.chunk",
+                "created": obj.get("created"), "model": obj.get("model")}
+        role = msg.get("role") if isinstance(msg.get("role"), str) else "assistant"
+        block = rc.sse_encode({**head, "choices": [{"index": 0, "delta": {"role": role, "content": ""},
+                                                    "logprobs": None, "finish_reason": None}],
+                               "prompt_token_ids": None, "prompt_text": None})
+        block += rc.sse_encode({**head, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None,
+                                                     "finish_reason": None, "token_ids": None}]})
+    else:
+        block = rc.sse_encode({"id": f"cmpl-{request_id(parent_id)}", "object": "text_completion",
+                               "created": obj.get("created"), "model": obj.get("model"),
+                               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None,
+                                            "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]})
+    return First(block, text, toks if _ids(toks) else None, pids if _ids(pids) else None)
 
 
 def _ids(v: Any) -> bool:
@@ -100,16 +128,22 @@ class Mismatch(Exception):
     """The decoder's text (or token ids) does not start with what was relayed."""
 
 
-def cut(ch: dict[str, Any], skip: str, skip_ids: list[int] | None) -> tuple[str, list[int] | None]:
-    """Drop from choice 0's text and token ids the part already relayed (``skip``, and ``skip_ids``
-    when the prefill returned its ids), checking it matches; returns what is still to be cut."""
+def cut(ch: dict[str, Any], skip: str, skip_ids: list[int] | None,
+        chat: bool = False) -> tuple[str, list[int] | None]:
+    """Drop from choice 0's text (chat: its delta's content) and token ids the part already relayed
+    (``skip``, and ``skip_ids`` when the prefill returned its ids), checking it matches; returns
+    what is still to be cut."""
     if (not skip and not skip_ids) or ch.get("index", 0) != 0:
         return skip, skip_ids
-    text = ch.get("text") or ""
+    delta = ch.get("delta") if chat else None
+    text = ((delta.get("content") if isinstance(delta, dict) else None) if chat else ch.get("text")) or ""
     k = min(len(text), len(skip))
     if text[:k] != skip[:k]:
         raise Mismatch(f"the decoder's first text {text[:k]!r} differs from the prefiller's {skip[:k]!r}")
-    ch["text"] = text[k:]
+    if isinstance(delta, dict) and "content" in delta:
+        delta["content"] = text[k:]
+    elif not chat:
+        ch["text"] = text[k:]
     skip = skip[k:]
     toks = ch.get("token_ids")
     if skip_ids and toks is None and text:

@@ -43,9 +43,10 @@ class StreamState:
     id: str | None = None  # the stream's id (a continuation's events are renamed to it)
     skip: str = ""  # text relayed from the prefill (--prefill-first), cut from the decoder's stream
     skip_ids: list[int] | None = None  # token ids relayed likewise
+    skip_role: bool = False  # a chat relay sent the role event: the decoder's is dropped
 
     def stop_cutting(self) -> None:
-        self.skip, self.skip_ids = "", None
+        self.skip, self.skip_ids, self.skip_role = "", None, False
 
 
 class SseRelay:
@@ -116,13 +117,13 @@ class SseRelay:
             await asyncio.wait({task, relay}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
                 parent_id, data = relay.result()
-                first = relay_mod.first_event(data, parent_id)
+                first = relay_mod.first_event(data, parent_id, req.chat)
                 if first is not None:
                     await out.prepare(request)
                     await out.write(first.block)
                     state.ledger.feed(0, first.text, first.token_ids, first.prompt_ids,
                                       ids_follow=first.token_ids is None)
-                    state.skip, state.skip_ids = first.text, first.token_ids
+                    state.skip, state.skip_ids, state.skip_role = first.text, first.token_ids, req.chat
                     self.m.relayed_first.inc()
             return await task
         except BaseException:
@@ -178,7 +179,7 @@ class SseRelay:
                     block = block[: -len(_DONE)]
                 if parse or held or b'"recomputed"' in block:
                     parse = True
-                if parse or state.skip or state.skip_ids or (state.strip and b'"delta":{}' in block):
+                if parse or state.skip or state.skip_ids or state.skip_role or (state.strip and b'"delta":{}' in block):
                     try:
                         block = self._filter(block, held, state, rewrite)
                     except relay_mod.Mismatch as e:
@@ -242,8 +243,12 @@ class SseRelay:
                 continue
             kept = []
             for ch in choices:
+                delta = ch.get("delta")
+                if state.skip_role and isinstance(delta, dict) and "role" in delta and ch.get("index", 0) == 0:
+                    del delta["role"]  # the relayed events opened the choice already
+                    state.skip_role = False
                 if state.skip or state.skip_ids:
-                    state.skip, state.skip_ids = relay_mod.cut(ch, state.skip, state.skip_ids)
+                    state.skip, state.skip_ids = relay_mod.cut(ch, state.skip, state.skip_ids, state.ledger.chat)
                 if rewrite is not None:
                     ch["index"] = rewrite
                     delta = ch.get("delta")

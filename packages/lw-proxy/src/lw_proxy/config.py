@@ -184,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "which dispatches none when they all say needs_prefill: false (saves prefills where "
                         "decoders usually hold the prompt already)")
     p.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=True,
-                   help="streamed greedy completions (temperature 0, n 1, one prompt, no stop/logprobs/echo): "
+                   help="streamed greedy completions and chat completions (temperature 0, n 1, one prompt, no "
+                        "stop/logprobs/echo; chat without tools): "
                         "send the prefiller's own first token to the client as soon as the prefill answers, "
                         "then the decoder's stream without its (identical) first token; other requests are "
                         "unchanged (see lw_proxy.relay). On by default; --no-prefill-first sends every first "

@@ -66,15 +66,15 @@ def test_streaming_matches_single_engine(gqa_stack: Stack) -> None:
     assert_remote_prefill_used(gqa_stack, ex, 1)
 
 
-def _relayable_greedy_body(stack: Stack, chat: bool) -> dict:
+def _relayable_greedy_body(stack: Stack, chat: bool, logprobs: dict) -> dict:
     """A plain streamed greedy completion or chat (no logprobs, what a chat UI sends) whose first
     token the proxy may relay (lw_proxy.relay.first_event: whole text, not an empty or partial-UTF-8
     token, which a random-weight model does produce), judged on the single engine's one-token answer."""
     for seed in range(77, 87):
-        body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **logprobs,
                 **({"messages": [{"role": "user", "content": text(seed, 150)}]} if chat else {"prompt": text(seed, 150)})}
         first = baseline(stack, _path(chat), {**body, "max_tokens": 1})
-        if relay.first_event(json.dumps(first).encode(), "probe", chat) is not None:
+        if relay.first_event(json.dumps(first).encode(), "probe", chat, bool(logprobs)) is not None:
             return body
     pytest.fail("no prompt of seeds 77-86 starts with a token the proxy may relay")
 
@@ -96,18 +96,30 @@ def _shape(ev: dict) -> tuple:
                                      for ch in ev.get("choices") or ()))
 
 
-@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
-def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack: Stack, chat: bool) -> None:
+def _stream_logprobs(events: list, chat: bool) -> dict:
+    """The tokens and top-2 log-probs of a stream, as lw_dev.pd_oracle compares them."""
+    if not chat:
+        return completion_stream(events)
+    content = [e for ev in events[:-1] for ch in ev["choices"] for e in (ch.get("logprobs") or {}).get("content") or ()]
+    return chat_choice({"logprobs": {"content": content}})
+
+
+@pytest.mark.parametrize(("chat", "logprobs"), [
+    (False, {}), (True, {}), (False, {"logprobs": 2, "return_tokens_as_token_ids": True}),
+    (True, {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True})],
+                         ids=["completion", "chat", "completion-logprobs", "chat-logprobs"])
+def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack: Stack, chat: bool,
+                                                                      logprobs: dict) -> None:
     """Through the proxy's default, a relayable streamed greedy completion's or chat's first token
     comes from the prefill's answer, and the whole text is the single engine's, in events shaped as
-    the single engine's (chat: one role event, then the content); the decoder still loaded the
-    prompt and computed the rest.
+    the single engine's (chat: one role event, then the content), with the single engine's tokens
+    and log-probs, each once, when asked; the decoder still loaded the prompt and computed the rest.
 
     Which comes first is a race on an idle stack: the decoder answers as soon as the prefiller has
     committed the prompt to the pool, which can be before the prefiller's own HTTP answer reaches
     the proxy (then there is nothing to gain by relaying). So the decoder is frozen (SIGSTOP) until
     the proxy has relayed the prefill's token, then resumed: the relay path runs for certain."""
-    body = {**_relayable_greedy_body(gqa_stack, chat), "stream": True}
+    body = {**_relayable_greedy_body(gqa_stack, chat, logprobs), "stream": True}
     status, ref_events = post_sse(gqa_stack.decode.url + _path(chat), body)  # the single engine's stream
     assert status == 200, ref_events
     settle(gqa_stack)
@@ -130,13 +142,21 @@ def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack:
     status, events = got["answer"]
     assert status == 200, events
     assert _stream_text(events, chat) == _stream_text(ref_events, chat)
-    # How tokens group into events depends on timing (an engine sends what it has), so compare the
-    # shapes an event takes, and where the role goes.
-    assert {_shape(ev) for ev in events[:-1]} == {_shape(ev) for ev in ref_events[:-1]}, (events, ref_events)
+    # How tokens group into events depends on timing (an engine sends what it has: a fast one may
+    # send the whole answer as its final event), so compare by kind of event: the role event (chat:
+    # once, first), the content events before the finish (the relayed one and the decoder's alike,
+    # and the single engine's when it sent any) and the final event.
     if chat:
         roles = [i for i, ev in enumerate(events[:-1]) for ch in ev["choices"] if "role" in (ch.get("delta") or {})]
-        assert roles == [0], events
+        assert roles == [0] and _shape(events[0]) == _shape(ref_events[0]), (events, ref_events)
+    middle, ref_middle = ({_shape(ev) for ev in evs[1 if chat else 0:-2]} for evs in (events, ref_events))
+    assert len(middle) == 1 and ref_middle in (set(), middle), (events, ref_events)
+    assert _shape(events[-2]) == _shape(ref_events[-2]), (events, ref_events)
     assert len({ev["id"] for ev in events[:-1]}) == 1  # the relayed events carry the decoder's id
+    if logprobs:
+        ref, got = _stream_logprobs(ref_events, chat), _stream_logprobs(events, chat)
+        assert len(got["tokens"]) == MAX_TOKENS, got  # one entry per token: the relayed one's not twice
+        assert_same(ref, got, "log-probs")
     (rec,) = gqa_stack.decode.new_stats()
     assert rec["loaded_tokens"] == rec["prompt_tokens"] - 1 and rec["failed_blocks"] == 0, rec
 

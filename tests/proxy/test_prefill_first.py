@@ -113,7 +113,7 @@ def test_eligible_only_for_plain_greedy_single_prompt_streams():
     assert relay.eligible(req())
     assert relay.eligible(req(temperature=0.0))
     for kw in ({"temperature": 0.5}, {"temperature": None}, {"n": 2}, {"prompt": ["a", "b"]}, {"stream": False},
-               {"stop": ["x"]}, {"logprobs": 1}, {"echo": True}, {"best_of": 2}, {"return_token_ids": True},
+               {"stop": ["x"]}, {"echo": True}, {"best_of": 2}, {"return_token_ids": True},
                {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}):
         assert not relay.eligible(req(**kw)), kw
     assert relay.eligible(req(stream_options={"include_usage": True}))
@@ -132,15 +132,50 @@ def test_an_excluded_key_with_any_value_but_null_or_false_makes_a_request_inelig
         assert not relay.eligible(req(value)), value
 
 
-def test_logprobs_0_reaches_the_client_on_its_first_token():
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize("logprobs", [0, 2])
+def test_log_probs_of_the_relayed_token_are_the_prefillers_and_come_once(chat, logprobs):
+    """Each token's entry once, in order: the first (the relayed token's) the prefiller's, the rest
+    the decoder's (the mocks tell them apart by value)."""
     async def body():
         async with harness() as h:
-            _, texts, errors, events = await _sse(h, {**GREEDY, "logprobs": 0})
-            assert "".join(texts) == "".join(generate("p", 4)) and not errors
-            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 0  # the decoder's own first event went out
-            assert all(ev["choices"][0]["logprobs"] is not None for ev in events)
+            h.prefillers[0].knobs.logprob = -0.25
+            h.decoders[0].knobs.delay = 1.0
+            if chat:
+                req = {**CHAT, "logprobs": True, "top_logprobs": logprobs}
+                first, texts, errors, events = await _chat_sse(h, req)
+                entries = [(e["token"], e["logprob"]) for ev in events for ch in ev["choices"]
+                           for e in (ch.get("logprobs") or {}).get("content") or ()]
+            else:
+                first, texts, errors, events = await _sse(h, {**GREEDY, "logprobs": logprobs})
+                entries = [x for ev in events for ch in ev["choices"] if ch.get("logprobs")
+                           for x in zip(ch["logprobs"]["tokens"], ch["logprobs"]["token_logprobs"])]
+            assert errors == [] and first < 0.7 and "".join(texts) == "".join(generate("p", 4))
+            assert entries == list(zip(generate("p", 4), [-0.25, -0.5, -0.5, -0.5])), entries
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
 
     run(body())
+
+
+def test_an_answer_without_the_asked_log_probs_is_not_relayed():
+    def answer(lp):
+        return msgspec.json.encode({"id": "x", "created": 1, "model": "m", "choices": [
+            {"index": 0, "text": " w5", "finish_reason": "length", "logprobs": lp, "token_ids": [7]}]})
+
+    good = {"tokens": [" w5"], "token_logprobs": [-1.0], "top_logprobs": [{" w5": -1.0}], "text_offset": [0]}
+    first = relay.first_event(answer(good), "abc", logprobs=True)
+    assert first.logprobs == 1 and json.loads(first.block[6:])["choices"][0]["logprobs"] == good
+    assert relay.first_event(answer(good), "abc").logprobs == 0  # not asked: not sent
+    for bad in (None, {}, {**good, "tokens": []}, {**good, "token_logprobs": [-1.0, -2.0]},
+                {**good, "tokens": [" w5", " w6"], "token_logprobs": [-1.0, -2.0], "top_logprobs": None,
+                 "text_offset": [0, 3]}):  # two entries for one relayed token
+        assert relay.first_event(answer(bad), "abc", logprobs=True) is None, bad
+    ch = {"index": 0, "logprobs": {"tokens": ["a", "b"], "token_logprobs": [-1.0, -2.0], "top_logprobs": None,
+                                   "text_offset": [0, 1]}}
+    assert relay.cut_logprobs(ch, 1, False) == 0
+    assert ch["logprobs"] == {"tokens": ["b"], "token_logprobs": [-2.0], "top_logprobs": None, "text_offset": [1]}
+    ch = {"index": 0, "logprobs": {"content": [{"token": "a"}]}}
+    assert relay.cut_logprobs(ch, 2, True) == 1 and ch["logprobs"] is None
 
 
 def test_first_event_only_for_a_whole_token_that_hit_the_length():
@@ -148,10 +183,10 @@ def test_first_event_only_for_a_whole_token_that_hit_the_length():
         return msgspec.json.encode({"id": "x", "created": 1, "model": "m",
                                     "choices": [{"index": 0, "text": text, "finish_reason": finish, **ids}]})
 
-    block, text, toks, pids = relay.first_event(answer(" w5"), "abc")
+    block, text, toks, pids, n_logprobs = relay.first_event(answer(" w5"), "abc")
     ev = json.loads(block[len(b"data: "):])
     assert text == " w5" and ev["id"] == "cmpl-lw-abc" and ev["choices"][0]["text"] == " w5"
-    assert ev["choices"][0]["finish_reason"] is None and toks is None and pids is None
+    assert ev["choices"][0]["finish_reason"] is None and toks is None and pids is None and n_logprobs == 0
     first = relay.first_event(answer(" w5", token_ids=[7], prompt_token_ids=[1, 2]), "abc")
     assert (first.token_ids, first.prompt_ids) == ([7], [1, 2])  # kept for the ledger, never sent
     assert json.loads(first.block[len(b"data: "):])["choices"][0]["token_ids"] is None
@@ -261,8 +296,9 @@ def test_chat_eligibility_and_first_events():
         return parse_chat(msgspec.json.encode({**CHAT, **kw}))
 
     assert relay.eligible(req()) and relay.eligible(req(stream_options={"include_usage": True}))
-    for kw in ({"temperature": 0.5}, {"n": 2}, {"stream": False}, {"stop": "x"}, {"logprobs": True},
-               {"top_logprobs": 0}, {"tools": []}, {"functions": [{"name": "f"}]}, {"echo": True},
+    assert relay.eligible(req(logprobs=True, top_logprobs=2)) and relay.asks_logprobs(req(logprobs=True))
+    assert not relay.asks_logprobs(req(logprobs=False)) and not relay.asks_logprobs(req(top_logprobs=2))
+    for kw in ({"temperature": 0.5}, {"n": 2}, {"stream": False}, {"stop": "x"}, {"tools": []}, {"functions": [{"name": "f"}]}, {"echo": True},
                {"return_token_ids": True}, {"return_prompt_text": True},
                {"stream_options": {"continuous_usage_stats": True}}):
         assert not relay.eligible(req(**kw)), kw

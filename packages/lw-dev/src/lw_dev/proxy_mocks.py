@@ -91,6 +91,7 @@ class Knobs:
     # streams: every k-th token (k, 2k, ...) is sent with empty text (its text held back, as for a
     # partial UTF-8 character) and its text comes with the next token
     empty_every: int | None = None
+    logprob: float = -0.5  # every token's logprob (tell a prefiller's from a decoder's)
 
 
 @dataclass
@@ -209,7 +210,7 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
                     c["message"]["reasoning_content"] = text
             else:
                 c["text"] = text
-            c.update(logprobs=_logprobs(toks, chat) if _wants_logprobs(body, chat) else None,
+            c.update(logprobs=_logprobs(toks, chat, k.logprob) if _wants_logprobs(body, chat) else None,
                      finish_reason="length" if cut is None else "stop", stop_reason=None if cut is None else "recomputed",
                      token_ids=toks if ret_ids else None)
             if not chat:
@@ -281,10 +282,10 @@ def _wants_logprobs(body: dict[str, Any], chat: bool) -> bool:
     return bool(body.get("logprobs")) if chat else body.get("logprobs") is not None
 
 
-def _logprobs(toks: list[int], chat: bool) -> dict[str, Any]:
+def _logprobs(toks: list[int], chat: bool, value: float = -0.5) -> dict[str, Any]:
     if chat:
-        return {"content": [{"token": token_text(t), "logprob": -0.5, "bytes": None, "top_logprobs": []} for t in toks]}
-    return {"tokens": [token_text(t) for t in toks], "token_logprobs": [-0.5] * len(toks),
+        return {"content": [{"token": token_text(t), "logprob": value, "bytes": None, "top_logprobs": []} for t in toks]}
+    return {"tokens": [token_text(t) for t in toks], "token_logprobs": [value] * len(toks),
             "top_logprobs": None, "text_offset": [0] * len(toks)}
 
 
@@ -335,7 +336,7 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
                     c["delta"] = {"reasoning_content": text} if k.reasoning else {"content": text}
                 else:
                     c["text"] = text
-                c.update(logprobs=_logprobs([tok], chat) if lp else None, finish_reason=None, stop_reason=None)
+                c.update(logprobs=_logprobs([tok], chat, k.logprob) if lp else None, finish_reason=None, stop_reason=None)
                 if not chat:
                     c["prompt_token_ids"] = pids if ret_ids and t == 0 else None
                 c["token_ids"] = [tok] if ret_ids else None

@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "decoders usually hold the prompt already)")
     p.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=True,
                    help="streamed greedy completions and chat completions (temperature 0, n 1, one prompt, no "
-                        "stop/logprobs/echo; chat without tools): "
+                        "stop/echo; chat without tools; log-probs of the first token from the prefill): "
                         "send the prefiller's own first token to the client as soon as the prefill answers, "
                         "then the decoder's stream without its (identical) first token; other requests are "
                         "unchanged (see lw_proxy.relay). On by default; --no-prefill-first sends every first "

@@ -11,23 +11,26 @@ Token-identical only where the prefiller's first token is the decoder's, so only
 both pick it the same way and where the first token's text cannot be changed by what follows. A
 request qualifies (``eligible``) when it is a streamed ``/v1/completions`` with one prompt, ``n`` 1
 (and ``best_of`` at most 1), ``temperature`` 0 given explicitly (greedy), and none of ``stop``,
-``logprobs``, ``echo``, ``suffix``, ``prompt_logprobs``, ``return_token_ids``,
-``return_tokens_as_token_ids`` or ``stream_options.continuous_usage_stats`` (those change the first
-event or how text is held back) with a value other than null or false: ``logprobs: 0`` (the sampled
-token's own logprob) or ``stop: []`` count as present. A streamed ``/v1/chat/completions`` qualifies
-on the same terms (``n`` 1, explicit ``temperature`` 0, none of ``stop``, ``logprobs``,
-``top_logprobs``, ``echo``, ``prompt_logprobs``, ``return_token_ids``,
-``return_tokens_as_token_ids``, ``return_prompt_text``, ``continuous_usage_stats``) and without ``tools`` or ``functions``:
-a tool parser may hold back or reroute the first token of a stream, which the prefiller's
-non-streamed answer cannot show. Every other request takes the normal path. The prefill's token is
-relayed only when its choice ended with ``finish_reason: "length"`` (not an EOS or stop token), with
-non-empty text and no U+FFFD (a partial UTF-8 sequence that later tokens would change); for chat,
-only as the message's ``content`` with no ``tool_calls`` and no reasoning (a reasoning parser routes
-text the stream may send otherwise). A chat relay sends the two events a single engine opens with:
-the role (``{"role": "assistant", "content": ""}``, the prefill's role) and the first content; the
-decoder's own role event is then dropped. The decoder
-request carries ``X-Request-Id: lw-<parent>`` so its events' ``id`` is the one the relayed event
-used. Should the decoder's text not start with the relayed text (a near-tie the decoder, which
+``echo``, ``suffix``, ``prompt_logprobs``, ``return_token_ids`` or
+``stream_options.continuous_usage_stats`` (those change the first event or how text is held back)
+with a value other than null or false (``stop: []`` counts as present). A streamed
+``/v1/chat/completions`` qualifies on the same terms (``n`` 1, explicit ``temperature`` 0, none of
+``stop``, ``echo``, ``prompt_logprobs``, ``return_token_ids``, ``return_prompt_text``,
+``continuous_usage_stats``) and without ``tools`` or ``functions``: a tool
+parser may hold back or reroute the first token of a stream, which the prefiller's non-streamed
+answer cannot show. Every other request takes the normal path. The prefill's token is relayed only
+when its choice ended with ``finish_reason: "length"`` (not an EOS or stop token), with non-empty
+text and no U+FFFD (a partial UTF-8 sequence that later tokens would change); for chat, only as the
+message's ``content`` with no ``tool_calls`` and no reasoning (a reasoning parser routes text the
+stream may send otherwise). A chat relay sends the two events a single engine opens with: the role
+(``{"role": "assistant", "content": ""}``, the prefill's role) and the first content; the decoder's
+own role event is then dropped. Log-probs (``logprobs``, 0 included, ``top_logprobs``, and
+``return_tokens_as_token_ids``, which only changes how they name tokens) go out with the relayed
+token: the prefill's request is the client's, so its answer holds the first token's
+entry, as a single engine computes it over the whole prompt; an answer without one entry per
+relayed token is not relayed, and the decoder's entries for the relayed token are cut with its text
+(``cut_logprobs``). The decoder request carries ``X-Request-Id: lw-<parent>`` so its events' ``id``
+is the one the relayed event used. Should the decoder's text not start with the relayed text (a near-tie the decoder, which
 recomputes the last prompt token over loaded KV, decides the other way; it never happened in the
 tests), the proxy drops the decoder's answer before any of it reaches the client and resumes the
 choice after the relayed token, as it resumes a recomputed choice (``lw_proxy.recompute``): the
@@ -45,9 +48,15 @@ import msgspec
 from . import recompute as rc
 from .validate import ClientRequest
 
-_OFF = ("stop", "logprobs", "echo", "suffix", "prompt_logprobs", "return_token_ids", "return_tokens_as_token_ids")
-_OFF_CHAT = ("stop", "logprobs", "top_logprobs", "echo", "prompt_logprobs", "return_token_ids",
-             "return_tokens_as_token_ids", "return_prompt_text", "tools", "functions")
+_OFF = ("stop", "echo", "suffix", "prompt_logprobs", "return_token_ids")
+_OFF_CHAT = ("stop", "echo", "prompt_logprobs", "return_token_ids", "return_prompt_text", "tools", "functions")
+
+
+def asks_logprobs(req: ClientRequest) -> bool:
+    """The client asked for the sampled tokens' log-probs (completions: ``logprobs`` given, 0
+    included; chat: ``logprobs: true``)."""
+    lp = req.body.get("logprobs")
+    return lp is True if req.chat else _given(lp)
 
 
 def eligible(req: ClientRequest) -> bool:
@@ -76,18 +85,21 @@ def request_id(parent_id: str) -> str:
 
 
 class First(NamedTuple):
-    """The relayed first event (``block``), its text, and the token ids behind it when the prefill
-    returned them (it is asked to: ``return_token_ids``), else None."""
+    """The relayed first event (``block``), its text, the token ids behind it when the prefill
+    returned them (it is asked to: ``return_token_ids``), else None, and how many log-prob entries
+    it carried (0 when the client asked none): the decoder's first as many are cut."""
 
     block: bytes
     text: str
     token_ids: list[int] | None
     prompt_ids: list[int] | None
+    logprobs: int = 0
 
 
-def first_event(data: bytes | None, parent_id: str, chat: bool = False) -> First | None:
+def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs: bool = False) -> First | None:
     """The SSE events carrying the prefill answer's first token (chat: the role event and the first
-    content), or None when it must not be relayed (see the module docstring)."""
+    content) and, with ``logprobs`` (the client asked for them), its log-probs, which the answer must
+    hold for each of its tokens; None when it must not be relayed (see the module docstring)."""
     if not data:
         return None
     try:
@@ -103,6 +115,10 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False) -> First
         return None
     toks = ch.get("token_ids")
     pids = obj.get("prompt_token_ids") if chat else ch.get("prompt_token_ids")
+    lp = ch.get("logprobs") if logprobs else None
+    n_lp = logprob_entries(lp, chat)
+    if logprobs and (n_lp < 1 or (_ids(toks) and n_lp != len(toks))):
+        return None  # asked for, but not one entry per relayed token
     if chat:
         head = {"id": f"chatcmpl-{request_id(parent_id)}", "object": "chat.completion.chunk",
                 "created": obj.get("created"), "model": obj.get("model")}
@@ -110,14 +126,49 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False) -> First
         block = rc.sse_encode({**head, "choices": [{"index": 0, "delta": {"role": role, "content": ""},
                                                     "logprobs": None, "finish_reason": None}],
                                "prompt_token_ids": None, "prompt_text": None})
-        block += rc.sse_encode({**head, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None,
+        block += rc.sse_encode({**head, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": lp,
                                                      "finish_reason": None, "token_ids": None}]})
     else:
         block = rc.sse_encode({"id": f"cmpl-{request_id(parent_id)}", "object": "text_completion",
                                "created": obj.get("created"), "model": obj.get("model"),
-                               "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": None,
+                               "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": None,
                                             "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]})
-    return First(block, text, toks if _ids(toks) else None, pids if _ids(pids) else None)
+    return First(block, text, toks if _ids(toks) else None, pids if _ids(pids) else None, n_lp)
+
+
+_LP_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")  # a completion's logprobs
+
+
+def logprob_entries(lp: Any, chat: bool) -> int:
+    """Tokens a choice's ``logprobs`` describes (0 for none or a shape it does not know)."""
+    if not isinstance(lp, dict):
+        return 0
+    if chat:
+        content = lp.get("content")
+        return len(content) if isinstance(content, list) else 0
+    tokens = lp.get("tokens")
+    if not isinstance(tokens, list) or any(not isinstance(lp.get(k), list) or len(lp[k]) != len(tokens)
+                                           for k in _LP_LISTS if lp.get(k) is not None):
+        return 0
+    return len(tokens)
+
+
+def cut_logprobs(ch: dict[str, Any], n: int, chat: bool) -> int:
+    """Drop choice 0's first ``n`` log-prob entries (those of the relayed tokens, which went out
+    with the prefiller's); returns how many are still to be dropped. Emptied log-probs become null."""
+    lp = ch.get("logprobs")
+    if n <= 0 or ch.get("index", 0) != 0 or not isinstance(lp, dict) or not (have := logprob_entries(lp, chat)):
+        return n
+    k = min(n, have)
+    if chat:
+        lp["content"] = lp["content"][k:]
+    else:
+        for key in _LP_LISTS:
+            if isinstance(lp.get(key), list):
+                lp[key] = lp[key][k:]
+    if k == have:
+        ch["logprobs"] = None
+    return n - k
 
 
 def _ids(v: Any) -> bool:

@@ -44,9 +44,13 @@ class StreamState:
     skip: str = ""  # text relayed from the prefill (--prefill-first), cut from the decoder's stream
     skip_ids: list[int] | None = None  # token ids relayed likewise
     skip_role: bool = False  # a chat relay sent the role event: the decoder's is dropped
+    skip_logprobs: int = 0  # log-prob entries relayed with the first token: the decoder's are dropped
 
     def stop_cutting(self) -> None:
-        self.skip, self.skip_ids, self.skip_role = "", None, False
+        self.skip, self.skip_ids, self.skip_role, self.skip_logprobs = "", None, False, 0
+
+    def cutting(self) -> bool:
+        return bool(self.skip or self.skip_ids or self.skip_role or self.skip_logprobs)
 
 
 class SseRelay:
@@ -117,13 +121,14 @@ class SseRelay:
             await asyncio.wait({task, relay}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
                 parent_id, data = relay.result()
-                first = relay_mod.first_event(data, parent_id, req.chat)
+                first = relay_mod.first_event(data, parent_id, req.chat, relay_mod.asks_logprobs(req))
                 if first is not None:
                     await out.prepare(request)
                     await out.write(first.block)
                     state.ledger.feed(0, first.text, first.token_ids, first.prompt_ids,
                                       ids_follow=first.token_ids is None)
                     state.skip, state.skip_ids, state.skip_role = first.text, first.token_ids, req.chat
+                    state.skip_logprobs = first.logprobs
                     self.m.relayed_first.inc()
             return await task
         except BaseException:
@@ -179,7 +184,7 @@ class SseRelay:
                     block = block[: -len(_DONE)]
                 if parse or held or b'"recomputed"' in block:
                     parse = True
-                if parse or state.skip or state.skip_ids or state.skip_role or (state.strip and b'"delta":{}' in block):
+                if parse or state.cutting() or (state.strip and b'"delta":{}' in block):
                     try:
                         block = self._filter(block, held, state, rewrite)
                     except relay_mod.Mismatch as e:
@@ -249,6 +254,8 @@ class SseRelay:
                     state.skip_role = False
                 if state.skip or state.skip_ids:
                     state.skip, state.skip_ids = relay_mod.cut(ch, state.skip, state.skip_ids, state.ledger.chat)
+                if state.skip_logprobs:
+                    state.skip_logprobs = relay_mod.cut_logprobs(ch, state.skip_logprobs, state.ledger.chat)
                 if rewrite is not None:
                     ch["index"] = rewrite
                     delta = ch.get("delta")

@@ -17,7 +17,9 @@ relayed; from the client's clock and the wall-clock milestones both connectors w
 stats records, ``LW_VLLM_STATS_FILE``, field ``t``) and a per-layer timeline (prefiller layer
 saved/published vs decoder layer landed, from the backend's call timeline). Headline: median
 ratios of per-rep pairs, PD / alone (target <= 1.10) and streaming PD / alone (target <= 1.03).
-``--out DIR`` writes ``result.json``, ``ttft.png`` and ``timeline.png``. The report is a
+Then, per kind of client request (``--request-kinds``, lw_bench.pd.request_kinds: completion and
+chat, streamed or not, greedy, sampled, with log-probs), the prefiller alone against the default
+proxy, and the share of first tokens relayed. ``--out DIR`` writes ``result.json``, ``ttft.png`` and ``timeline.png``. The report is a
 ``lw_bench.pd.result.PdBenchResult`` (its fields are the JSON's keys). ``--quick`` is a smoke
 run (one length of 200 tokens, one rep).
 

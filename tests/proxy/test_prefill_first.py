@@ -14,13 +14,16 @@ from lw_proxy import relay
 from lw_proxy.validate import parse_completion
 
 GREEDY = {"prompt": "p", "max_tokens": 4, "stream": True, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "p"}], "max_tokens": 4, "stream": True, "temperature": 0}
 
 
 async def _sse(h, body):
-    """(seconds to the first content event, texts of content events, error events, raw events)."""
+    """(seconds to the first content event, texts of content events, error events, raw events);
+    a body with ``messages`` is a chat (its content deltas are the texts)."""
+    chat = "messages" in body
     t0 = time.monotonic()
     first, texts, errors, events = None, [], [], []
-    async with h.session.post(h.url + "/v1/completions", json=body) as r:
+    async with h.session.post(h.url + ("/v1/chat/completions" if chat else "/v1/completions"), json=body) as r:
         assert r.status == 200, await r.text()
         async for line in r.content:
             if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
@@ -30,9 +33,10 @@ async def _sse(h, body):
             if "error" in ev:
                 errors.append(ev)
             for ch in ev.get("choices") or ():
-                if ch.get("text"):
+                text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                if text:
                     first = first if first is not None else time.monotonic() - t0
-                    texts.append(ch["text"])
+                    texts.append(text)
     return first, texts, errors, events
 
 
@@ -143,7 +147,7 @@ def test_log_probs_of_the_relayed_token_are_the_prefillers_and_come_once(chat, l
             h.decoders[0].knobs.delay = 1.0
             if chat:
                 req = {**CHAT, "logprobs": True, "top_logprobs": logprobs}
-                first, texts, errors, events = await _chat_sse(h, req)
+                first, texts, errors, events = await _sse(h, req)
                 entries = [(e["token"], e["logprob"]) for ev in events for ch in ev["choices"]
                            for e in (ch.get("logprobs") or {}).get("content") or ()]
             else:
@@ -209,36 +213,13 @@ def test_cut_drops_the_relayed_text_across_events_and_refuses_a_different_one():
         raise AssertionError("a different first token must not pass")
 
 
-CHAT = {"messages": [{"role": "user", "content": "p"}], "max_tokens": 4, "stream": True, "temperature": 0}
-
-
-async def _chat_sse(h, body):
-    """(seconds to the first content event, content deltas, error events, raw events)."""
-    t0 = time.monotonic()
-    first, texts, errors, events = None, [], [], []
-    async with h.session.post(h.url + "/v1/chat/completions", json=body) as r:
-        assert r.status == 200, await r.text()
-        async for line in r.content:
-            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            events.append(ev)
-            if "error" in ev:
-                errors.append(ev)
-            for ch in ev.get("choices") or ():
-                if (ch.get("delta") or {}).get("content"):
-                    first = first if first is not None else time.monotonic() - t0
-                    texts.append(ch["delta"]["content"])
-    return first, texts, errors, events
-
-
 def test_a_streamed_greedy_chat_gets_its_first_token_from_the_prefill():
     """As a single engine streams it: one role event, then the content token by token, each token
     once; the ids the relayed events named are the decoder's."""
     async def body():
         async with harness() as h:
             h.decoders[0].knobs.delay = 1.0
-            first, texts, errors, events = await _chat_sse(h, {**CHAT, "stream_options": {"include_usage": True}})
+            first, texts, errors, events = await _sse(h, {**CHAT, "stream_options": {"include_usage": True}})
             assert errors == [] and first < 0.7, (first, errors)
             assert "".join(texts) == "".join(generate("p", 4)) and len(texts) == 4
             roles = [ch["delta"]["role"] for ev in events for ch in ev.get("choices") or () if "role" in ch["delta"]]
@@ -258,7 +239,7 @@ def test_a_chat_whose_decoder_picks_another_first_token_is_resumed_after_the_rel
             dec = h.decoders[0]
             dec.knobs.delay = 1.0
             dec.knobs.first_word = " w999"
-            first, texts, errors, events = await _chat_sse(h, {**CHAT, "max_tokens": 5})
+            first, texts, errors, events = await _sse(h, {**CHAT, "max_tokens": 5})
             assert errors == [] and first < 0.7
             assert "".join(texts) == "".join(generate("p", 5)) and " w999" not in "".join(texts)
             assert [ch["delta"].get("role") for ev in events for ch in ev["choices"] if "role" in ch["delta"]] == ["assistant"]
@@ -277,11 +258,11 @@ def test_chats_with_tools_or_reasoning_keep_the_decoders_first_token():
         async with harness() as h:
             h.decoders[0].knobs.delay = 1.0
             tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-            first, texts, _, _ = await _chat_sse(h, {**CHAT, "tools": [tool]})
+            first, texts, _, _ = await _sse(h, {**CHAT, "tools": [tool]})
             assert first >= 0.9 and "".join(texts) == "".join(generate("p", 4))
             for b in (*h.prefillers, *h.decoders):
                 b.knobs.reasoning = True  # the answer is reasoning, no content: nothing to relay
-            _, _, errors, events = await _chat_sse(h, CHAT)
+            _, _, errors, events = await _sse(h, CHAT)
             reasoning = [ch["delta"].get("reasoning_content") for ev in events for ch in ev["choices"]]
             assert errors == [] and "".join(x for x in reasoning if x) == "".join(generate("p", 4))
             assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 0

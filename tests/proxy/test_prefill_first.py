@@ -89,7 +89,8 @@ def test_decoder_failing_after_the_relay_ends_the_stream_with_an_error():
     run(body(), timeout=20)
 
 
-def test_a_decoder_that_picks_another_first_token_is_resumed_after_the_relayed_one():
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_decoder_that_picks_another_first_token_is_resumed_after_the_relayed_one(chat):
     """A near-tie decided the other way by the decoder: none of its answer reaches the client, the
     choice continues from the prefiller's token (a single engine's), and the output is whole."""
     async def body():
@@ -97,14 +98,22 @@ def test_a_decoder_that_picks_another_first_token_is_resumed_after_the_relayed_o
             dec = h.decoders[0]
             dec.knobs.delay = 1.0
             dec.knobs.first_word = " w999"
-            first, texts, errors, _ = await _sse(h, {**GREEDY, "max_tokens": 5})
+            first, texts, errors, events = await _sse(h, {**(CHAT if chat else GREEDY), "max_tokens": 5})
             assert errors == [] and first < 0.7
             assert "".join(texts) == "".join(generate("p", 5)) and " w999" not in "".join(texts)
             assert dec.knobs.first_word is None  # the decoder did pick the other token
-            resumed = [b for b in dec.bodies if b.get("prompt") != "p"]
             # by token ids: the prompt's and the relayed token's, both from the prefill's answer
             prompt = tokenize("p")
-            assert [(b["prompt"], b["max_tokens"]) for b in resumed] == [(prompt + generate_ids(prompt, 1), 4)]
+            if chat:
+                roles = [ch["delta"]["role"] for ev in events for ch in ev["choices"] if "role" in ch["delta"]]
+                assert roles == ["assistant"]
+                resumed = [b for b in dec.bodies if b.get("continue_final_message")]
+                assert len(resumed) == 1 and resumed[0]["messages"][-1] == {"role": "assistant",
+                                                                             "content": generate("p", 1)[0]}
+                assert resumed[0]["kv_transfer_params"]["prompt_token_ids"] == prompt + generate_ids(prompt, 1)
+            else:
+                resumed = [b for b in dec.bodies if b.get("prompt") != "p"]
+                assert [(b["prompt"], b["max_tokens"]) for b in resumed] == [(prompt + generate_ids(prompt, 1), 4)]
             assert 'lw_proxy_errors_total{kind="relay_mismatch"} 1.0' in await h.metrics()
 
     run(body())
@@ -229,26 +238,6 @@ def test_a_streamed_greedy_chat_gets_its_first_token_from_the_prefill():
             assert all(ev.get("prompt_token_ids") is None for ev in events)  # asked by the proxy, not the client
             assert all(ch.get("token_ids") is None for ev in events for ch in ev.get("choices") or ())
             assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
-
-    run(body())
-
-
-def test_a_chat_whose_decoder_picks_another_first_token_is_resumed_after_the_relayed_one():
-    async def body():
-        async with harness() as h:
-            dec = h.decoders[0]
-            dec.knobs.delay = 1.0
-            dec.knobs.first_word = " w999"
-            first, texts, errors, events = await _sse(h, {**CHAT, "max_tokens": 5})
-            assert errors == [] and first < 0.7
-            assert "".join(texts) == "".join(generate("p", 5)) and " w999" not in "".join(texts)
-            assert [ch["delta"].get("role") for ev in events for ch in ev["choices"] if "role" in ch["delta"]] == ["assistant"]
-            resumed = [b for b in dec.bodies if b.get("continue_final_message")]
-            assert len(resumed) == 1 and resumed[0]["messages"][-1] == {"role": "assistant",
-                                                                         "content": generate("p", 1)[0]}
-            prompt = tokenize("p")  # the chat's prompt as the prefill returned it, and the relayed token
-            assert resumed[0]["kv_transfer_params"]["prompt_token_ids"] == prompt + generate_ids(prompt, 1)
-            assert 'lw_proxy_errors_total{kind="relay_mismatch"} 1.0' in await h.metrics()
 
     run(body())
 

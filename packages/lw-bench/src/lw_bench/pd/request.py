@@ -15,23 +15,28 @@ PD_MAX_TOKENS = 2
 
 
 def stream_ttft(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[float, float, int]:
-    """POST a streamed completion; (send time, first content chunk time, status), wall clock.
-    The rest of the stream is read (and dropped) so the request finishes normally."""
+    """POST a streamed completion; (send time, first content chunk time, status), wall clock."""
+    return first_content(url, "/v1/completions", {**body, "stream": True}, timeout_s)
+
+
+def first_content(url: str, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[float, float, int]:
+    """POST ``body`` to ``path``; (send time, time of the first event with content -- completion
+    ``text``, chat ``delta.content`` -- or, not streamed, of the whole answer, status), wall clock.
+    A stream is read to its end (and dropped) so the request finishes normally."""
     host, port = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
-        payload = json.dumps({**body, "stream": True})
         t_send = time.time()
-        conn.request("POST", "/v1/completions", payload, {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         r = conn.getresponse()
-        if r.status != 200:
+        if r.status != 200 or not body.get("stream"):
             r.read()
             return t_send, time.time(), r.status
         t_first = 0.0
         for line in r:
             if not t_first and line.startswith(b"data: {") and b'"choices"' in line:
                 ev = json.loads(line[6:])
-                if any(c.get("text") for c in ev.get("choices") or ()):
+                if any(c.get("text") or (c.get("delta") or {}).get("content") for c in ev.get("choices") or ()):
                     t_first = time.time()
         return t_send, t_first or time.time(), r.status
     finally:

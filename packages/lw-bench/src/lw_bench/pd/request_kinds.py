@@ -20,19 +20,16 @@ asked one give or take a few, plus the chat template's own.
 
 from __future__ import annotations
 
-import http.client
-import json
-import random
 import statistics
-import time
 from typing import Any
 
 import msgspec
 
-from lw_bench.pd.request import VOCAB_HI, VOCAB_LO
+from lw_bench.pd.compare import RELAYED
+from lw_bench.pd.compare import prompt as random_prompt
+from lw_bench.pd.request import first_content
 from lw_bench.pd.stack import metric_sum
 
-RELAYED = "lw_proxy_prefill_first_relayed_total"
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 
 
@@ -82,37 +79,12 @@ def body(kind: RequestKind, ids: list[int], decode: Any, *, max_tokens: int, see
     return b
 
 
-def _has_content(ev: dict[str, Any], chat: bool) -> bool:
-    for c in ev.get("choices") or ():
-        if (c.get("delta") or {}).get("content") if chat else c.get("text"):
-            return True
-    return False
-
-
-def timed(url: str, kind: RequestKind, b: dict[str, Any], timeout_s: float = 120.0) -> tuple[float, float, int]:
-    """POST ``b``; (send time, first content or -- not streamed -- whole answer time, status)."""
-    host, port = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
-    path = "/v1/chat/completions" if kind.chat else "/v1/completions"
-    try:
-        t_send = time.time()
-        conn.request("POST", path, json.dumps(b), {"Content-Type": "application/json"})
-        r = conn.getresponse()
-        if r.status != 200 or not kind.stream:
-            r.read()
-            return t_send, time.time(), r.status
-        t_first = 0.0
-        for line in r:  # read to the end so the request finishes normally
-            if not t_first and line.startswith(b"data: {") and _has_content(json.loads(line[6:]), kind.chat):
-                t_first = time.time()
-        return t_send, t_first or time.time(), r.status
-    finally:
-        conn.close()
+PATH = {False: "/v1/completions", True: "/v1/chat/completions"}
 
 
 def prompt(seed: int, rep: int, length: int, kind: str, target: str) -> list[int]:
-    rng = random.Random(f"{seed}/{rep}/{length}/{kind}/{target}")
-    return [rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(length)]
+    """Random plain token ids, one prompt per (seed, rep, length, kind, target)."""
+    return random_prompt(seed, rep, length, f"{kind}/{target}")
 
 
 def pd_proxy(stack: Any) -> str:
@@ -137,7 +109,7 @@ def measure(stack: Any, cfg: dict[str, Any], decode: Any, *, seed: int = 0, prog
                              max_tokens=1 if one else cfg["pd_max_tokens"], seed=seed + rep)
                     url = stack.servers["prefill"].url if target == "alone" else stack.proxies[proxy].url
                     before = metric_sum(url, RELAYED) if target == "pd" and relay else 0.0
-                    t_send, t_end, status = timed(url, kind, b)
+                    t_send, t_end, status = first_content(url, PATH[kind.chat], b)
                     rec: dict[str, Any] = {"store": stack.store, "request_kind": name, "target": target,
                                            "length": length, "rep": rep, "status": status,
                                            "ttft_s": round(t_end - t_send, 4)}

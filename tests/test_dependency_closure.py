@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 from pathlib import Path
 
@@ -226,8 +227,13 @@ def _uv(*args: str, cwd: Path | None = None) -> None:
 
 @pytest.fixture(scope="module")
 def wheelhouse(tmp_path_factory) -> tuple[Path, Path]:
-    """The five libraries' wheels, built once, and uv.lock's versions as pip constraints."""
-    out = tmp_path_factory.mktemp("wheels")
+    """The five libraries' wheels, built once, and uv.lock's versions as pip constraints.
+
+    uv caches a --find-links wheel by the directory's path and the file name, and ours keep version
+    0.1.0: a path an earlier run used (pytest's numbered temp dirs repeat on a machine whose /tmp is
+    wiped and whose uv cache is not) would install that run's wheel. A directory of a random name
+    cannot have been seen."""
+    out = Path(tempfile.mkdtemp(prefix="wheels-", dir=tmp_path_factory.getbasetemp()))
     for name in sorted(LIBRARIES):
         _uv("build", "--quiet", "--wheel", "--package", name, "--out-dir", str(out), cwd=ROOT)
     cons = out / "constraints.txt"

@@ -182,7 +182,7 @@ NOT_IN_PLAIN_INSTALL: dict[str, dict[str, tuple[set[str], str]]] = {
         "lw_vllm.device.direct_path", "lw_vllm.device.host_register", "lw_vllm.device.zero_copy",
         "lw_vllm.hybrid.group_blocks", "lw_vllm.hybrid.state_loads",
         "lw_vllm.scheduler.late_frees", "lw_vllm.worker.load_sources", "lw_vllm.meta",
-        "lw_vllm.metrics", "lw_vllm.pd.pd_coordinator", "lw_vllm.scheduler.pool_lookup", "lw_vllm.worker.recurrent_states",
+        "lw_vllm.metrics", "lw_vllm.pd.pd_coordinator", "lw_vllm.pd.first_token", "lw_vllm.scheduler.pool_lookup", "lw_vllm.worker.recurrent_states",
         "lw_vllm.worker.save_book", "lw_vllm.worker.save_ledger", "lw_vllm.scheduler.scheduler_side", "lw_vllm.device.staging", "lw_vllm.hybrid.state_plan",
         "lw_vllm.worker.stream_loads", "lw_vllm.worker.worker_report", "lw_vllm.worker.worker_side")},
 }

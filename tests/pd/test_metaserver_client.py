@@ -53,7 +53,8 @@ def test_ok_posts_the_wire_body_once(server: FakeMetaserver, client: MetaserverC
     out, _ = _wait(client, "req-A")
     assert out.ok and out.detail == "ok" and out.wait_s >= 0
     # needs_prefill: None from a caller that does not say (what an older decoder's body means)
-    assert server.bodies == [{"lw_parent_id": "parent-A", "request_id": "req-A", "needs_prefill": None}]
+    assert server.bodies == [{"lw_parent_id": "parent-A", "request_id": "req-A", "needs_prefill": None,
+                            "forces_first": None}]
     assert client.poll("req-A") is out  # the outcome sticks
 
 

@@ -39,7 +39,7 @@ class Metaserver:
         self.waits = 0
         self.closed = False
 
-    def post(self, request_id, params, needs_prefill=None) -> None:
+    def post(self, request_id, params, needs_prefill=None, forces_first=None) -> None:
         self.posted.append((request_id, needs_prefill))
 
     def poll(self, request_id):

@@ -96,7 +96,7 @@ def test_not_ready_while_the_metaserver_holds_then_timeout_and_lookup(meta, pool
         # Recompute path, yet committed objects are valid KV: the lookup still uses them.
         assert n == 4 * BLOCK and slowest < 0.1
         # once, however often asked
-        assert meta.bodies == [{"lw_parent_id": "par-hold", "request_id": "r-hold", "needs_prefill": True}]
+        assert meta.bodies == [{"lw_parent_id": "par-hold", "request_id": "r-hold", "needs_prefill": True, "forces_first": None}]
     finally:
         side.shutdown()
 
@@ -158,7 +158,7 @@ def test_short_prompt_posts_without_waiting_and_its_call_outlives_the_request(me
         while not meta.bodies:
             assert time.monotonic() < deadline, "the short request's POST never arrived"
             time.sleep(0.01)
-        assert meta.bodies == [{"lw_parent_id": "par-short", "request_id": "r-short", "needs_prefill": False}]
+        assert meta.bodies == [{"lw_parent_id": "par-short", "request_id": "r-short", "needs_prefill": False, "forces_first": None}]
         time.sleep(0.2)
         assert "r-short" not in meta.cancelled_ids  # siblings of this parent still need the prefill dispatched
     finally:
@@ -346,7 +346,7 @@ def test_decoder_that_holds_the_prompt_says_so_and_does_not_wait(meta, pool_dir)
         while not meta.bodies:
             assert time.monotonic() < deadline, "the POST never arrived"
             time.sleep(0.01)
-        assert meta.bodies == [{"lw_parent_id": "par-held", "request_id": "r-held", "needs_prefill": False}]
+        assert meta.bodies == [{"lw_parent_id": "par-held", "request_id": "r-held", "needs_prefill": False, "forces_first": None}]
         # Local prefix cache (2 chunks) plus the pool (the 3rd) count together.
         side2 = _side(pool_dir, metaserver_timeout_s=30.0)
         try:
@@ -434,4 +434,43 @@ def test_streaming_receive_ends_at_the_answer_when_a_chunk_never_comes(meta, poo
             assert (d.good, d.failed_blocks) == (0, blocks), d
     finally:
         rx.close()
+        side.shutdown()
+
+
+def _asks_first(req: SimpleNamespace) -> SimpleNamespace:
+    """``req`` as lw-proxy sends it when the decoder may continue from the prefill's token."""
+    req.kv_transfer_params["lw_first_token"] = True
+    req.sampling_params = SimpleNamespace(extra_args=None)
+    req.num_output_tokens = 0
+    return req
+
+
+def test_a_request_asking_for_the_first_token_waits_for_the_answer_and_takes_it(meta, pool_dir) -> None:
+    """It says ``forces_first``, is not started by the pool holding its prompt (the answer carries the
+    token), and takes the answer's token when the digest names its prompt; never another prompt's."""
+    from lw_core.wire import prompt_digest
+    from lw_vllm.pd.first_token import FIRST_TOKEN_ARG
+
+    side = _side(pool_dir)
+    try:
+        meta.mode, meta.bodies = "held", []
+        req = _asks_first(_req("r-first", 3 * BLOCK, meta.url, "par-first"))
+        other = _asks_first(_req("r-other", 3 * BLOCK, meta.url, "par-other"))
+        other.prompt_token_ids = other.all_token_ids = [t + 1 for t in other.all_token_ids]
+        for r in (req, other):
+            assert side.get_num_new_matched_tokens(r, 0) == (None, False)
+        _publish(side, req, 3)
+        _publish(side, other, 3)
+        for _ in range(5):  # the whole prompt is in the pool, yet it waits for the answer
+            assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+            time.sleep(0.002)
+        assert {b["request_id"]: b["forces_first"] for b in meta.bodies} == {"r-first": True, "r-other": True}
+        meta.answer = {"status": "ok", "first_token": 77, "prompt_digest": prompt_digest(req.prompt_token_ids)}
+        meta.release()
+        assert _ask(side, req)[0] == 3 * BLOCK - 1
+        assert req.sampling_params.extra_args == {FIRST_TOKEN_ARG: 77}
+        assert _ask(side, other)[0] == 3 * BLOCK - 1  # loads, but the token followed another prompt
+        assert other.sampling_params.extra_args is None
+    finally:
+        meta.answer = {"status": "ok"}
         side.shutdown()

@@ -11,6 +11,9 @@ Structs are encoded with ``msgspec.json``; ``omit_defaults`` is off so every fie
 
 from __future__ import annotations
 
+import hashlib
+import sys
+from array import array
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -35,6 +38,10 @@ class DecodeTransferParams(msgspec.Struct, kw_only=True):
     # Per-parent secret: the decoder sends it back on its metaserver POSTs as ``Authorization: Bearer``
     # (the proxy requires it when it has an API key). None from a proxy that issues none.
     lw_token: Id | None = None
+    # The proxy asks for the prefill's first token: the metaserver's answer will carry it
+    # (``MetaserverResponse.first_token``) when the prefill's answer allows, so this decoder waits
+    # for that answer rather than starting when the pool holds the prompt.
+    lw_first_token: bool = False
 
 
 class PrefillTransferParams(msgspec.Struct, kw_only=True):
@@ -60,12 +67,35 @@ class MetaserverRequest(msgspec.Struct, kw_only=True):
     # skip the parent's prefill when every child says ``False`` (and must still answer the POSTs).
     # ``True``: the decoder waits for the prefill.
     needs_prefill: bool | None = None
+    # ``True``: this decoder's engine makes the request's first generated token the answer's
+    # ``first_token`` (lw-vllm's logits processor), so its answer continues from the prefill's token.
+    forces_first: bool | None = None
+
+
+# Token ids of one sequence; a prompt of up to vLLM's largest context lengths.
+TokenId = Annotated[int, msgspec.Meta(ge=0, lt=1 << 31)]
 
 
 class MetaserverResponse(msgspec.Struct, kw_only=True):
-    """HTTP 200 answer to a metaserver POST: the prefill for this parent is committed in the pool."""
+    """HTTP 200 answer to a metaserver POST: the prefill for this parent is committed in the pool.
+
+    ``first_token``: the token the prefill generated, when the proxy knows it and the request may
+    continue from it (one choice, its prefill ended on a plain token); ``prompt_digest``: the
+    ``prompt_digest`` of the prompt it followed, which the decoder checks against its own before it
+    uses the token. Both null otherwise."""
 
     status: Literal["ok"] = "ok"
+    first_token: TokenId | None = None
+    prompt_digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")] | None = None
+
+
+def prompt_digest(token_ids: list[int]) -> str:
+    """A digest of a prompt's token ids (BLAKE2b, 16 bytes, over little-endian int64s): the proxy
+    and the decoder name the same prompt by it."""
+    a = array("q", token_ids)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return hashlib.blake2b(a.tobytes(), digest_size=16).hexdigest()
 
 
 class ErrorDetail(msgspec.Struct, kw_only=True):

@@ -11,6 +11,11 @@ recurrent-state model (``states``) that is what its hit can load: the chunks up 
 boundary before the prompt's last token (``state_plan.last_boundary``) and the state there; chunks
 without that state are no hit (the proxy would skip the prefill and the decoder recompute the prompt).
 
+A request whose params carry ``lw_first_token`` (lw-proxy: one choice) says ``forces_first`` in its
+POST when this engine runs ``first_token.FirstTokenProcessor``, waits for the answer even when the
+pool already holds its prompt, and takes the answer's first token when its digest names this
+prompt: the decoder then continues from the token the proxy relayed to the client.
+
 The whole prompt travels: the prefiller also saves the trailing partial chunk under a key scoped to
 the parent request (``lw_parent_id``, ``keys.partial_chunk_hash``) unless ``discard_partial_chunks``
 is true, and the decoder loads it, so it recomputes only the last prompt token.
@@ -31,10 +36,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from lw_core.config import PoolConfig
 from lw_core.keys import KeySpace, chunk_hashes, partial_chunk_hash
+from lw_core.wire import prompt_digest
 from lw_vllm.hybrid.group_blocks import GroupBlocks
 from lw_vllm.hybrid.state_plan import last_boundary
 from lw_vllm.meta import LayerwiseMeta
 from lw_vllm.metrics import Collector
+from lw_vllm.pd import first_token
 from lw_vllm.pd.pd_metaserver import MetaserverClient, remote_prefill_params
 from lw_vllm.request.request_keys import prompt_tokens
 from lw_vllm.request.request_state import Outcome, RemotePhase, RemotePrefill, ReqState
@@ -94,12 +101,16 @@ class PdCoordinator:
     def __init__(self, cfg: PoolConfig, block_size: int, keyspace: KeySpace, tags: list[str],
                  other_tp: dict[int, tuple[KeySpace, list[str]]], metaserver: MetaserverClient | None,
                  metrics: Collector, lookup: Lookup, tp_mismatch: Callable[[int], str],
-                 groups: GroupBlocks | None = None, states: StatePlan | None = None) -> None:
+                 groups: GroupBlocks | None = None, states: StatePlan | None = None,
+                 forces_first: bool = False) -> None:
         """``groups``: the scheduler side's block groups (a hybrid's receives carry every attention
         group's blocks); ``None``: one group. ``states``: the model's recurrent-state plan when it
         restores states, so a hit ends where the prefiller is handed one (``stream_match``,
-        ``_load_end``) and the pool holds a prompt only with that state."""
+        ``_load_end``) and the pool holds a prompt only with that state. ``forces_first``: this
+        engine runs ``first_token.FirstTokenProcessor``, so a request may continue from the
+        prefill's first token (``lw_first_token``; see ``_continue_from_prefill``)."""
         self.cfg = cfg
+        self.forces_first = forces_first
         self.states = states
         self.groups = groups if groups is not None else GroupBlocks(0, [])
         self.block_size = block_size
@@ -373,9 +384,14 @@ class PdCoordinator:
             # Nothing to wait for: no full chunk, or (a state model) no boundary before the last token.
             short = st.prompt_len // self.block_size == 0 or self._load_end(st) == 0
             held = not skip and not short and self._held(st, local_tokens)
+            # Only a request that waits for the answer can take its first token from it.
+            waits = not (short or skip or held or (self.cfg.pd_streaming and st.parent is not None))
+            first = self.forces_first and params.lw_first_token and waits
             # Post even when this request will not wait: the proxy dispatches the prefill only once
             # every child of the parent has called.
-            self.metaserver.post(req.request_id, params, needs_prefill=not (held or short))
+            self.metaserver.post(req.request_id, params, needs_prefill=not (held or short),
+                                 forces_first=first or None)
+            st.first_from_prefill = first
             st.t["posted"] = time.time()
             st.posted_mono = time.monotonic()
             if short or skip:
@@ -390,7 +406,9 @@ class PdCoordinator:
             st.remote = RemotePrefill(RemotePhase.WAITING)
         if st.remote.waiting:
             out = self.metaserver.poll(req.request_id)
-            if out is None:
+            # A request continuing from the prefill's first token waits for the answer that
+            # carries it; others start as soon as the pool holds the prompt.
+            if out is None and not st.first_from_prefill:
                 out = self._seen_in_pool(st)
             if out is None and self._last_step_empty and self._idle_waited_at != self._build:
                 self._idle_waited_at = self._build
@@ -400,7 +418,9 @@ class PdCoordinator:
                     if left <= 0:
                         break
                     other = self.metaserver.wait_for_answer(min(POOL_POLL_S, left))
-                    out = self.metaserver.poll(req.request_id) or self._seen_in_pool(st, force=True)
+                    out = self.metaserver.poll(req.request_id)
+                    if out is None and not st.first_from_prefill:
+                        out = self._seen_in_pool(st, force=True)
                     if other:  # some call completed: let this scheduling pass handle it
                         break
             if out is None:
@@ -413,4 +433,19 @@ class PdCoordinator:
             if not out.ok:
                 log.warning("lw-vllm: %s: remote prefill unavailable (%s); computing what the pool lacks",
                             req.request_id, out.detail)
+            elif st.first_from_prefill:
+                self._continue_from_prefill(st, out)
         return True
+
+    def _continue_from_prefill(self, st: ReqState, out: Outcome) -> None:
+        """The answer's first token becomes the request's (``first_token.force_first``) when it is
+        the prefill of this very prompt (``prompt_digest``) and the request has generated nothing."""
+        req = st.req
+        if out.first_token is None or out.prompt_digest is None or req.num_output_tokens:
+            return
+        if out.prompt_digest != prompt_digest(prompt_tokens(req)):
+            log.warning("lw-vllm: %s: the metaserver's first token follows another prompt (digest %s); "
+                        "this decoder computes its own", req.request_id, out.prompt_digest)
+            return
+        first_token.force_first(req, out.first_token)
+        st.t["first_from_prefill"] = time.time()

@@ -84,16 +84,17 @@ class MetaserverClient:
         self._answered = threading.Event()  # set by the loop thread whenever a call completes
 
     # --- scheduler thread ---
-    def post(self, request_id: str, params: DecodeTransferParams, needs_prefill: bool | None = None) -> None:
+    def post(self, request_id: str, params: DecodeTransferParams, needs_prefill: bool | None = None,
+             forces_first: bool | None = None) -> None:
         """Start the call for ``request_id`` unless one exists (vLLM asks again after preemption).
-        ``needs_prefill``: see ``lw_core.wire.MetaserverRequest``."""
+        ``needs_prefill``, ``forces_first``: see ``lw_core.wire.MetaserverRequest``."""
         if request_id in self._calls:
             return
         refused = self.allow.why_refused(params.metaserver)
         if refused is not None:  # the coordinator asks first: reaching here is a bug, never a call
             raise ValueError(f"metaserver {params.metaserver!r} is not allowed: {refused}")
         body = msgspec.json.encode(MetaserverRequest(lw_parent_id=params.lw_parent_id, request_id=request_id,
-                                                     needs_prefill=needs_prefill))
+                                                     needs_prefill=needs_prefill, forces_first=forces_first))
         loop = self._ensure_loop()
         fut = asyncio.run_coroutine_threadsafe(self._post(params.metaserver, body, params.lw_token), loop)
         fut.add_done_callback(lambda _f: self._answered.set())
@@ -179,10 +180,10 @@ class MetaserverClient:
                 if r.status != 200:
                     return Outcome(False, f"metaserver answered {r.status}: {raw[:300].decode(errors='replace')}", waited)
                 try:
-                    _response_decoder.decode(raw)
+                    answer = _response_decoder.decode(raw)
                 except msgspec.DecodeError as e:
                     return Outcome(False, f"metaserver answered 200 with an unexpected body ({e})", waited)
-                return Outcome(True, "ok", waited)
+                return Outcome(True, "ok", waited, answer.first_token, answer.prompt_digest)
         except asyncio.TimeoutError:
             return Outcome(False, f"no metaserver answer within {self.timeout_s:g} s", time.monotonic() - t0)
         except aiohttp.ClientError as e:

@@ -37,6 +37,8 @@ class Outcome:
     ok: bool
     detail: str  # "ok", or why the decoder recomputes
     wait_s: float
+    first_token: int | None = None  # the prefill's first generated token, when the answer carries it
+    prompt_digest: str | None = None  # lw_core.wire.prompt_digest of the prompt it followed
 
 
 class RemotePhase(enum.Enum):
@@ -126,6 +128,7 @@ class ReqState:
     next_pool_check: float = 0.0
     posted_mono: float = 0.0
     pool_seen: bool = False  # PD: the whole prompt was seen in the pool while waiting
+    first_from_prefill: bool = False  # PD: waits for the prefill's first token (lw_vllm.pd.first_token)
     stream_pending: bool = False  # streaming PD: async load promised, not yet sent to the workers
     stream_sent: bool = False  # streaming PD: the workers were told to receive it
     extra: HashExtra = field(default_factory=HashExtra)  # what the keys hash besides token ids

@@ -53,6 +53,7 @@ from lw_vllm.hybrid.group_blocks import GroupBlocks
 from lw_vllm.hybrid.state_plan import StatePlan, last_boundary
 from lw_vllm.meta import LayerwiseMeta, LayerwiseWorkerMeta, Xfer
 from lw_vllm.metrics import Collector
+from lw_vllm.pd import first_token
 from lw_vllm.pd.pd_coordinator import PdCoordinator, parent_id
 from lw_vllm.pd.pd_metaserver import MetaserverClient
 from lw_vllm.pool_events import PoolEvents, events_enabled
@@ -140,7 +141,8 @@ class SchedulerSide:
                       if role in ("kv_consumer", "kv_both") else None)
         self.pd = PdCoordinator(cfg, self.block_size, self.keyspace, self.tags, self.other_tp, metaserver,
                                 self.metrics, self.lookup, functools.partial(pool.tp_mismatch, vllm_config),
-                                self.groups, states=self.states)
+                                self.groups, states=self.states,
+                                forces_first=metaserver is not None and first_token.runs_in(vllm_config))
         self._builds = 0
         self._lag = 1 if getattr(vllm_config.scheduler_config, "async_scheduling", False) else 0
         # Finished requests' stats lines, written once their last step's worker report arrived.

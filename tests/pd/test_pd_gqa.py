@@ -323,7 +323,8 @@ def test_metaserver_never_answers_decoder_recomputes_after_timeout(gqa_stack: St
     (rec,) = gqa_stack.decode.new_stats()
     assert rec["remote_prefill"] == f"no metaserver answer within {timeout_s:g} s", rec
     assert rec["loaded_tokens"] == 0 and rec["metaserver_wait_s"] >= timeout_s, rec
-    assert fake.bodies == [{"lw_parent_id": "parent-silent", "request_id": rec["req_id"], "needs_prefill": True}]
+    assert fake.bodies == [{"lw_parent_id": "parent-silent", "request_id": rec["req_id"], "needs_prefill": True,
+                           "forces_first": None}]
 
 
 def test_a_metaserver_the_decoder_may_not_call_is_never_called(gqa_stack: Stack) -> None:
@@ -364,6 +365,53 @@ def test_a_metaserver_the_decoder_may_not_call_is_never_called(gqa_stack: Stack)
     while metric_sum(gqa_stack.decode.url, refused) - before < len(foreign):
         assert time.monotonic() < deadline, f"{refused} did not count the {len(foreign)} refusals"
         time.sleep(0.5)
+
+
+def test_a_sampled_stream_is_relayed_and_its_decoder_continues_from_the_relayed_token(gqa_stack: Stack) -> None:
+    """Unseeded sampled streams (temperature 1): the decoder's metaserver POST says it continues from
+    the prefill's token, so the proxy relays that token and the decoder's answer goes on from it
+    (lw_vllm.pd.first_token). Two independent draws of a random-weight model's near-uniform next
+    token would differ almost always: the proxy would count a ``relay_mismatch`` and resume.
+
+    The prefiller is frozen until the decoder has posted, so the POST is in before the prefill answers
+    (the proxy relays a sampled token only then). A token that is empty or a partial UTF-8 character
+    is not relayed at all; of several requests some are. Then a seeded request through the proxy
+    draws the single engine's tokens: forcing the first token keeps the seed's draws in step."""
+    mismatch = 'lw_proxy_errors_total{kind="relay_mismatch"}'
+    before = metric_sum(gqa_stack.proxy.url, RELAYED), metric_sum(gqa_stack.proxy.url, mismatch)
+    for seed in range(6):
+        body = {"model": "tiny", "prompt": text(300 + seed, 150), "max_tokens": 8, "temperature": 1.0,
+                "ignore_eos": True, "stream": True}
+        settle(gqa_stack)
+        got: dict = {}
+        call = threading.Thread(target=lambda got=got, body=body: got.update(
+            answer=post_sse(gqa_stack.proxy.url + "/v1/completions", body)), daemon=True)
+        freeze(gqa_stack.prefill)
+        try:
+            call.start()
+            time.sleep(1.5)  # the decoder's POST (forces_first) arrives; the prefill waits
+        finally:
+            signal_group(gqa_stack.prefill, signal.SIGCONT)
+        call.join(60)
+        status, events = got["answer"]
+        chunks = [ev for ev in events if isinstance(ev, dict)]
+        assert status == 200 and events[-1] == "[DONE]" and not [ev for ev in chunks if "error" in ev], events
+        assert [ev["choices"][0]["finish_reason"] for ev in chunks if ev["choices"]][-1] == "length", events
+    relayed = metric_sum(gqa_stack.proxy.url, RELAYED) - before[0]
+    assert relayed >= 1, "no sampled first token was relayed"
+    assert metric_sum(gqa_stack.proxy.url, mismatch) == before[1], "a decoder did not continue from the relayed token"
+
+    # A seeded request: the decoder takes the prefill's token and still draws once for it, so its
+    # later tokens are the ones a single engine draws with that seed.
+    body = _completion(text(310, 150), temperature=1.0, seed=7)
+    ref = completion_choice(baseline(gqa_stack, "/v1/completions", body)["choices"][0])
+    settle(gqa_stack)
+    gqa_stack.decode.mark()
+    status, out = post_json(gqa_stack.proxy.url + "/v1/completions", body)
+    assert status == 200, out
+    assert completion_choice(out["choices"][0])["tokens"] == ref["tokens"]
+    (rec,) = gqa_stack.decode.new_stats()
+    assert "first_from_prefill" in rec["t"] and rec["loaded_tokens"] > 0, rec
 
 
 def test_killed_decoder_behind_the_proxy_is_a_clear_error(gqa_stack: Stack) -> None:

@@ -15,12 +15,12 @@ import pytest
 from raw_http import exchange, head
 
 from lw_core.wire import DecodeTransferParams
-from lw_dev.proxy_mocks import harness, run
+from lw_dev.proxy_mocks import METASERVER_OK, harness, run
 from lw_proxy.config import ProxyConfig, parse_args
 from lw_proxy.validate import parse_completion
 from lw_vllm.pd.pd_metaserver import MetaserverClient
 
-OK = (200, {"status": "ok"})
+OK = METASERVER_OK  # a 200 answer (it may carry the prefill's first token)
 
 
 def test_admin_endpoint_is_refused_without_a_key_unless_enabled():

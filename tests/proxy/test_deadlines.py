@@ -107,12 +107,12 @@ def test_resubmission_without_a_decoder_ends_the_started_stream_with_an_error_ev
             orig = h.proxy.decode
             calls = 0
 
-            async def decode(req, path, read):  # every decoder is gone once the first answer streamed
+            async def decode(req, path, read, relay=None):  # every decoder is gone once the first answer streamed
                 nonlocal calls
                 calls += 1
                 if calls > 1:
                     raise ProxyError(502, "no decoder completed the request after 1 attempts; last error: down")
-                return await orig(req, path, read)
+                return await orig(req, path, read, relay=relay)
 
             h.proxy.decode = decode
             status, raw = await _stream(h, {"prompt": "p", "max_tokens": 5, "stream": True})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from lw_dev.proxy_mocks import chat_context, generate, generate_ids, harness, run, tokenize
+from lw_dev.proxy_mocks import METASERVER_OK, chat_context, generate, generate_ids, harness, run, tokenize
 
 
 def _text(words):
@@ -46,7 +46,7 @@ def test_completion_goes_decoder_first_then_one_prefill():
             assert pbody["max_tokens"] == 1 and pbody["stream"] is False
             assert pbody["kv_transfer_params"] == {"do_remote_decode": True, "do_remote_prefill": False,
                                                    "lw_parent_id": params["lw_parent_id"]}
-            assert dec.metaserver_results == [(200, {"status": "ok"})]
+            assert dec.metaserver_results == [METASERVER_OK]
             assert len(h.proxy.registry) == 0  # bookkeeping freed once the decoder answered
 
     run(body())

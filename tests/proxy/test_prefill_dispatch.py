@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from lw_dev.proxy_mocks import harness, run, wait_until
+from lw_dev.proxy_mocks import METASERVER_OK, harness, run, wait_until
 from lw_proxy.config import parse_args
 
-OK = (200, {"status": "ok"})
+OK = METASERVER_OK  # a 200 answer (it may carry the prefill's first token)
 
 
 def _metric(outcome: str) -> str:

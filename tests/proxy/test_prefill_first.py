@@ -9,6 +9,7 @@ import time
 import msgspec
 import pytest
 
+from lw_core.wire import prompt_digest
 from lw_dev.proxy_mocks import generate, generate_ids, harness, run, tokenize
 from lw_proxy import relay
 from lw_proxy.validate import parse_completion
@@ -77,6 +78,37 @@ def test_sampled_requests_are_not_relayed():
     run(body())
 
 
+def test_a_sampled_stream_is_relayed_when_its_decoder_continues_from_the_prefills_token():
+    """The decoder's metaserver POST says ``forces_first``; its answer carries the prefill's token
+    and the prompt's digest, and the proxy relays the token of a sampled request."""
+    async def body():
+        async with harness(prefill_first=True) as h:
+            h.prefillers[0].knobs.delay = 0.3  # the decoder's POST is in before the prefill answers
+            h.decoders[0].knobs.forces_first = True
+            _, texts, errors, _ = await _sse(h, {**GREEDY, "temperature": 0.7})
+            assert errors == [] and "".join(texts) == "".join(generate("p", 4)) and len(texts) == 4
+            ((status, answer),) = h.decoders[0].metaserver_results
+            assert status == 200 and answer["first_token"] == generate_ids(tokenize("p"), 1)[0]
+            assert answer["prompt_digest"] == prompt_digest(tokenize("p"))
+            assert h.decoders[0].bodies[0]["kv_transfer_params"]["lw_first_token"] is True
+            async with h.session.get(h.url + "/metrics") as r:
+                assert "lw_proxy_prefill_first_relayed_total 1.0" in await r.text()
+
+    run(body())
+
+
+def test_requests_of_several_choices_get_no_first_token():
+    async def body():
+        async with harness(prefill_first=True) as h:
+            h.decoders[0].knobs.forces_first = True
+            await _sse(h, {**GREEDY, "temperature": 0.7, "n": 2})
+            assert h.decoders[0].bodies[0]["kv_transfer_params"]["lw_first_token"] is False
+            assert all(a == {"status": "ok", "first_token": None, "prompt_digest": None}
+                       for _, a in h.decoders[0].metaserver_results)
+
+    run(body())
+
+
 def test_decoder_failing_after_the_relay_ends_the_stream_with_an_error():
     async def body():
         async with harness(prefill_first=True, max_retries=0) as h:
@@ -125,7 +157,13 @@ def test_eligible_only_for_plain_greedy_single_prompt_streams():
 
     assert relay.eligible(req())
     assert relay.eligible(req(temperature=0.0))
-    for kw in ({"temperature": 0.5}, {"temperature": None}, {"n": 2}, {"prompt": ["a", "b"]}, {"stream": False},
+    # Sampled streams are eligible, but relayed only when the decoder continues from the token.
+    for kw in ({"temperature": 0.5}, {"temperature": None}):
+        r = req(**kw)
+        assert relay.eligible(r) and not relay.relayable(r, forced=False) and relay.relayable(r, forced=True), kw
+    assert relay.relayable(req(), forced=False)
+    assert not relay.eligible(req(temperature=0.5, min_tokens=2))  # the prefill drops min_tokens
+    for kw in ({"n": 2}, {"prompt": ["a", "b"]}, {"stream": False},
                {"stop": ["x"]}, {"echo": True}, {"best_of": 2}, {"return_token_ids": True},
                {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}):
         assert not relay.eligible(req(**kw)), kw
@@ -268,7 +306,8 @@ def test_chat_eligibility_and_first_events():
     assert relay.eligible(req()) and relay.eligible(req(stream_options={"include_usage": True}))
     assert relay.eligible(req(logprobs=True, top_logprobs=2)) and relay.asks_logprobs(req(logprobs=True))
     assert not relay.asks_logprobs(req(logprobs=False)) and not relay.asks_logprobs(req(top_logprobs=2))
-    for kw in ({"temperature": 0.5}, {"n": 2}, {"stream": False}, {"stop": "x"}, {"tools": []}, {"functions": [{"name": "f"}]}, {"echo": True},
+    assert relay.eligible(req(temperature=0.5)) and not relay.relayable(req(temperature=0.5), forced=False)
+    for kw in ({"n": 2}, {"stream": False}, {"stop": "x"}, {"tools": []}, {"functions": [{"name": "f"}]}, {"echo": True},
                {"return_token_ids": True}, {"return_prompt_text": True},
                {"stream_options": {"continuous_usage_stats": True}}):
         assert not relay.eligible(req(**kw)), kw

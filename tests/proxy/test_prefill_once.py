@@ -8,10 +8,11 @@ import asyncio
 
 import pytest
 
-from lw_dev.proxy_mocks import generate, harness, run, wait_until
+from lw_dev.proxy_mocks import METASERVER_OK, generate, harness, run, wait_until
+from lw_proxy.fanin import OK_BODY
 from lw_proxy.validate import parse_completion
 
-OK = (200, {"status": "ok"})
+OK = METASERVER_OK  # a 200 answer (it may carry the prefill's first token)
 
 
 @pytest.mark.parametrize("mode", ["early", "on-metaserver"])
@@ -136,7 +137,7 @@ def test_a_skipped_prefill_is_dispatched_for_a_retried_decoder_that_needs_it():
     async def body():
         async with harness() as h:
             parent = h.proxy.registry.open(1, parse_completion(b'{"prompt": "x"}'))
-            assert await h.proxy.registry.arrive(parent.id, "r1", needs_prefill=False) == (200, b'{"status":"ok"}')
+            assert await h.proxy.registry.arrive(parent.id, "r1", needs_prefill=False) == (200, OK_BODY)
             h.proxy.registry.retry(parent)  # that decoder failed; the next one may not hold the prompt
             s, _ = await h.post("/v1/metaserver", {"lw_parent_id": parent.id, "request_id": "r2"})
             assert s == 200 and len(h.prefillers[0].bodies) == 1

@@ -11,7 +11,7 @@ import time
 import aiohttp
 from raw_http import head, read_response
 
-from lw_dev.proxy_mocks import generate, harness, run
+from lw_dev.proxy_mocks import METASERVER_OK, generate, harness, run
 from lw_proxy.logfilter import RepeatFilter
 
 
@@ -67,7 +67,7 @@ def test_connection_cap_refuses_quickly_and_metaserver_listener_keeps_serving():
             assert status == 200 and out["choices"][0]["text"] == "".join(generate("p", 2))
             (dbody,) = h.decoders[0].bodies
             assert dbody["kv_transfer_params"]["metaserver"] == h.metaserver_url
-            assert h.decoders[0].metaserver_results == [(200, {"status": "ok"})]
+            assert h.decoders[0].metaserver_results == [METASERVER_OK]
             assert 'lw_proxy_connections_refused_total{listener="client"} 1.0' in h.proxy.m.render()[0].decode()
             for _, w in idle:
                 w.close()
@@ -94,7 +94,7 @@ def test_shared_port_keeps_a_reserve_for_metaserver_callbacks():
                 assert status == 503 and "--max-client-connections" in out["error"]["message"]
                 status, out = await first
             assert status == 200 and out["choices"][0]["text"] == "".join(generate("p", 2))
-            assert h.decoders[0].metaserver_results == [(200, {"status": "ok"})]  # served from the reserve
+            assert h.decoders[0].metaserver_results == [METASERVER_OK]  # served from the reserve
             assert len(h.decoders[0].bodies) == 1
 
         async with harness(max_client_connections=1, metaserver_reserved_connections=0,
@@ -144,7 +144,7 @@ def test_unauthenticated_metaserver_dribblers_cannot_hold_the_slots():
             assert all(g is not None and g[0] < 1 and g[1] in (401, 503, None) for g in got), got
             status, out = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 2}, headers=auth)
             assert status == 200 and out["choices"][0]["text"] == "".join(generate("p", 2))
-            assert h.decoders[0].metaserver_results == [(200, {"status": "ok"})]
+            assert h.decoders[0].metaserver_results == [METASERVER_OK]
 
         async with harness(max_client_connections=1, metaserver_reserved_connections=5, client_header_timeout=10,
                            client_body_timeout=1.0) as h:

@@ -84,8 +84,8 @@ def test_decoder_stream_without_event_boundaries_is_cut_not_buffered(monkeypatch
         async with harness() as h:
             orig = h.proxy.decode
 
-            async def decode(req, path, read):  # a decoder whose stream never ends an event
-                call = await orig(req, path, read)
+            async def decode(req, path, read, relay=None):  # a decoder whose stream never ends an event
+                call = await orig(req, path, read, relay=relay)
                 call.first = b"data: " + b"x" * (100 << 10)
                 return call
 

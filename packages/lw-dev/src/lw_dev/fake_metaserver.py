@@ -23,6 +23,7 @@ class FakeMetaserver:
         """``port``: a fixed one (another host's namespace, where its engines were told which
         metaservers they may call: pd_allowed_metaservers); a free one by default."""
         self.mode = "ok"
+        self.answer: dict = {"status": "ok"}  # the body of a 200 answer (a proxy's may carry a first token)
         self.host = host
         self.bodies: list[dict] = []
         self.stray: list[str] = []
@@ -48,7 +49,7 @@ class FakeMetaserver:
             await self._released.wait()
             mode = "ok" if self.mode == "held" else self.mode
         if mode == "ok":
-            return web.json_response({"status": "ok"})
+            return web.json_response(self.answer)
         if mode == "bad-body":
             return web.json_response({"status": "maybe"})
         if mode == "error":

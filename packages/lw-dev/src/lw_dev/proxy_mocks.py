@@ -82,6 +82,7 @@ class Knobs:
     fail_times: int | None = None  # status_after_metaserver for this many requests only (None: all)
     wait_metaserver: bool = True  # decoder: a failing request waits for its metaserver answers (False: fails at once)
     needs_prefill: bool | None = None  # decoder: sent in the metaserver body when not None
+    forces_first: bool | None = None  # decoder: sent in the metaserver body (continues from the answer's token)
     send_token: bool = True  # decoder: send lw_token back on metaserver calls (an older connector does not)
     # decoder: the next streamed answer starts with this word instead of the model's (a near-tie the
     # decoder decides the other way than the prefiller); used once, then cleared
@@ -126,7 +127,8 @@ async def _call_metaserver(session: aiohttp.ClientSession, st: MockState, params
 
     async def one(i: int) -> None:
         body = msgspec.json.encode(MetaserverRequest(lw_parent_id=dp.lw_parent_id, request_id=f"cmpl-{uuid.uuid4().hex}-{i}",
-                                                     needs_prefill=st.knobs.needs_prefill))
+                                                     needs_prefill=st.knobs.needs_prefill,
+                                                     forces_first=st.knobs.forces_first))
         headers = {"Content-Type": "application/json"}
         if st.knobs.send_token and dp.lw_token:
             headers["Authorization"] = f"Bearer {dp.lw_token}"
@@ -141,6 +143,20 @@ async def _call_metaserver(session: aiohttp.ClientSession, st: MockState, params
 
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+
+
+class _MetaserverOk:
+    """Equals a mock's ``metaserver_results`` entry for a 200 answer, whatever first token it carries."""
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, tuple) and len(other) == 2 and other[0] == 200 and isinstance(other[1], dict)
+                and other[1].get("status") == "ok")
+
+    def __repr__(self) -> str:
+        return "(200, {'status': 'ok', ...})"
+
+
+METASERVER_OK = _MetaserverOk()
 
 
 def make_backend(role: str) -> tuple[web.Application, MockState]:

@@ -216,9 +216,10 @@ class _Handlers:
             msg = decode_metaserver_request(raw)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise ProxyError(400, f"metaserver request: {e}; expected {{\"lw_parent_id\": str, \"request_id\": str}}") from None
-        # needs_prefill: absent from an older decoder's body (and from an older lw_core.wire)
+        # needs_prefill, forces_first: absent from an older decoder's body (and an older lw_core.wire)
         status, body = await self.p.registry.arrive(msg.lw_parent_id, msg.request_id, token,
-                                                    getattr(msg, "needs_prefill", None))
+                                                    getattr(msg, "needs_prefill", None),
+                                                    getattr(msg, "forces_first", None))
         return web.Response(status=status, body=body, content_type="application/json")
 
     # ------------------------------------------------------------ model list and tokenizer

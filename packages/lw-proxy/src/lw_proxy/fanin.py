@@ -50,7 +50,7 @@ Outcome = tuple[int, bytes]  # HTTP status and JSON body for the held metaserver
 
 class Parent:
     __slots__ = ("id", "token", "children", "request", "ids", "waiters", "result", "task", "attempts", "wanted",
-                 "early", "stalled", "relay")
+                 "early", "stalled", "relay", "forces_first", "first_token")
 
     def __init__(self, children: int, request: Any) -> None:
         self.id = uuid.uuid4().hex
@@ -65,7 +65,9 @@ class Parent:
         self.task: asyncio.Task[None] | None = None
         self.early = False  # the prefill was dispatched with the client request, not by the fan-in
         self.stalled = False  # a held POST timed out waiting for the prefill
-        self.relay: Any = None  # --prefill-first: a future given the prefill's 200 answer (parent id, body)
+        self.relay: Any = None  # --prefill-first: a future given the prefill's 200 answer (relay.Prefilled)
+        self.forces_first = False  # a waiting decoder continues from the first token its answer carries
+        self.first_token: int | None = None  # the prefill's first token, when its answer carries it
 
 
 class ParentRegistry:
@@ -179,16 +181,19 @@ class ParentRegistry:
         return e.status, e.body()
 
     async def arrive(self, parent_id: str, request_id: str, token: str | None = None,
-                     needs_prefill: bool | None = None) -> Outcome:
+                     needs_prefill: bool | None = None, forces_first: bool | None = None) -> Outcome:
         """A decoder's metaserver POST; returns when the parent's prefill is done, or at the deadline.
 
         ``needs_prefill`` False: the decoder already holds the prompt. When every child of the
-        attempt says so, no prefill is dispatched and the POSTs are answered 200 at once."""
+        attempt says so, no prefill is dispatched and the POSTs are answered 200 at once.
+        ``forces_first``: the decoder continues from the first token the answer carries."""
         t0 = time.perf_counter()
         p = self._parents.get(parent_id)
         refused = self._refuse_token(p, token)
         if refused is not None:
             return refused
+        if p is not None and forces_first:
+            p.forces_first = True
         if p is None:
             self._m.metaserver_wait.labels("unknown_parent").observe(0)
             e = ProxyError(404, f"unknown lw_parent_id {parent_id!r} (never issued, or already finished)",

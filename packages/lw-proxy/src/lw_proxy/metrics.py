@@ -69,7 +69,7 @@ class ProxyMetrics:
         )
         self.relayed_first = Counter(
             "lw_proxy_prefill_first_relayed_total",
-            "Streamed greedy completions and chat completions whose first token the client got from the prefill's answer "
+            "Streamed completions and chat completions whose first token the client got from the prefill's answer "
             "(--prefill-first, the default), while the decoder still loaded",
             registry=r,
         )

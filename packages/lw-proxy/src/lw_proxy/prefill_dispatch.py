@@ -18,13 +18,14 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from lw_core.wire import PrefillTransferParams
+from lw_core.wire import MetaserverResponse, PrefillTransferParams, prompt_digest
 
 from .backends import Backend, BackendPool
 from .config import PREFILL_DISPATCH, ProxyConfig
 from .errors import ProxyError
 from .fanin import OK_BODY, Outcome, Parent, ParentRegistry
 from .metrics import ProxyMetrics
+from .relay import Prefilled, continues, first_token
 from .relay import request_id as relay_request_id
 from .upstream import CHAT, COMPLETIONS, RETRY_STATUSES, UPSTREAM_ERRORS
 from .validate import ClientRequest
@@ -92,7 +93,7 @@ class PrefillDispatcher:
         (kind ``prefill_failed``) when no prefiller completed it."""
         req: ClientRequest = parent.request
         path = CHAT if req.chat else COMPLETIONS
-        payload = _encode(prefill_body(req, parent.id, token_ids=parent.relay is not None))
+        payload = _encode(prefill_body(req, parent.id, token_ids=parent.relay is not None or continues(req)))
         headers = {**self.headers, "X-Request-Id": f"lw-prefill-{parent.id}"}
         # Each prefiller is tried at most once per parent: one that answered 503 is overloaded, and
         # asking it again only adds load; the decoders recompute instead.
@@ -136,11 +137,21 @@ class PrefillDispatcher:
         return status, data
 
     def _answer(self, parent: Parent, pf: Backend, status: int, data: bytes) -> Outcome:
+        """The held POSTs' outcome; a request the decoder may continue from the prefill's token
+        (``relay.continues``) gets that token and its prompt's digest in the answer. With
+        ``--prefill-first`` the answer also goes to the stream, with whether the decoder continues
+        from the token: it said so (``forces_first``) and its POST is answered with it."""
         pf.mark_ok()
-        if status == 200 and parent.relay is not None and not parent.relay.done():
-            parent.relay.set_result((parent.id, data))
         if status != 200:  # the prefiller refused this request: another prefiller would too
             self.m.errors.labels("prefill_failed").inc()
             raise ProxyError(502, f"prefiller {pf.url} answered HTTP {status}: {data[:500].decode(errors='replace')}",
                              kind="prefill_failed")
-        return 200, OK_BODY
+        body = OK_BODY
+        first = first_token(data, parent.request.chat) if continues(parent.request) else None
+        if first is not None:
+            parent.first_token = first[0]
+            body = _encode(MetaserverResponse(first_token=first[0], prompt_digest=prompt_digest(first[1])))
+        if parent.relay is not None and not parent.relay.done():
+            forced = first is not None and parent.forces_first and not parent.stalled
+            parent.relay.set_result(Prefilled(parent.id, data, forced))
+        return 200, body

@@ -18,6 +18,7 @@ from aiohttp import web
 from lw_core.wire import DecodeTransferParams
 
 from . import recompute as rc
+from . import relay as relay_mod
 from . import token_ids
 from .backends import BackendPool
 from .config import ProxyConfig
@@ -73,7 +74,8 @@ class Proxy:
         """The client's request plus ``kv_transfer_params`` and, unless the client asked for them
         itself, ``return_token_ids: true`` (see lw_proxy.token_ids)."""
         params = _encode(DecodeTransferParams(metaserver=self._metaserver, lw_parent_id=parent.id,
-                                              lw_children=req.children, lw_token=parent.token))
+                                              lw_children=req.children, lw_token=parent.token,
+                                              lw_first_token=relay_mod.continues(req)))
         ids = token_ids.asks(req.body)
         if req.raw is not None and req.prompt_ids is None and not (ids and "return_token_ids" in req.body):
             # Splice our fields into the client's own bytes: a validated JSON object without

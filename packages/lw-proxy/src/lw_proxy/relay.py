@@ -1,5 +1,5 @@
-"""``--prefill-first``: a streamed greedy completion's or chat completion's first token comes from
-the prefiller.
+"""``--prefill-first``: a streamed completion's or chat completion's first token comes from the
+prefiller.
 
 The prefill is a ``max_tokens: 1`` completion of the client's request, so its answer already holds
 the first token. With ``--prefill-first`` the proxy writes that token to the client as the stream's
@@ -8,13 +8,17 @@ computes; the decoder's own first token (the same one) is then cut from its stre
 forwarded as usual. The client's TTFT becomes the prefill's, plus one hop.
 
 Token-identical only where the prefiller's first token is the decoder's, so only for requests where
-both pick it the same way and where the first token's text cannot be changed by what follows. A
-request qualifies (``eligible``) when it is a streamed ``/v1/completions`` with one prompt, ``n`` 1
-(and ``best_of`` at most 1), ``temperature`` 0 given explicitly (greedy), and none of ``stop``,
+both pick it the same way and where the first token's text cannot be changed by what follows. The
+decoder is handed the prefill's token with its metaserver answer (``continues``: one engine request,
+no ``min_tokens``; ``MetaserverResponse.first_token``) and, when its POST said ``forces_first``,
+continues from it (lw_vllm.pd.first_token), sampled or greedy. A greedy request is relayed either
+way; a sampled one only when its decoder's POST, in before the prefill answered, said so
+(``relayable``). A request qualifies (``eligible``) when it is a streamed ``/v1/completions`` with
+one prompt, ``n`` 1 (and ``best_of`` at most 1), and none of ``stop``,
 ``echo``, ``suffix``, ``prompt_logprobs``, ``return_token_ids`` or
 ``stream_options.continuous_usage_stats`` (those change the first event or how text is held back)
 with a value other than null or false (``stop: []`` counts as present). A streamed
-``/v1/chat/completions`` qualifies on the same terms (``n`` 1, explicit ``temperature`` 0, none of
+``/v1/chat/completions`` qualifies on the same terms (``n`` 1, none of
 ``stop``, ``echo``, ``prompt_logprobs``, ``return_token_ids``, ``return_prompt_text``,
 ``continuous_usage_stats``) and without ``tools`` or ``functions``: a tool
 parser may hold back or reroute the first token of a stream, which the prefiller's non-streamed
@@ -59,14 +63,29 @@ def asks_logprobs(req: ClientRequest) -> bool:
     return lp is True if req.chat else _given(lp)
 
 
-def eligible(req: ClientRequest) -> bool:
+def continues(req: ClientRequest) -> bool:
+    """The decoder may continue from the prefill's first token (``lw_first_token``): one engine
+    request (one prompt, ``n`` 1, ``best_of`` at most 1) whose prefill draws its first token as the
+    decoder would, so not with ``min_tokens`` (the prefill drops it and may end where the client's
+    request may not)."""
     b = req.body
-    if not req.stream or req.n != 1 or (b.get("best_of") or 1) != 1:
+    if req.children != 1 or req.n != 1 or (b.get("best_of") or 1) != 1:
         return False
-    if not req.chat and len(req.prompts) != 1:
-        return False
-    t = b.get("temperature")
-    if isinstance(t, bool) or not isinstance(t, (int, float)) or t != 0:
+    mt = b.get("min_tokens")
+    return not (isinstance(mt, int) and not isinstance(mt, bool) and mt > 0)
+
+
+def greedy(req: ClientRequest) -> bool:
+    """``temperature`` 0, given explicitly."""
+    t = req.body.get("temperature")
+    return not isinstance(t, bool) and isinstance(t, (int, float)) and t == 0
+
+
+def eligible(req: ClientRequest) -> bool:
+    """A streamed request whose first token may be relayed (see the module docstring): greedy ones
+    always, sampled ones once their decoder continues from the relayed token (``relayable``)."""
+    b = req.body
+    if not req.stream or not continues(req):
         return False
     if any(_given(b.get(k)) for k in (_OFF_CHAT if req.chat else _OFF)):
         return False
@@ -74,10 +93,45 @@ def eligible(req: ClientRequest) -> bool:
     return not (isinstance(so, dict) and _given(so.get("continuous_usage_stats")))
 
 
+def relayable(req: ClientRequest, forced: bool) -> bool:
+    """An eligible request's prefill token goes out: greedy (the decoder picks the same token, or
+    the proxy resumes after it), or ``forced``: the decoder was handed the token with its
+    metaserver answer and continues from it."""
+    return forced or greedy(req)
+
+
+def first_token(data: bytes, chat: bool) -> tuple[int, list[int]] | None:
+    """The prefill answer's one generated token id and its prompt's ids, when it ended on a plain
+    token (``finish_reason: "length"``, not an EOS or stop) and returned both; else None."""
+    try:
+        obj = msgspec.json.decode(data)
+        (ch,) = obj["choices"]
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+        return None
+    if not isinstance(ch, dict) or not isinstance(obj, dict) or ch.get("finish_reason") != "length":
+        return None
+    toks = ch.get("token_ids")
+    pids = obj.get("prompt_token_ids") if chat else ch.get("prompt_token_ids")
+    if not isinstance(toks, list) or len(toks) != 1 or not _ids(toks) or not isinstance(pids, list) or not _ids(pids):
+        return None
+    if not 0 <= toks[0] < 1 << 31:  # lw_core.wire.TokenId
+        return None
+    return toks[0], pids
+
+
 def _given(value: Any) -> bool:
     """A field counts as set unless it is null or false: 0, "" and [] are values (``logprobs: 0``
     asks for the sampled token's logprob)."""
     return value is not None and value is not False
+
+
+class Prefilled(NamedTuple):
+    """The prefill's 200 answer, as handed to the stream: its parent's id, its body, and whether
+    the decoder continues from its first token (``relayable``)."""
+
+    parent_id: str
+    data: bytes
+    forced: bool
 
 
 def request_id(parent_id: str) -> str:

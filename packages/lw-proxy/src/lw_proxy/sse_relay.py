@@ -120,9 +120,9 @@ class SseRelay:
         try:
             await asyncio.wait({task, relay}, return_when=asyncio.FIRST_COMPLETED)
             if not task.done():
-                parent_id, data = relay.result()
-                first = relay_mod.first_event(data, parent_id, req.chat, relay_mod.asks_logprobs(req))
-                if first is not None:
+                pre: relay_mod.Prefilled = relay.result()
+                first = relay_mod.first_event(pre.data, pre.parent_id, req.chat, relay_mod.asks_logprobs(req))
+                if first is not None and relay_mod.relayable(req, pre.forced):
                     await out.prepare(request)
                     await out.write(first.block)
                     state.ledger.feed(0, first.text, first.token_ids, first.prompt_ids,

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from lw_bench.pd.stack import Stack, free_port, post_json
+from lw_bench.pd.stack import Stack, free_port, metric_sum, post_json, post_sse
 from lw_dev.fake_metaserver import FakeMetaserver
-from lw_dev.pd_flow import baseline, text, through
+from lw_dev.pd_flow import baseline, settle, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
 from lw_dev.pd_streaming_flow import streaming_stack, streams_in_decoder_first
 
@@ -21,6 +21,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MAX_TOKENS = 8
 TIMEOUT_S = 10.0  # metaserver_timeout_s: the whole receive's deadline
+RELAYED = "lw_proxy_prefill_first_relayed_total"
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,38 @@ def test_streamed_prompt_gives_the_single_engine_output(stream_stack: Stack, pro
     _loaded_whole(rec)
     (p,) = ex.prefill_stats  # the prefiller saved (and so published) every chunk of the prompt
     assert p["saved_chunks"] == -(-rec["prompt_tokens"] // stream_stack.block_size), p
+
+
+def test_sampled_streams_are_relayed_and_the_streaming_decoder_continues_from_the_relayed_token(
+        stream_stack: Stack) -> None:
+    """A streaming decoder continues from the prefill's first token too: its receive is reported
+    only once the metaserver answer carrying the token reached it, so vLLM schedules the request
+    with the token. Unseeded temperature-1 streams are relayed with no ``relay_mismatch`` (two
+    independent draws of a random-weight model's near-uniform next token would differ almost
+    always); a seeded request through the proxy draws the single engine's tokens."""
+    mismatch = 'lw_proxy_errors_total{kind="relay_mismatch"}'
+    url = stream_stack.proxy.url
+    before = metric_sum(url, RELAYED), metric_sum(url, mismatch)
+    for seed in range(6):
+        body = {"model": "tiny", "prompt": text(320 + seed, 150), "max_tokens": 8, "temperature": 1.0,
+                "ignore_eos": True, "stream": True}
+        settle(stream_stack)
+        status, events = post_sse(url + "/v1/completions", body)
+        chunks = [ev for ev in events if isinstance(ev, dict)]
+        assert status == 200 and events[-1] == "[DONE]" and not [ev for ev in chunks if "error" in ev], events
+        assert [ev["choices"][0]["finish_reason"] for ev in chunks if ev["choices"]][-1] == "length", events
+    relayed = metric_sum(url, RELAYED) - before[0]
+    assert relayed >= 1, "no sampled first token was relayed"
+    assert metric_sum(url, mismatch) == before[1], "a decoder did not continue from the relayed token"
+
+    body = _completion(text(330, 150), temperature=1.0, seed=7)
+    ref = completion_choice(baseline(stream_stack, "/v1/completions", body)["choices"][0])
+    ex = through(stream_stack, "/v1/completions", body)
+    assert ex.status == 200, ex.out
+    assert completion_choice(ex.out["choices"][0])["tokens"] == ref["tokens"]
+    (rec,) = ex.decode_stats
+    assert rec["remote_prefill"] == "streaming" and "first_from_prefill" in rec["t"], rec
+    assert rec["loaded_tokens"] == rec["prompt_tokens"] - 1 and rec["failed_blocks"] == 0, rec
 
 
 def test_stalled_prefill_is_recomputed_at_the_deadline(stream_stack: Stack) -> None:

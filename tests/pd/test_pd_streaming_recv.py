@@ -434,3 +434,49 @@ def test_the_last_open_comes_after_the_answer_and_reserved_chunks_go_on(be):
     r.release(be)
     w.t.join(5)
     check_loaded(cp, KEYS[1:], BLOCKS[1:], 2)
+
+
+def test_a_receive_that_holds_is_reported_at_the_answer_and_keeps_its_chunks(be):
+    """A request continuing from the prefill's first token: its receive is not reported when every
+    chunk landed (vLLM would schedule it before the answer carrying the token), but at the answer;
+    without an answer, at its deadline with its chunks good; cancelled while it holds (the
+    prefill failed), its landed chunks still count. A receive that does not hold ends at once."""
+    Writer(be, KEYS, layer_s=0).t.join(5)
+    rx = StreamReceiver(be, NpCopier(True), LAYOUT, deadline_s=30)
+    try:
+        rx.start("plain", KEYS, BLOCKS)
+        rx.start("held", KEYS, [1, 3, 4], holds=True)
+        rx.start("failed", KEYS, [6, 7, 8], holds=True)
+        assert [(d.req_id, d.good) for d in _wait_done(rx, 10)] == [("plain", 3)]
+        time.sleep(0.3)  # "held" and "failed" landed long ago
+        assert rx.take_done() == [] and rx.busy
+        t0 = time.monotonic()
+        rx.prefilled({"held"})
+        got = _wait_done(rx, 10)
+        assert time.monotonic() - t0 < 1.0
+        assert [(d.req_id, d.good, d.failed_blocks) for d in got] == [("held", 3, [])]
+        check_loaded(rx.copier, KEYS, [1, 3, 4], 3)
+        rx.cancel({"failed"})
+        got = _wait_done(rx, 10)
+        assert [(d.req_id, d.good, d.failed_blocks) for d in got] == [("failed", 3, [])]
+        assert not rx.busy
+    finally:
+        rx.close()
+    rx = StreamReceiver(be, NpCopier(True), LAYOUT, deadline_s=0.5)
+    try:
+        t0 = time.monotonic()
+        rx.start("late", KEYS[:2], BLOCKS[:2], holds=True)
+        got = _wait_done(rx, 10)
+        assert time.monotonic() - t0 >= 0.45  # held until its deadline
+        assert [(d.req_id, d.good, d.failed_blocks) for d in got] == [("late", 2, [])]
+    finally:
+        rx.close()
+    # Not landed yet when cancelled: nothing counts, as without ``holds``.
+    rx = StreamReceiver(be, NpCopier(True), LAYOUT, deadline_s=30)
+    try:
+        rx.start("gone", ["never"], [7], holds=True)
+        time.sleep(0.1)
+        rx.cancel({"gone"})
+        assert [(d.req_id, d.good) for d in _wait_done(rx, 10)] == [("gone", 0)]
+    finally:
+        rx.close()

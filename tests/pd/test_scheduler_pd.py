@@ -474,3 +474,70 @@ def test_a_request_asking_for_the_first_token_waits_for_the_answer_and_takes_it(
     finally:
         meta.answer = {"status": "ok"}
         side.shutdown()
+
+
+def test_a_streaming_request_asking_for_the_first_token_is_reported_only_with_it(meta, pool_dir) -> None:
+    """Streaming PD: the prompt lands before the metaserver's answer, yet the receive is not
+    reported (vLLM would schedule the request without the token) until the answer carrying the
+    token was passed on; by then the request carries it. A streaming request that does not ask
+    for the token is reported as soon as its prompt landed."""
+    import numpy as np
+
+    from lw_core.plan import ObjectLayout
+    from lw_core.wire import prompt_digest
+    from lw_vllm.metrics import Collector
+    from lw_vllm.pd.first_token import FIRST_TOKEN_ARG
+    from lw_vllm.pd.stream_recv import StreamReceiver
+    from lw_vllm.worker.stream_loads import StreamLoads
+    from lw_vllm.worker.worker_report import WorkerReport
+
+    side = _side(pool_dir, use_layerwise=True, pd_streaming=True, metaserver_timeout_s=5.0)
+    rx = StreamReceiver(side.backend, _Rows(), ObjectLayout((PAGE,) * LAYERS), 5.0)
+    try:
+        meta.mode, meta.bodies = "held", []
+        first = _asks_first(_req("d-first", 3 * BLOCK, meta.url, "par-sf"))
+        plain = _req("d-plain", 3 * BLOCK, meta.url, "par-sp")
+        plain.prompt_token_ids = plain.all_token_ids = [t + 1 for t in plain.all_token_ids]
+        loads = StreamLoads(rx, side.keyspace, side.tags[0], None, None, WorkerReport(), Collector())
+        empty = SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                                scheduled_cached_reqs=SimpleNamespace(req_ids=[], new_block_ids=[],
+                                                                      resumed_req_ids=set(), num_computed_tokens=[]))
+        for req, blocks in ((first, [5, 6, 7]), (plain, [9, 10, 11])):
+            assert side.get_num_new_matched_tokens(req, 0) == (3 * BLOCK - 1, True)
+            side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda b=blocks: (b,)), 3 * BLOCK - 1)
+        plan = side.build_connector_meta(empty)
+        assert sorted((x.req_id, x.holds) for x in plan.stream_loads) == [("d-first", True), ("d-plain", False)]
+        loads.start(plan)
+        for req in (first, plain):  # the prefiller commits every chunk, then is slow to answer
+            keys = side.keyspace.keys(side.tags[0], chunk_hashes(req.all_token_ids, BLOCK))
+            hs = side.backend.reserve(keys, LAYERS * PAGE)
+            for layer in range(LAYERS):
+                side.backend.write(hs, [layer * PAGE] * 3, [np.full(PAGE, layer + 1, np.uint8)] * 3)
+            side.backend.commit(hs)
+
+        def step() -> list:
+            loads.start(side.build_connector_meta(empty))
+            return [d.req_id for d in rx.take_done(idle_wait_s=0.01)]
+
+        done: list = []
+        t0 = time.monotonic()
+        while not done and time.monotonic() - t0 < 5:
+            done = step()
+        assert done == ["d-plain"]
+        for _ in range(20):  # landed, held for the answer
+            assert step() == []
+        assert {b["request_id"]: b.get("forces_first") for b in meta.bodies} == {"d-first": True, "d-plain": None}
+        assert first.sampling_params.extra_args is None
+        meta.mode, meta.answer = "ok", {"status": "ok", "first_token": 77,
+                                         "prompt_digest": prompt_digest(first.prompt_token_ids)}
+        meta.release()
+        t0, done = time.monotonic(), []
+        while not done and time.monotonic() - t0 < 5:
+            done = step()
+        assert done == ["d-first"] and time.monotonic() - t0 < 2.0
+        assert first.sampling_params.extra_args == {FIRST_TOKEN_ARG: 77}
+        assert all((rx.copier.kv[layer][b] == layer + 1).all() for b in (5, 6, 7) for layer in range(LAYERS))
+    finally:
+        meta.answer = {"status": "ok"}
+        rx.close()
+        side.shutdown()

@@ -25,6 +25,9 @@ class Xfer(msgspec.Struct, frozen=True, array_like=True):
     # Recurrent-state models (loads): per state group, the block the state after the last chunk
     # goes to (``state_store``); empty: no state.
     state: list[int] = msgspec.field(default_factory=list)
+    # Streaming PD loads: the receive is reported only once the prefill's answer came (or at its
+    # deadline), so the request continues from the answer's first token (``stream_recv.Receive``).
+    holds: bool = False
 
 
 class StateXfer(msgspec.Struct, frozen=True, array_like=True):

@@ -14,7 +14,9 @@ without that state are no hit (the proxy would skip the prefill and the decoder 
 A request whose params carry ``lw_first_token`` (lw-proxy: one choice) says ``forces_first`` in its
 POST when this engine runs ``first_token.FirstTokenProcessor``, waits for the answer even when the
 pool already holds its prompt, and takes the answer's first token when its digest names this
-prompt: the decoder then continues from the token the proxy relayed to the client.
+prompt: the decoder then continues from the token the proxy relayed to the client. A streaming
+receive of such a request ``holds`` (``stream_recv``): it is reported, and vLLM schedules the
+request, only once the answer was passed to it, so the token is the request's before that.
 
 The whole prompt travels: the prefiller also saves the trailing partial chunk under a key scoped to
 the parent request (``lw_parent_id``, ``keys.partial_chunk_hash``) unless ``discard_partial_chunks``
@@ -33,6 +35,8 @@ from __future__ import annotations
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
 
 from lw_core.config import PoolConfig
 from lw_core.keys import KeySpace, chunk_hashes, partial_chunk_hash
@@ -331,7 +335,8 @@ class PdCoordinator:
             st.load, st.stream_pending, st.stream_sent = None, False, True
             hashes = st.load_hashes
             if n > 0 and first + n <= min(len(hashes), len(st.block_ids)):
-                meta.stream_loads.append(self.groups.xfer(st, hashes, first, first + n))
+                x = self.groups.xfer(st, hashes, first, first + n)
+                meta.stream_loads.append(msgspec.structs.replace(x, holds=True) if st.first_from_prefill else x)
                 st.t.setdefault("stream_sent", time.time())
                 st.last_xfer_build = self._build
                 self._streams[st.req.request_id] = st
@@ -343,7 +348,8 @@ class PdCoordinator:
         """Streaming PD: the metaserver's answer goes to the receive. An error (the prefill failed)
         ends it now instead of at its deadline; an ok (the prefiller committed what it saved) ends
         it once what is in the pool has landed, the chunks never reserved nor committed failing at
-        once. vLLM recomputes what did not arrive."""
+        once; a request continuing from the prefill's first token takes it first (its receive
+        holds until this answer reaches it). vLLM recomputes what did not arrive."""
         if self.metaserver is None:
             return
         for rid, st in list(self._streams.items()):
@@ -352,6 +358,8 @@ class PdCoordinator:
                 continue
             del self._streams[rid]  # answered: nothing more to watch
             if out.ok:
+                if st.first_from_prefill:
+                    self._continue_from_prefill(st, out)
                 meta.stream_prefilled.append(rid)
                 st.t.setdefault("prefilled", time.time())
             else:
@@ -384,9 +392,10 @@ class PdCoordinator:
             # Nothing to wait for: no full chunk, or (a state model) no boundary before the last token.
             short = st.prompt_len // self.block_size == 0 or self._load_end(st) == 0
             held = not skip and not short and self._held(st, local_tokens)
-            # Only a request that waits for the answer can take its first token from it.
-            waits = not (short or skip or held or (self.cfg.pd_streaming and st.parent is not None))
-            first = self.forces_first and params.lw_first_token and waits
+            streams = self.cfg.pd_streaming and st.parent is not None
+            # Only a request that waits for the answer, or whose receive holds for it, can take its
+            # first token from it.
+            first = self.forces_first and params.lw_first_token and not (short or skip or held)
             # Post even when this request will not wait: the proxy dispatches the prefill only once
             # every child of the parent has called.
             self.metaserver.post(req.request_id, params, needs_prefill=not (held or short),
@@ -400,7 +409,7 @@ class PdCoordinator:
             if held:
                 st.remote = RemotePrefill(RemotePhase.POOL_HOLDS_PROMPT)
                 return True
-            if self.cfg.pd_streaming and st.parent is not None:
+            if streams:
                 st.remote = RemotePrefill(RemotePhase.STREAMING)
                 return True
             st.remote = RemotePrefill(RemotePhase.WAITING)

@@ -37,6 +37,13 @@ after its forward, so after the chunks' layers are published. It is tried with t
 until it lands; it is missing for good at the deadline, or when one try made after the prefill was
 reported done still misses it (the prefiller saves it before its answer). A tail that does not land
 fails the whole receive (``good`` 0): the chunks are no use without it.
+
+A receive that ``holds`` (the request continues from the prefill's first token, which comes with
+the metaserver's answer: ``lw_vllm.pd.first_token``) is not reported when everything landed but
+once the prefill is reported done too, or at its deadline: vLLM schedules a request as soon as its
+receive is reported, and the token must be the request's before that. It waits one slice at a time
+like a layer wait, so it keeps no worker from a receive with work to do. Cancelled while it holds
+(its prefill failed, the request finished), its landed chunks still count.
 """
 
 from __future__ import annotations
@@ -99,8 +106,11 @@ class Receive:
     and chunks opened late catch up before the rest go on together."""
 
     def __init__(self, keys: Sequence[str], block_ids: Sequence[int], deadline: float,
-                 stop: threading.Event, tail: Tail | None = None, tail_nbytes: int = 0) -> None:
+                 stop: threading.Event, tail: Tail | None = None, tail_nbytes: int = 0,
+                 holds: bool = False) -> None:
         self.keys, self.block_ids, self.deadline, self.stop = list(keys), list(block_ids), deadline, stop
+        self.holds = holds  # ends only once ``prefilled`` too (module docstring)
+        self.landed = False  # every chunk that can still be good landed, and the tail: it holds
         self.tail = tail  # landed once every chunk did (module docstring); None once it has
         self.tail_nbytes = tail_nbytes  # counted in ``nbytes`` once it landed
         self.tail_landed = False
@@ -124,6 +134,8 @@ class Receive:
         nl = layout.num_layers
         while True:
             if self.stop.is_set():
+                if self.landed:
+                    return self._end(self.limit, self.error)
                 return self._end(0, "request finished before its prompt arrived")
             last = self.prefilled.is_set() and not self._last_open
             if last:
@@ -140,7 +152,11 @@ class Receive:
             if not todo:
                 if opened >= self.limit:  # every chunk that can still be good has landed
                     if self.tail is None or self.limit < len(self.keys):
-                        return self._end(self.limit, self.error)
+                        if not self._hold():
+                            return self._end(self.limit, self.error)
+                        if others_waiting():
+                            return False
+                        continue
                     if self._land_tail(others_waiting):
                         return self.result is not None
                     continue
@@ -187,10 +203,10 @@ class Receive:
         if now >= self._next_tail:
             after_done = self.prefilled.is_set()  # the prefiller saved it before its answer
             why = self.tail()
-            if why is None:
+            if why is None:  # the caller goes on: the receive ends, or holds (``_hold``)
                 self.tail, self.tail_landed = None, True
                 self.nbytes += self.tail_nbytes
-                return self._end(self.limit, self.error)
+                return False
             if after_done:
                 return self._end(0, f"the last chunk's recurrent state was not there when its prefill was "
                                     f"reported done ({why})")
@@ -207,6 +223,19 @@ class Receive:
         if left <= 0:
             self._next_tail = 0.0  # a last try at the deadline, then it fails
         return others_waiting()
+
+    def _hold(self) -> bool:
+        """Everything landed: a receive that ``holds`` waits one slice for ``prefilled`` (True: the
+        caller looks again); False: it ends now (it does not hold, the answer came, or the deadline
+        passed: the request then computes its own first token)."""
+        if not self.holds or self.prefilled.is_set():
+            return False
+        self.landed = True
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            return False
+        self.prefilled.wait(min(left, WAIT_SLICE_S))
+        return True
 
     def _open_more(self, backend: Any) -> None:
         """Try to open the chunks below ``limit`` not opened yet, at most once per backoff pause
@@ -340,9 +369,10 @@ class StreamReceiver:
         self._closing = False
 
     def start(self, req_id: str, keys: Sequence[str], block_ids: Sequence[int], tail: Tail | None = None,
-              tail_nbytes: int = 0) -> None:
+              tail_nbytes: int = 0, holds: bool = False) -> None:
         """``tail``: landed after every chunk (``Receive``), on a receive worker thread; its
-        ``tail_nbytes`` count in the receive's bytes once it has."""
+        ``tail_nbytes`` count in the receive's bytes once it has. ``holds``: reported only once
+        ``prefilled`` too, or at the deadline (``Receive``)."""
         with self._lock:
             if req_id in self._running:
                 raise RuntimeError(f"streaming receive for {req_id} started twice")
@@ -352,7 +382,7 @@ class StreamReceiver:
                 self._ended.notify_all()
                 return
             job = _Job(req_id, Receive(keys, block_ids, time.monotonic() + self.deadline_s, threading.Event(), tail,
-                                        tail_nbytes),
+                                        tail_nbytes, holds),
                        time.time())
             self._running[req_id] = job
             self._queue.append(job)

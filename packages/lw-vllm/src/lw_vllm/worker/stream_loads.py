@@ -55,11 +55,11 @@ class StreamLoads:
             if x.state and self.states is not None and x.req_id not in committed:
                 # Streaming PD: the prefiller saves the state after its forward; it lands last.
                 recv.start(x.req_id, self.keyspace.keys(self.tag, x.hashes), x.block_ids, self.states.tail(x),
-                           self.states.nbytes)
+                           self.states.nbytes, holds=x.holds)
                 continue
             if x.state and not self._start_state(x):
                 continue
-            recv.start(x.req_id, self.keyspace.keys(self.tag, x.hashes), x.block_ids)
+            recv.start(x.req_id, self.keyspace.keys(self.tag, x.hashes), x.block_ids, holds=x.holds)
         if meta.stream_prefilled:  # after the starts: the answer may come in their step
             recv.prefilled(set(meta.stream_prefilled))
             meta.stream_prefilled = []

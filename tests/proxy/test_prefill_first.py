@@ -234,10 +234,11 @@ def test_first_event_only_for_a_whole_token_that_hit_the_length():
         return msgspec.json.encode({"id": "x", "created": 1, "model": "m",
                                     "choices": [{"index": 0, "text": text, "finish_reason": finish, **ids}]})
 
-    block, text, toks, pids, n_logprobs = relay.first_event(answer(" w5"), "abc")
+    block, text, toks, pids, n_logprobs, created = relay.first_event(answer(" w5"), "abc")
     ev = json.loads(block[len(b"data: "):])
     assert text == " w5" and ev["id"] == "cmpl-lw-abc" and ev["choices"][0]["text"] == " w5"
     assert ev["choices"][0]["finish_reason"] is None and toks is None and pids is None and n_logprobs == 0
+    assert created == ev["created"] == 1
     first = relay.first_event(answer(" w5", token_ids=[7], prompt_token_ids=[1, 2]), "abc")
     assert (first.token_ids, first.prompt_ids) == ([7], [1, 2])  # kept for the ledger, never sent
     assert json.loads(first.block[len(b"data: "):])["choices"][0]["token_ids"] is None
@@ -331,3 +332,22 @@ def test_chat_eligibility_and_first_events():
     assert relay.first_event(answer({"content": " w5"}, "stop"), "abc", True) is None
     ch = {"index": 0, "delta": {"content": " w5 w6"}}
     assert relay.cut(ch, " w5", None, True) == ("", None) and ch["delta"] == {"content": " w6"}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_relayed_stream_has_one_created_the_prefills(chat):
+    """The prefiller and the decoder stamp ``created`` each with the second their request started;
+    a single engine's stream has one. Every event of a relayed stream, the usage summary included,
+    carries the relayed event's; a stream not relayed is the decoder's as it came."""
+    async def body():
+        for prefill_first, want in ((True, 111), (False, 222)):
+            async with harness(prefill_first=prefill_first) as h:
+                h.prefillers[0].knobs.created, h.decoders[0].knobs.created = 111, 222
+                h.decoders[0].knobs.delay = 0.5
+                req = {**(CHAT if chat else GREEDY), "stream_options": {"include_usage": True}}
+                _, texts, errors, events = await _sse(h, req)
+                assert errors == [] and "".join(texts) == "".join(generate("p", 4))
+                assert events[-1]["usage"] is not None
+                assert {ev["created"] for ev in events} == {want}, events
+
+    run(body())

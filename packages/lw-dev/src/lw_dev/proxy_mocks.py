@@ -93,6 +93,7 @@ class Knobs:
     # partial UTF-8 character) and its text comes with the next token
     empty_every: int | None = None
     logprob: float = -0.5  # every token's logprob (tell a prefiller's from a decoder's)
+    created: int = 0  # every answer's ``created`` (tell a prefiller's from a decoder's)
 
 
 @dataclass
@@ -234,7 +235,8 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
             out.append(c)
         st.completed += 1
         answer: dict[str, Any] = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "chat.completion" if chat
-                                  else "text_completion", "choices": out,
+                                  else "text_completion", "created": st.knobs.created, "model": "mock-model",
+                                  "choices": out,
                                   "usage": {"prompt_tokens": 5, "completion_tokens": total, "total_tokens": 5 + total}}
         if chat:
             answer["prompt_token_ids"] = choices[0][1] if ret_ids else None
@@ -323,7 +325,7 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
             gen[idx] = generate_ids(pids, limit)
     if st.role == "decoder":
         k.first_word = None
-    head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": 0,
+    head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": k.created,
             "model": "mock-model"}
 
     async def send(c: dict[str, Any], **top: Any) -> None:

@@ -34,7 +34,8 @@ token: the prefill's request is the client's, so its answer holds the first toke
 entry, as a single engine computes it over the whole prompt; an answer without one entry per
 relayed token is not relayed, and the decoder's entries for the relayed token are cut with its text
 (``cut_logprobs``). The decoder request carries ``X-Request-Id: lw-<parent>`` so its events' ``id``
-is the one the relayed event used. Should the decoder's text not start with the relayed text (a near-tie the decoder, which
+is the one the relayed event used, and its events' ``created`` is rewritten to the relayed event's
+(``same_created``; the prefiller and the decoder each stamp the second their request started). Should the decoder's text not start with the relayed text (a near-tie the decoder, which
 recomputes the last prompt token over loaded KV, decides the other way; it never happened in the
 tests), the proxy drops the decoder's answer before any of it reaches the client and resumes the
 choice after the relayed token, as it resumes a recomputed choice (``lw_proxy.recompute``): the
@@ -45,6 +46,7 @@ and the rest follows from it (``lw_proxy_errors_total{kind="relay_mismatch"}`` c
 
 from __future__ import annotations
 
+import re
 from typing import Any, NamedTuple
 
 import msgspec
@@ -148,6 +150,7 @@ class First(NamedTuple):
     token_ids: list[int] | None
     prompt_ids: list[int] | None
     logprobs: int = 0
+    created: int | None = None  # the prefill answer's ``created``: the whole stream's (``same_created``)
 
 
 def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs: bool = False) -> First | None:
@@ -187,7 +190,18 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs
                                "created": obj.get("created"), "model": obj.get("model"),
                                "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": None,
                                             "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]})
-    return First(block, text, toks if _ids(toks) else None, pids if _ids(pids) else None, n_lp)
+    created = obj.get("created")
+    return First(block, text, toks if _ids(toks) else None, pids if _ids(pids) else None, n_lp,
+                 created if type(created) is int else None)
+
+
+_CREATED = re.compile(rb'"created":\s*\d+')
+
+
+def same_created(block: bytes, created: int) -> bytes:
+    """``block``'s events stamped with ``created`` (a single engine's stream has one ``created``;
+    the relayed event carries the prefill's). A string cannot hold ``"created":`` unescaped."""
+    return _CREATED.sub(b'"created":%d' % created, block) if b'"created"' in block else block
 
 
 _LP_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")  # a completion's logprobs

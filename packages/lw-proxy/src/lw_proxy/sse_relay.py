@@ -45,6 +45,7 @@ class StreamState:
     skip_ids: list[int] | None = None  # token ids relayed likewise
     skip_role: bool = False  # a chat relay sent the role event: the decoder's is dropped
     skip_logprobs: int = 0  # log-prob entries relayed with the first token: the decoder's are dropped
+    created: int | None = None  # the relayed event's ``created``: the decoder's events get it too
 
     def stop_cutting(self) -> None:
         self.skip, self.skip_ids, self.skip_role, self.skip_logprobs = "", None, False, 0
@@ -129,6 +130,7 @@ class SseRelay:
                                       ids_follow=first.token_ids is None)
                     state.skip, state.skip_ids, state.skip_role = first.text, first.token_ids, req.chat
                     state.skip_logprobs = first.logprobs
+                    state.created = first.created
                     self.m.relayed_first.inc()
             return await task
         except BaseException:
@@ -152,7 +154,7 @@ class SseRelay:
                     self.m.errors.labels(ok.kind).inc()
                     await out.write(b"data: " + ok.body() + b"\n\n")
                 elif state.usage is not None:
-                    await out.write(rc.sse_encode(state.usage))
+                    await out.write(self._stamped(rc.sse_encode(state.usage), state))
                 await out.write(_DONE)
                 await out.write_eof()
         except TimeoutError:
@@ -204,7 +206,7 @@ class SseRelay:
                     if state.strip:
                         block = token_ids.strip(block)
                 if block:
-                    await out.write(block)
+                    await out.write(self._stamped(block, state))
                 if done:
                     return True
             if len(buf) > MAX_EVENT_BYTES:  # no event boundary in sight: not an SSE stream we can forward
@@ -221,6 +223,11 @@ class SseRelay:
             if not chunk:
                 return ProxyError(502, "decoder closed the stream before [DONE]", kind="upstream_died")
             buf += chunk
+
+    @staticmethod
+    def _stamped(block: bytes, state: StreamState) -> bytes:
+        """The decoder's events as one stream with the relayed event (``relay.same_created``)."""
+        return block if state.created is None else relay_mod.same_created(block, state.created)
 
     def _filter(self, block: bytes, held: list[int], state: StreamState, rewrite: int | None) -> bytes:
         """The parsed path of ``_pump``: cut relayed text, rename a continuation's choice, hold back

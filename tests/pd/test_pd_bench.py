@@ -186,16 +186,16 @@ def test_request_kinds_flag_bodies_and_summary(capsys: pytest.CaptureFixture[str
         recs.append({"store": "embedded", "request_kind": "chat", "target": "alone", "length": 256, "rep": rep,
                      "status": 200, "ttft_s": alone})
         recs.append({"store": "embedded", "request_kind": "chat", "target": "pd", "length": 256, "rep": rep,
-                     "status": 200, "ttft_s": pd, "relayed": relayed})
+                     "status": 200, "ttft_s": pd, "relayed": relayed, **({} if relayed else {"not_relayed": "token"})})
     recs.append({"store": "embedded", "request_kind": "completion_full", "target": "pd", "length": 256, "rep": 0,
                  "status": 500, "ttft_s": 0.01})
     recs.append({"store": "embedded", "request_kind": "completion_full", "target": "alone", "length": 256, "rep": 0,
                  "status": 200, "ttft_s": 0.2})
     figures, problems = request_kinds.summarize(recs)
     chat = figures["embedded"]["256"]["chat"]
-    assert chat == {"alone_s": 0.1, "pd_s": 0.13, "pd_vs_alone": 1.3, "relayed_share": 0.67}
+    assert chat == {"alone_s": 0.1, "pd_s": 0.13, "pd_vs_alone": 1.3, "relayed_share": 0.67, "not_relayed": {"token": 1}}
     full = figures["embedded"]["256"]["completion_full"]
-    assert full == {"alone_s": 0.2, "pd_s": None, "pd_vs_alone": None, "relayed_share": None}
+    assert full == {"alone_s": 0.2, "pd_s": None, "pd_vs_alone": None, "relayed_share": None, "not_relayed": {}}
     assert problems == ["embedded completion_full pd 256: HTTP 500"]
     cfg = {"lengths": [256], "reps": 2, "block_size": 128, "pd_max_tokens": 2, "throttle_bytes_per_s": 50_000_000}
     r = compare.summarize(cfg, _records())
@@ -205,8 +205,8 @@ def test_request_kinds_flag_bodies_and_summary(capsys: pytest.CaptureFixture[str
     checked(r)  # the report's struct takes the figures
     compare_report.print_table(r)
     printed = capsys.readouterr().out
-    assert "| embedded | 256 | chat | yes | 100.0 | 130.0 | 1.30 | 67% |" in printed
-    assert "| embedded | 256 | completion_full | no | 200.0 | - | - | - |" in printed
+    assert "| embedded | 256 | chat | yes | 100.0 | 130.0 | 1.30 | 67% | token 1 |" in printed
+    assert "| embedded | 256 | completion_full | no | 200.0 | - | - | - | - |" in printed
 
 
 @pytest.mark.slow

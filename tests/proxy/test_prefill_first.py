@@ -351,3 +351,36 @@ def test_a_relayed_stream_has_one_created_the_prefills(chat):
                 assert {ev["created"] for ev in events} == {want}, events
 
     run(body())
+
+
+def test_every_stream_not_relayed_is_counted_with_its_reason():
+    """``lw_proxy_prefill_first_not_relayed_total{reason}``: a kind the relay does not apply to, a
+    decoder that answered first, a token that cannot be relayed, a sampled request whose decoder
+    does not continue from the token; a relayed stream counts in none of them."""
+    def not_relayed(h) -> dict[str, float]:
+        get = h.proxy.m.registry.get_sample_value
+        return {k: v for k in ("request", "decoder_first", "token", "not_forced")
+                if (v := get("lw_proxy_prefill_first_not_relayed_total", {"reason": k}) or 0.0)}
+
+    async def body():
+        async with harness() as h:
+            h.decoders[0].knobs.delay = 0.5
+            await _sse(h, GREEDY)  # relayed
+            assert not_relayed(h) == {}
+            await _sse(h, {**GREEDY, "n": 2})
+            await _sse(h, {**GREEDY, "stop": ["x"]})
+            assert not_relayed(h) == {"request": 2}
+            await _sse(h, {**GREEDY, "temperature": 0.7})  # this decoder does not say forces_first
+            assert not_relayed(h) == {"request": 2, "not_forced": 1}
+            h.prefillers[0].knobs.reasoning = True  # the prefill's answer holds no content
+            await _sse(h, CHAT)
+            assert not_relayed(h) == {"request": 2, "not_forced": 1, "token": 1}
+            h.prefillers[0].knobs.reasoning = False
+            h.decoders[0].knobs.delay, h.prefillers[0].knobs.delay = 0.0, 1.0
+            h.decoders[0].knobs.skip_metaserver = True  # it answers without waiting for the prefill
+            _, texts, errors, _ = await _sse(h, GREEDY)
+            assert errors == [] and "".join(texts) == "".join(generate("p", 4))
+            assert not_relayed(h) == {"request": 2, "not_forced": 1, "token": 1, "decoder_first": 1}
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
+
+    run(body())

@@ -73,6 +73,16 @@ class ProxyMetrics:
             "(--prefill-first, the default), while the decoder still loaded",
             registry=r,
         )
+        self.not_relayed = Counter(
+            "lw_proxy_prefill_first_not_relayed_total",
+            "Streamed completions and chat completions whose first token came from the decoder although "
+            "--prefill-first is on, by reason (request: a kind the relay does not apply to, e.g. n > 1, stop, echo, "
+            "tools; decoder_first: the decoder's answer started, or the prefill failed, before the prefill answered; "
+            "token: the prefill's first token cannot be relayed: EOS or a stop token, empty or partial UTF-8 text, "
+            "a tool call or reasoning, the asked log-probs missing; not_forced: sampled, and the decoder does not "
+            "continue from the prefill's token)", ["reason"],
+            registry=r,
+        )
         self.prefill_reused = Counter(
             "lw_proxy_prefill_reused_total",
             "Metaserver calls of a retried decoder answered from the parent's one prefill (none dispatched)",

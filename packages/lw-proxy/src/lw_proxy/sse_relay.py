@@ -69,7 +69,12 @@ class SseRelay:
                                                       "Cache-Control": "no-cache"})
         held: list[int] = []  # choice indices the decoder ended with "recomputed"
         state = StreamState(rc.StreamLedger(req.chat, self.cfg.max_resume_bytes, req.n), token_ids.asks(req.body))
-        relay = asyncio.get_running_loop().create_future() if self.cfg.prefill_first and relay_mod.eligible(req) else None
+        relay = None
+        if self.cfg.prefill_first:
+            if relay_mod.eligible(req):
+                relay = asyncio.get_running_loop().create_future()
+            else:
+                self.m.not_relayed.labels("request").inc()
         call: tuple[int, bytes, str] | DecoderCall | ProxyError
         try:
             async with asyncio.timeout_at(deadline):
@@ -120,10 +125,16 @@ class SseRelay:
         task = asyncio.create_task(self.upstream.decode(req, path, read=False, relay=relay))
         try:
             await asyncio.wait({task, relay}, return_when=asyncio.FIRST_COMPLETED)
-            if not task.done():
+            if task.done():
+                self.m.not_relayed.labels("decoder_first").inc()
+            else:
                 pre: relay_mod.Prefilled = relay.result()
                 first = relay_mod.first_event(pre.data, pre.parent_id, req.chat, relay_mod.asks_logprobs(req))
-                if first is not None and relay_mod.relayable(req, pre.forced):
+                if first is None:
+                    self.m.not_relayed.labels("token").inc()
+                elif not relay_mod.relayable(req, pre.forced):
+                    self.m.not_relayed.labels("not_forced").inc()
+                else:
                     await out.prepare(request)
                     await out.write(first.block)
                     state.ledger.feed(0, first.text, first.token_ids, first.prompt_ids,

@@ -92,14 +92,16 @@ def print_request_kinds(r: dict[str, Any]) -> None:
     from lw_bench.pd.request_kinds import REQUEST_KINDS
 
     print("\nper request kind, through the default proxy (streamed: TTFT; not streamed: the whole answer):")
-    print("\n| store | length | request kind | streamed | alone ms | PD ms | PD / alone | first token relayed |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| store | length | request kind | streamed | alone ms | PD ms | PD / alone | first token relayed "
+          "| not relayed: why |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for store, by_len in r["request_kinds"].items():
         for L, by_kind in by_len.items():
             for name, f in by_kind.items():
                 share = "-" if f["relayed_share"] is None else f"{f['relayed_share']:.0%}"
+                why = ", ".join(f"{k} {n}" for k, n in (f.get("not_relayed") or {}).items()) or "-"
                 print(f"| {store} | {L} | {name} | {'yes' if REQUEST_KINDS[name].stream else 'no'} | "
-                      f"{_ms(f['alone_s'])} | {_ms(f['pd_s'])} | {_x(f['pd_vs_alone'])} | {share} |")
+                      f"{_ms(f['alone_s'])} | {_ms(f['pd_s'])} | {_x(f['pd_vs_alone'])} | {share} | {why} |")
 
 
 def _plt() -> Any:

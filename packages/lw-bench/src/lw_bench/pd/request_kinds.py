@@ -28,9 +28,12 @@ import msgspec
 from lw_bench.pd.compare import RELAYED
 from lw_bench.pd.compare import prompt as random_prompt
 from lw_bench.pd.request import first_content
-from lw_bench.pd.stack import metric_sum
+from lw_bench.pd.stack import metric_sums
 
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
+# Why lw-proxy did not relay a stream's first token (``lw_proxy_prefill_first_not_relayed_total``).
+NOT_RELAYED = ("request", "decoder_first", "token", "not_forced")
+_NOT_RELAYED = {f'lw_proxy_prefill_first_not_relayed_total{{reason="{r}"}}': r for r in NOT_RELAYED}
 
 
 class RequestKind(msgspec.Struct, frozen=True, kw_only=True):
@@ -94,7 +97,8 @@ def pd_proxy(stack: Any) -> str:
 
 def measure(stack: Any, cfg: dict[str, Any], decode: Any, *, seed: int = 0, progress: Any = None) -> list[dict[str, Any]]:
     """One record per request: store, request_kind, target (alone or pd), length, rep, status,
-    ttft_s and, through a prefill-first proxy, whether its first token was relayed."""
+    ttft_s and, through a prefill-first proxy, whether its first token was relayed and, for a
+    stream that was not, why (``not_relayed``: one of ``NOT_RELAYED``)."""
     proxy = pd_proxy(stack)
     relay = proxy.endswith("_relay")
     out: list[dict[str, Any]] = []
@@ -108,13 +112,17 @@ def measure(stack: Any, cfg: dict[str, Any], decode: Any, *, seed: int = 0, prog
                     b = body(kind, prompt(seed, rep, length, name, target), decode,
                              max_tokens=1 if one else cfg["pd_max_tokens"], seed=seed + rep)
                     url = stack.servers["prefill"].url if target == "alone" else stack.proxies[proxy].url
-                    before = metric_sum(url, RELAYED) if target == "pd" and relay else 0.0
+                    names = [RELAYED, *_NOT_RELAYED]
+                    before = metric_sums(url, names) if target == "pd" and relay else {}
                     t_send, t_end, status = first_content(url, PATH[kind.chat], b)
                     rec: dict[str, Any] = {"store": stack.store, "request_kind": name, "target": target,
                                            "length": length, "rep": rep, "status": status,
                                            "ttft_s": round(t_end - t_send, 4)}
                     if target == "pd" and relay:
-                        rec["relayed"] = metric_sum(url, RELAYED) > before
+                        after = metric_sums(url, names)
+                        rec["relayed"] = after[RELAYED] > before[RELAYED]
+                        if kind.stream and not rec["relayed"]:
+                            rec["not_relayed"] = next((r for n, r in _NOT_RELAYED.items() if after[n] > before[n]), None)
                     out.append(rec)
                     if progress is not None:
                         progress(rec)
@@ -127,7 +135,8 @@ def _median(xs: list[float]) -> float | None:
 
 def summarize(records: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]:
     """store -> length -> kind -> {alone_s, pd_s, pd_vs_alone (median of per-rep pairs),
-    relayed_share (None without a prefill-first proxy)}; and the failed requests."""
+    relayed_share (None without a prefill-first proxy), not_relayed (streams not relayed per
+    reason)}; and the failed requests."""
     out: dict[str, Any] = {}
     problems = [f"{r['store']} {r['request_kind']} {r['target']} {r['length']}: HTTP {r['status']}"
                 for r in records if r["status"] != 200]
@@ -148,6 +157,8 @@ def summarize(records: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]
                     "pd_s": _median([r["ttft_s"] for r in pd]),
                     "pd_vs_alone": _median([v["pd"] / v["alone"] for v in pairs.values() if v.get("pd") and v.get("alone")]),
                     "relayed_share": round(sum(rel) / len(rel), 2) if rel else None,
+                    "not_relayed": {why: n for why in NOT_RELAYED
+                                    if (n := sum(r.get("not_relayed") == why for r in pd))},
                 }
     return out, problems
 

@@ -71,16 +71,21 @@ def post_sse(url: str, body: Any, timeout: float = REQUEST_TIMEOUT_S) -> tuple[i
 
 
 def metric_sum(base_url: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples over all label sets (0 when absent)."""
+    """Sum of a Prometheus metric's samples over all label sets (0 when absent); ``name`` may name
+    one label set (``name{label="value"}``)."""
+    return metric_sums(base_url, [name])[name]
+
+
+def metric_sums(base_url: str, names: list[str]) -> dict[str, float]:
+    """``metric_sum`` of each of ``names`` from one scrape."""
     status, raw = http("GET", base_url + "/metrics", timeout=30)
     assert status == 200, f"{base_url}/metrics answered {status}"
-    total = 0.0
-    pat = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.eE+-]+)$")
-    for line in raw.decode().splitlines():
-        m = pat.match(line)
-        if m:
-            total += float(m.group(2))
-    return total
+    lines = raw.decode().splitlines()
+    out = {}
+    for name in names:
+        pat = re.compile(rf"^{re.escape(name)}(\{{[^}}]*\}})? ([0-9.eE+-]+)$")
+        out[name] = sum(float(m.group(2)) for line in lines if (m := pat.match(line)))
+    return out
 
 
 @dataclass

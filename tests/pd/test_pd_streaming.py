@@ -87,11 +87,17 @@ def test_sampled_streams_are_relayed_and_the_streaming_decoder_continues_from_th
     assert relayed >= 1, "no sampled first token was relayed"
     assert metric_sum(url, mismatch) == before[1], "a decoder did not continue from the relayed token"
 
+    # Not streamed, with log-probs: the answer is the decoder's, the first token's entry the
+    # prefiller's, computed over the whole prompt as the single engine does: equal to its bits.
     body = _completion(text(330, 150), temperature=1.0, seed=7)
-    ref = completion_choice(baseline(stream_stack, "/v1/completions", body)["choices"][0])
+    single = baseline(stream_stack, "/v1/completions", body)["choices"][0]
+    ref = completion_choice(single)
     ex = through(stream_stack, "/v1/completions", body)
     assert ex.status == 200, ex.out
     assert completion_choice(ex.out["choices"][0])["tokens"] == ref["tokens"]
+    lp = ex.out["choices"][0]["logprobs"]
+    assert (lp["token_logprobs"][0], lp["top_logprobs"][0]) == (single["logprobs"]["token_logprobs"][0],
+                                                                single["logprobs"]["top_logprobs"][0])
     (rec,) = ex.decode_stats
     assert rec["remote_prefill"] == "streaming" and "first_from_prefill" in rec["t"], rec
     assert rec["loaded_tokens"] == rec["prompt_tokens"] - 1 and rec["failed_blocks"] == 0, rec

@@ -57,12 +57,17 @@ def test_first_token_comes_from_the_prefill_and_the_output_is_unchanged():
 
 
 def test_with_no_prefill_first_the_first_token_waits_for_the_decoder():
+    """And the stream's decoder is not offered the prefill's token (nothing is relayed, and a
+    streaming decoder taking it would wait for the metaserver answer); a non-streamed request's is."""
     async def body():
         async with harness(prefill_first=False) as h:
             h.decoders[0].knobs.delay = 1.0
             first, texts, _, _ = await _sse(h, GREEDY)
             assert "".join(texts) == "".join(generate("p", 4))
             assert first >= 0.9
+            async with h.session.post(h.url + "/v1/completions", json={**GREEDY, "stream": False}) as r:
+                assert r.status == 200
+            assert [b["kv_transfer_params"]["lw_first_token"] for b in h.decoders[0].bodies] == [False, True]
 
     run(body())
 
@@ -382,5 +387,33 @@ def test_every_stream_not_relayed_is_counted_with_its_reason():
             assert errors == [] and "".join(texts) == "".join(generate("p", 4))
             assert not_relayed(h) == {"request": 2, "not_forced": 1, "token": 1, "decoder_first": 1}
             assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
+
+    run(body())
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_non_streamed_answer_takes_the_first_log_prob_entry_from_the_prefill(chat):
+    """Not streamed, log-probs asked, the decoder continues from the prefill's token: the answer is
+    the decoder's with the first token's entry the prefiller's (computed over the whole prompt, as
+    a single engine does); a decoder that does not continue from it keeps its own entries."""
+    async def body():
+        async with harness() as h:
+            h.prefillers[0].knobs.logprob = -0.25
+            h.prefillers[0].knobs.delay = 0.3  # the decoder's POST is in before the prefill answers
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            req = {**(CHAT if chat else GREEDY), "stream": False, "temperature": 0.7,
+                   **({"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2})}
+            for forces, want in ((True, [-0.25, -0.5, -0.5, -0.5]), (None, [-0.5] * 4)):
+                h.decoders[0].knobs.forces_first = forces
+                async with h.session.post(h.url + path, json=req) as r:
+                    assert r.status == 200, await r.text()
+                    (ch,) = (await r.json())["choices"]
+                if chat:
+                    assert ch["message"]["content"] == "".join(generate("p", 4))
+                    entries = [(e["token"], e["logprob"]) for e in ch["logprobs"]["content"]]
+                else:
+                    assert ch["text"] == "".join(generate("p", 4))
+                    entries = list(zip(ch["logprobs"]["tokens"], ch["logprobs"]["token_logprobs"]))
+                assert entries == list(zip(generate("p", 4), want)), (forces, entries)
 
     run(body())

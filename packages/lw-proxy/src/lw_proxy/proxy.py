@@ -75,7 +75,7 @@ class Proxy:
         itself, ``return_token_ids: true`` (see lw_proxy.token_ids)."""
         params = _encode(DecodeTransferParams(metaserver=self._metaserver, lw_parent_id=parent.id,
                                               lw_children=req.children, lw_token=parent.token,
-                                              lw_first_token=relay_mod.continues(req)))
+                                              lw_first_token=relay_mod.offers_first(req, self.cfg.prefill_first)))
         ids = token_ids.asks(req.body)
         if req.raw is not None and req.prompt_ids is None and not (ids and "return_token_ids" in req.body):
             # Splice our fields into the client's own bytes: a validated JSON object without
@@ -193,7 +193,10 @@ class Proxy:
         return await self.sse.stream(request, req, path, deadline)
 
     async def complete(self, req: ClientRequest, path: str) -> web.Response:
-        status, data, ctype = await self.decode(req, path, read=True)
+        pre = asyncio.get_running_loop().create_future() if relay_mod.assembles(req) else None
+        status, data, ctype = await self.decode(req, path, read=True, relay=pre)
+        if status == 200 and pre is not None and pre.done():
+            data = relay_mod.with_prefill_logprobs(data, pre.result(), req.chat)
         if status == 200 and b'"recomputed"' in data:
             data = await self._resume(req, path, data)
         if status == 200 and token_ids.asks(req.body):

@@ -42,6 +42,11 @@ choice after the relayed token, as it resumes a recomputed choice (``lw_proxy.re
 prefiller computed the whole prompt, as a single engine does, so its token is the single engine's
 and the rest follows from it (``lw_proxy_errors_total{kind="relay_mismatch"}`` counts these, and
 ``lw_proxy_recompute_resubmissions_total`` the resubmissions).
+
+A non-streamed answer is the decoder's, assembled with the prefill's part where the two differ:
+when the client asked for log-probs and the decoder continued from the prefill's token, the first
+token's entry is the prefiller's (``with_prefill_logprobs``), as in a relayed stream: the prefiller
+computed it over the whole prompt as a single engine does, the decoder over loaded KV.
 """
 
 from __future__ import annotations
@@ -75,6 +80,54 @@ def continues(req: ClientRequest) -> bool:
         return False
     mt = b.get("min_tokens")
     return not (isinstance(mt, int) and not isinstance(mt, bool) and mt > 0)
+
+
+def offers_first(req: ClientRequest, prefill_first: bool) -> bool:
+    """The decoder is offered the prefill's first token (``lw_first_token``): a request it may
+    continue (``continues``) that is not streamed (its answer then starts with the single engine's
+    first token, and ``with_prefill_logprobs`` applies), or a stream this proxy may relay
+    (``prefill_first`` and ``eligible``). A stream the proxy does not relay is not offered it: a
+    streaming-PD decoder taking the token reports its receive only once the metaserver answer came,
+    which costs its first token the answer's hops and gains the client nothing."""
+    return continues(req) and (not req.stream or (prefill_first and eligible(req)))
+
+
+def assembles(req: ClientRequest) -> bool:
+    """A non-streamed answer whose first log-prob entry comes from the prefill's answer
+    (``with_prefill_logprobs``): one choice the decoder may continue, log-probs asked."""
+    return not req.stream and continues(req) and asks_logprobs(req)
+
+
+def with_prefill_logprobs(data: bytes, pre: Prefilled, chat: bool) -> bytes:
+    """The decoder's non-streamed answer ``data`` with its first token's log-prob entry taken from
+    the prefill's answer, when the decoder continued from that token (``pre.forced``) and both name
+    the same token; else ``data`` as it is."""
+    if not pre.forced:
+        return data
+    try:
+        obj, pobj = msgspec.json.decode(data), msgspec.json.decode(pre.data)
+        (ch,), (pch,) = obj["choices"], pobj["choices"]
+        lp, plp = ch["logprobs"], pch["logprobs"]
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+        return data
+    if not isinstance(ch, dict) or not isinstance(pch, dict) or ch.get("index", 0) != 0:
+        return data
+    toks, ptoks = ch.get("token_ids"), pch.get("token_ids")
+    if isinstance(toks, list) and isinstance(ptoks, list) and _ids(toks) and _ids(ptoks) and toks[0] != ptoks[0]:
+        return data
+    if logprob_entries(plp, chat) != 1 or logprob_entries(lp, chat) < 1:
+        return data
+    if chat:
+        if lp["content"][0].get("token") != plp["content"][0].get("token"):
+            return data
+        lp["content"][0] = plp["content"][0]
+    else:
+        if lp["tokens"][0] != plp["tokens"][0]:
+            return data
+        for key in ("token_logprobs", "top_logprobs"):
+            if isinstance(lp.get(key), list) and isinstance(plp.get(key), list):
+                lp[key][0] = plp[key][0]
+    return msgspec.json.encode(obj)
 
 
 def greedy(req: ClientRequest) -> bool:

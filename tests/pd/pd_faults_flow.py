@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from lw_bench.pd.stack import VllmServer, post_json
+from lw_bench.pd.stack import VllmServer, post_json, post_sse
 from lw_core.backends.embedded import EmbeddedBackend
 
 
@@ -79,6 +79,26 @@ def freeze(server: VllmServer, timeout_s: float = 5.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"{server.proc.name} did not stop within {timeout_s} s")
         time.sleep(0.001)
+
+
+def decoder_looks_first(prefill: VllmServer, url: str, body: dict[str, Any], *, wait_s: float = 1.5,
+                        timeout_s: float = 60.0) -> tuple[int, Any]:
+    """POST ``body`` to ``url`` (a proxy: SSE when ``body`` streams) with the prefiller frozen for
+    ``wait_s``, so the decoder has posted to the metaserver and looked at the pool before any of
+    the prefill exists (a prefill dispatched with the decoder's request could otherwise commit
+    first, and a decoder whose pool holds the prompt neither waits nor streams)."""
+    got: dict[str, Any] = {}
+    send = post_sse if body.get("stream") else post_json
+    call = threading.Thread(target=lambda: got.update(answer=send(url, body)), daemon=True)
+    freeze(prefill)
+    try:
+        call.start()
+        time.sleep(wait_s)
+    finally:
+        signal_group(prefill, signal.SIGCONT)
+    call.join(timeout_s)
+    assert "answer" in got, f"{url}: no answer within {timeout_s} s"
+    return got["answer"]
 
 
 def _unfinished(pool: EmbeddedBackend) -> set[int]:

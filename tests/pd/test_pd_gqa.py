@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from pd_faults_flow import freeze, signal_group
+from pd_faults_flow import decoder_looks_first, freeze, signal_group
 
 from lw_bench.pd.stack import Stack, free_port, http, metric_sum, post_json, post_sse
 from lw_dev.fake_metaserver import FakeMetaserver
@@ -383,17 +383,7 @@ def test_a_sampled_stream_is_relayed_and_its_decoder_continues_from_the_relayed_
         body = {"model": "tiny", "prompt": text(300 + seed, 150), "max_tokens": 8, "temperature": 1.0,
                 "ignore_eos": True, "stream": True}
         settle(gqa_stack)
-        got: dict = {}
-        call = threading.Thread(target=lambda got=got, body=body: got.update(
-            answer=post_sse(gqa_stack.proxy.url + "/v1/completions", body)), daemon=True)
-        freeze(gqa_stack.prefill)
-        try:
-            call.start()
-            time.sleep(1.5)  # the decoder's POST (forces_first) arrives; the prefill waits
-        finally:
-            signal_group(gqa_stack.prefill, signal.SIGCONT)
-        call.join(60)
-        status, events = got["answer"]
+        status, events = decoder_looks_first(gqa_stack.prefill, gqa_stack.proxy.url + "/v1/completions", body)
         chunks = [ev for ev in events if isinstance(ev, dict)]
         assert status == 200 and events[-1] == "[DONE]" and not [ev for ev in chunks if "error" in ev], events
         assert [ev["choices"][0]["finish_reason"] for ev in chunks if ev["choices"]][-1] == "length", events
@@ -407,7 +397,7 @@ def test_a_sampled_stream_is_relayed_and_its_decoder_continues_from_the_relayed_
     ref = completion_choice(baseline(gqa_stack, "/v1/completions", body)["choices"][0])
     settle(gqa_stack)
     gqa_stack.decode.mark()
-    status, out = post_json(gqa_stack.proxy.url + "/v1/completions", body)
+    status, out = decoder_looks_first(gqa_stack.prefill, gqa_stack.proxy.url + "/v1/completions", body)
     assert status == 200, out
     assert completion_choice(out["choices"][0])["tokens"] == ref["tokens"]
     (rec,) = gqa_stack.decode.new_stats()

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from pd_faults_flow import decoder_looks_first
 
 from lw_bench.pd.stack import Stack, free_port, metric_sum, post_json, post_sse
 from lw_dev.fake_metaserver import FakeMetaserver
@@ -89,16 +90,21 @@ def test_sampled_streams_are_relayed_and_the_streaming_decoder_continues_from_th
 
     # Not streamed, with log-probs: the answer is the decoder's, the first token's entry the
     # prefiller's, computed over the whole prompt as the single engine does: equal to its bits.
+    # The decoder looks at the pool before the prefill exists (else it may hold the prompt already,
+    # and then neither streams nor waits for the token).
     body = _completion(text(330, 150), temperature=1.0, seed=7)
     single = baseline(stream_stack, "/v1/completions", body)["choices"][0]
     ref = completion_choice(single)
-    ex = through(stream_stack, "/v1/completions", body)
-    assert ex.status == 200, ex.out
-    assert completion_choice(ex.out["choices"][0])["tokens"] == ref["tokens"]
-    lp = ex.out["choices"][0]["logprobs"]
+    settle(stream_stack)
+    stream_stack.decode.mark()
+    status, out = decoder_looks_first(stream_stack.prefill, url + "/v1/completions", body)
+    assert status == 200, out
+    assert completion_choice(out["choices"][0])["tokens"] == ref["tokens"]
+    lp = out["choices"][0]["logprobs"]
     assert (lp["token_logprobs"][0], lp["top_logprobs"][0]) == (single["logprobs"]["token_logprobs"][0],
                                                                 single["logprobs"]["top_logprobs"][0])
-    (rec,) = ex.decode_stats
+    settle(stream_stack)
+    (rec,) = stream_stack.decode.new_stats()
     assert rec["remote_prefill"] == "streaming" and "first_from_prefill" in rec["t"], rec
     assert rec["loaded_tokens"] == rec["prompt_tokens"] - 1 and rec["failed_blocks"] == 0, rec
 

@@ -52,7 +52,7 @@ computed it over the whole prompt as a single engine does, the decoder over load
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeGuard
 
 import msgspec
 
@@ -113,7 +113,7 @@ def with_prefill_logprobs(data: bytes, pre: Prefilled, chat: bool) -> bytes:
     if not isinstance(ch, dict) or not isinstance(pch, dict) or ch.get("index", 0) != 0:
         return data
     toks, ptoks = ch.get("token_ids"), pch.get("token_ids")
-    if isinstance(toks, list) and isinstance(ptoks, list) and _ids(toks) and _ids(ptoks) and toks[0] != ptoks[0]:
+    if _ids(toks) and _ids(ptoks) and toks[0] != ptoks[0]:
         return data
     if logprob_entries(plp, chat) != 1 or logprob_entries(lp, chat) < 1:
         return data
@@ -253,8 +253,13 @@ _CREATED = re.compile(rb'"created":\s*\d+')
 
 def same_created(block: bytes, created: int) -> bytes:
     """``block``'s events stamped with ``created`` (a single engine's stream has one ``created``;
-    the relayed event carries the prefill's). A string cannot hold ``"created":`` unescaped."""
-    return _CREATED.sub(b'"created":%d' % created, block) if b'"created"' in block else block
+    the relayed event carries the prefill's). A string cannot hold ``"created":`` unescaped. A
+    block from one decoder call carries one value: one already right (the usual case, both
+    requests started in the same second) is passed on without a rewrite."""
+    want = b'"created":%d' % created
+    if b'"created"' not in block or want + b"," in block:
+        return block
+    return _CREATED.sub(want, block)
 
 
 _LP_LISTS = ("tokens", "token_logprobs", "top_logprobs", "text_offset")  # a completion's logprobs
@@ -292,7 +297,7 @@ def cut_logprobs(ch: dict[str, Any], n: int, chat: bool) -> int:
     return n - k
 
 
-def _ids(v: Any) -> bool:
+def _ids(v: Any) -> TypeGuard[list[int]]:
     return isinstance(v, list) and bool(v) and all(type(t) is int for t in v)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from pd_faults_flow import decoder_looks_first
 
-from lw_bench.pd.stack import Stack, free_port, metric_sum, post_json, post_sse
+from lw_bench.pd.stack import Stack, free_port, metric_sum, metric_sums, post_json, post_sse
 from lw_dev.fake_metaserver import FakeMetaserver
 from lw_dev.pd_flow import baseline, settle, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
@@ -107,6 +107,45 @@ def test_sampled_streams_are_relayed_and_the_streaming_decoder_continues_from_th
     (rec,) = stream_stack.decode.new_stats()
     assert rec["remote_prefill"] == "streaming" and "first_from_prefill" in rec["t"], rec
     assert rec["loaded_tokens"] == rec["prompt_tokens"] - 1 and rec["failed_blocks"] == 0, rec
+
+
+def _choice_tokens(choices: list[dict]) -> dict[int, list[str]]:
+    """Each choice's tokens (``return_tokens_as_token_ids``) by index, across a non-streamed answer's
+    choices or a stream's events' choices."""
+    out: dict[int, list[str]] = {}
+    for ch in choices:
+        out.setdefault(ch["index"], []).extend((ch.get("logprobs") or {}).get("tokens") or ())
+    return out
+
+
+def test_each_choice_of_a_seeded_request_continues_from_its_own_prefill_token(stream_stack: Stack) -> None:
+    """``n`` 3, seeded, temperature 1: the prefill keeps ``n`` and the seed (vLLM seeds choice ``i``
+    with ``seed + i`` on every engine), each choice's request on the decoder is answered with its
+    own choice's first token and continues from it, so every choice draws the single engine's
+    tokens, streamed and not. Choice ``i`` given another choice's token would draw other tokens."""
+    url = stream_stack.proxy.url
+    counters = (RELAYED, 'lw_proxy_prefill_first_not_relayed_total{reason="token"}',
+                'lw_proxy_errors_total{kind="relay_mismatch"}')
+    before = metric_sums(url, list(counters))
+    for stream in (False, True):  # each on a prompt of its own: the pool must not hold it already
+        body = {"model": "tiny", "prompt": text(340 + stream, 150), "max_tokens": 6, "temperature": 1.0, "seed": 11,
+                "n": 3, "ignore_eos": True, "logprobs": 0, "return_tokens_as_token_ids": True}
+        ref = _choice_tokens(baseline(stream_stack, "/v1/completions", body)["choices"])
+        assert sorted(ref) == [0, 1, 2] and len({tuple(v[:1]) for v in ref.values()}) > 1, ref  # the choices differ
+        settle(stream_stack)
+        stream_stack.decode.mark()
+        status, out = decoder_looks_first(stream_stack.prefill, url + "/v1/completions", {**body, "stream": stream})
+        assert status == 200, out
+        chunks = [ev for ev in out if isinstance(ev, dict)] if stream else [out]
+        assert not [ev for ev in chunks if "error" in ev], chunks
+        assert _choice_tokens([ch for ev in chunks for ch in ev["choices"]]) == ref, (stream, chunks)
+        settle(stream_stack)
+        recs = stream_stack.decode.new_stats()
+        assert len(recs) == 3 and all("first_from_prefill" in r["t"] for r in recs), recs
+    after = metric_sums(url, list(counters))
+    relayed, unrelayable, mismatch = (after[k] - before[k] for k in counters)
+    # The stream relayed its three first tokens, unless one is a token the relay refuses.
+    assert (relayed, mismatch) == (1, 0) or (unrelayable, mismatch) == (1, 0), (relayed, unrelayable, mismatch)
 
 
 def test_stalled_prefill_is_recomputed_at_the_deadline(stream_stack: Stack) -> None:

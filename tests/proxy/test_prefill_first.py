@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from lw_core.wire import prompt_digest
-from lw_dev.proxy_mocks import generate, generate_ids, harness, run, tokenize
+from lw_dev.proxy_mocks import chat_context, generate, generate_ids, harness, run, token_text, tokenize
 from lw_proxy import relay
 from lw_proxy.validate import parse_completion
 
@@ -102,16 +102,135 @@ def test_a_sampled_stream_is_relayed_when_its_decoder_continues_from_the_prefill
     run(body())
 
 
-def test_requests_of_several_choices_get_no_first_token():
+def _choices(events, chat):
+    """Each choice's streamed texts, by index, and the indices' order of their first events."""
+    texts: dict[int, list[str]] = {}
+    for ev in events:
+        for ch in ev.get("choices") or ():
+            text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+            texts.setdefault(ch["index"], [])
+            if text:
+                texts[ch["index"]].append(text)
+    return texts
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_each_choice_of_a_sampled_stream_gets_its_own_prefill_token(chat):
+    """``n`` 3, sampled: the prefill keeps ``n`` (and the seed), each choice's engine request on the
+    decoder is answered with its own choice's first token (vLLM names choice ``j``'s request
+    ``j_<id>``), the three first tokens are relayed at once, and every choice continues from its
+    own: the client gets the prefiller's draws, each token once."""
     async def body():
         async with harness(prefill_first=True) as h:
-            h.decoders[0].knobs.forces_first = True
-            await _sse(h, {**GREEDY, "temperature": 0.7, "n": 2})
-            assert h.decoders[0].bodies[0]["kv_transfer_params"]["lw_first_token"] is False
-            assert all(a == {"status": "ok", "first_token": None, "prompt_digest": None}
-                       for _, a in h.decoders[0].metaserver_results)
+            pf, dec = h.prefillers[0], h.decoders[0]
+            pf.knobs.distinct_choices = True  # the prefiller's choices draw different tokens
+            pf.knobs.delay = 0.3  # the decoder's POSTs are in before the prefill answers
+            dec.knobs.forces_first = True
+            dec.knobs.token_delay = 0.3  # the decoder's own tokens come late
+            req = {**(CHAT if chat else GREEDY), "temperature": 0.7, "seed": 5, "n": 3}
+            first, _, errors, events = await _sse(h, req)
+            assert errors == [] and first < 0.55, (first, errors)
+            prompt = tokenize(chat_context(CHAT["messages"]) if chat else "p")
+            firsts = [generate_ids(prompt + [j] if j else prompt, 1)[0] for j in range(3)]
+            assert len(set(firsts)) == 3  # the test tells the choices apart
+            assert pf.bodies[0]["n"] == 3 and pf.bodies[0]["seed"] == 5 and pf.bodies[0]["max_tokens"] == 1
+            got = sorted((dec.metaserver_ids[k].split("_")[0], a["first_token"])
+                         for k, (_, a) in enumerate(dec.metaserver_results))
+            assert sorted(got) == sorted((str(j), firsts[j]) for j in range(3)), got
+            texts = _choices(events, chat)
+            for j in range(3):
+                want = [token_text(firsts[j])] + generate(prompt + [firsts[j]], 3)
+                assert texts[j] == want, (j, texts[j], want)
+            # the three relayed tokens opened the stream, before any of the decoder's
+            head = [ch["index"] for ev in events[:6 if chat else 3] for ch in ev["choices"]]
+            assert sorted(head) == [0, 0, 1, 1, 2, 2] if chat else [0, 1, 2], head
+            if chat:
+                roles = [ch["index"] for ev in events for ch in ev["choices"] if "role" in ch["delta"]]
+                assert sorted(roles) == [0, 1, 2]
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
 
     run(body())
+
+
+def test_choices_whose_decoder_contradicts_their_relayed_tokens_are_resumed_after_them():
+    """Should the decoder's choices not start with their relayed tokens, none of their text reaches
+    the client and each choice is resumed after its own relayed token."""
+    async def body():
+        async with harness(prefill_first=True) as h:
+            pf, dec = h.prefillers[0], h.decoders[0]
+            pf.knobs.distinct_choices, pf.knobs.delay = True, 0.3
+            dec.knobs.forces_first, dec.knobs.first_word = True, " w999"
+            _, texts, errors, events = await _sse(h, {**GREEDY, "temperature": 0.7, "n": 2, "max_tokens": 4})
+            assert errors == [] and " w999" not in "".join(texts)
+            prompt = tokenize("p")
+            firsts = [generate_ids(prompt + [j] if j else prompt, 1)[0] for j in range(2)]
+            want = {j: [token_text(firsts[j])] + generate(prompt + [firsts[j]], 3) for j in range(2)}
+            assert _choices(events, False) == want
+            resumed = sorted(b["prompt"] for b in dec.bodies if b.get("prompt") != "p")
+            assert resumed == sorted(prompt + [t] for t in firsts)
+            assert 'lw_proxy_errors_total{kind="relay_mismatch"} 2.0' in await h.metrics()
+
+    run(body())
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_non_streamed_answer_of_several_choices_continues_each_from_its_prefill_token(chat):
+    """Not streamed, ``n`` 2, log-probs asked: each choice continues from its own prefill token and
+    its first log-prob entry is the prefiller's."""
+    async def body():
+        async with harness() as h:
+            pf, dec = h.prefillers[0], h.decoders[0]
+            pf.knobs.distinct_choices, pf.knobs.delay, pf.knobs.logprob = True, 0.3, -0.25
+            dec.knobs.forces_first = True
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            req = {**(CHAT if chat else GREEDY), "stream": False, "temperature": 0.7, "n": 2,
+                   **({"logprobs": True} if chat else {"logprobs": 0})}
+            async with h.session.post(h.url + path, json=req) as r:
+                assert r.status == 200, await r.text()
+                choices = (await r.json())["choices"]
+            prompt = tokenize(chat_context(CHAT["messages"]) if chat else "p")
+            for ch in choices:
+                j = ch["index"]
+                first = generate_ids(prompt + [j] if j else prompt, 1)[0]
+                want = [token_text(first)] + generate(prompt + [first], 3)
+                if chat:
+                    assert ch["message"]["content"] == "".join(want)
+                    entries = [(e["token"], e["logprob"]) for e in ch["logprobs"]["content"]]
+                else:
+                    assert ch["text"] == "".join(want)
+                    entries = list(zip(ch["logprobs"]["tokens"], ch["logprobs"]["token_logprobs"]))
+                assert entries == list(zip(want, [-0.25, -0.5, -0.5, -0.5])), (j, entries)
+            assert sorted(ch["index"] for ch in choices) == [0, 1]
+
+    run(body())
+
+
+def test_several_choices_are_relayed_only_when_every_choice_continues_from_its_token():
+    """A greedy request of several choices whose decoder does not continue from the tokens keeps
+    the decoder's path (``not_forced``); an answer that lacks one choice's token relays none."""
+    async def body():
+        async with harness(prefill_first=True) as h:
+            h.decoders[0].knobs.delay = 0.5
+            first, _, errors, events = await _sse(h, {**GREEDY, "n": 2})
+            assert errors == [] and first >= 0.45
+            assert _choices(events, False) == {0: generate("p", 4), 1: generate("p", 4)}
+            get = h.proxy.m.registry.get_sample_value
+            assert get("lw_proxy_prefill_first_not_relayed_total", {"reason": "not_forced"}) == 1
+
+    run(body())
+    ans = {"id": "x", "created": 1, "model": "m", "choices": [
+        {"index": 1, "text": " w6", "finish_reason": "length", "token_ids": [8]},
+        {"index": 0, "text": " w5", "finish_reason": "length", "token_ids": [7], "prompt_token_ids": [1]}]}
+    first = relay.first_event(msgspec.json.encode(ans), "abc", n=2)
+    assert first.choices == {0: relay.Relayed(" w5", [7]), 1: relay.Relayed(" w6", [8])} and first.prompt_ids == [1]
+    assert [json.loads(b[6:])["choices"][0]["index"] for b in first.block.split(b"\n\n") if b] == [0, 1]
+    assert relay.first_tokens(msgspec.json.encode(ans), False) == ({0: 7, 1: 8}, [1])
+    ans["choices"][1]["finish_reason"] = "stop"  # choice 0 ended at its first token
+    assert relay.first_event(msgspec.json.encode(ans), "abc", n=2) is None
+    assert relay.first_tokens(msgspec.json.encode(ans), False) == ({1: 8}, [1])
+    assert relay.first_event(msgspec.json.encode(ans), "abc", n=3) is None
+    assert [relay.choice_index(r, 3) for r in ("0_cmpl-a-0", "2_cmpl-b", "3_x", "cmpl-1_x", "x")] == [0, 2, None, None, None]
+    assert relay.choice_index("cmpl-1_x", 1) == 0
 
 
 def test_decoder_failing_after_the_relay_ends_the_stream_with_an_error():
@@ -168,10 +287,13 @@ def test_eligible_only_for_plain_greedy_single_prompt_streams():
         assert relay.eligible(r) and not relay.relayable(r, forced=False) and relay.relayable(r, forced=True), kw
     assert relay.relayable(req(), forced=False)
     assert not relay.eligible(req(temperature=0.5, min_tokens=2))  # the prefill drops min_tokens
-    for kw in ({"n": 2}, {"prompt": ["a", "b"]}, {"stream": False},
+    for kw in ({"prompt": ["a", "b"]}, {"stream": False}, {"n": 2, "prompt": ["a", "b"]},
                {"stop": ["x"]}, {"echo": True}, {"best_of": 2}, {"return_token_ids": True},
                {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}):
         assert not relay.eligible(req(**kw)), kw
+    # Several choices of one prompt: relayed only when the decoder continues from each one's token.
+    assert relay.eligible(req(n=2)) and not relay.relayable(req(n=2), forced=False)
+    assert relay.relayable(req(n=2), forced=True)
     assert relay.eligible(req(stream_options={"include_usage": True}))
 
 
@@ -220,8 +342,8 @@ def test_an_answer_without_the_asked_log_probs_is_not_relayed():
 
     good = {"tokens": [" w5"], "token_logprobs": [-1.0], "top_logprobs": [{" w5": -1.0}], "text_offset": [0]}
     first = relay.first_event(answer(good), "abc", logprobs=True)
-    assert first.logprobs == 1 and json.loads(first.block[6:])["choices"][0]["logprobs"] == good
-    assert relay.first_event(answer(good), "abc").logprobs == 0  # not asked: not sent
+    assert first.choices[0].logprobs == 1 and json.loads(first.block[6:])["choices"][0]["logprobs"] == good
+    assert relay.first_event(answer(good), "abc").choices[0].logprobs == 0  # not asked: not sent
     for bad in (None, {}, {**good, "tokens": []}, {**good, "token_logprobs": [-1.0, -2.0]},
                 {**good, "tokens": [" w5", " w6"], "token_logprobs": [-1.0, -2.0], "top_logprobs": None,
                  "text_offset": [0, 3]}):  # two entries for one relayed token
@@ -239,13 +361,14 @@ def test_first_event_only_for_a_whole_token_that_hit_the_length():
         return msgspec.json.encode({"id": "x", "created": 1, "model": "m",
                                     "choices": [{"index": 0, "text": text, "finish_reason": finish, **ids}]})
 
-    block, text, toks, pids, n_logprobs, created = relay.first_event(answer(" w5"), "abc")
+    block, choices, pids, created = relay.first_event(answer(" w5"), "abc")
+    ((text, toks, n_logprobs),) = choices.values()
     ev = json.loads(block[len(b"data: "):])
     assert text == " w5" and ev["id"] == "cmpl-lw-abc" and ev["choices"][0]["text"] == " w5"
     assert ev["choices"][0]["finish_reason"] is None and toks is None and pids is None and n_logprobs == 0
     assert created == ev["created"] == 1
     first = relay.first_event(answer(" w5", token_ids=[7], prompt_token_ids=[1, 2]), "abc")
-    assert (first.token_ids, first.prompt_ids) == ([7], [1, 2])  # kept for the ledger, never sent
+    assert (first.choices[0].token_ids, first.prompt_ids) == ([7], [1, 2])  # kept for the ledger, never sent
     assert json.loads(first.block[len(b"data: "):])["choices"][0]["token_ids"] is None
     for bad in (answer(""), answer("\ufffd"), answer(" w5", "stop"), b"not json", None):
         assert relay.first_event(bad, "abc") is None
@@ -313,7 +436,7 @@ def test_chat_eligibility_and_first_events():
     assert relay.eligible(req(logprobs=True, top_logprobs=2)) and relay.asks_logprobs(req(logprobs=True))
     assert not relay.asks_logprobs(req(logprobs=False)) and not relay.asks_logprobs(req(top_logprobs=2))
     assert relay.eligible(req(temperature=0.5)) and not relay.relayable(req(temperature=0.5), forced=False)
-    for kw in ({"n": 2}, {"stream": False}, {"stop": "x"}, {"tools": []}, {"functions": [{"name": "f"}]}, {"echo": True},
+    for kw in ({"stream": False}, {"stop": "x"}, {"tools": []}, {"functions": [{"name": "f"}]}, {"echo": True},
                {"return_token_ids": True}, {"return_prompt_text": True},
                {"stream_options": {"continuous_usage_stats": True}}):
         assert not relay.eligible(req(**kw)), kw
@@ -328,7 +451,7 @@ def test_chat_eligibility_and_first_events():
     assert role_ev["id"] == content_ev["id"] == "chatcmpl-lw-abc" and role_ev["created"] == 7
     assert role_ev["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert content_ev["choices"][0]["delta"] == {"content": " w5"} and content_ev["object"] == "chat.completion.chunk"
-    assert (first.text, first.token_ids, first.prompt_ids) == (" w5", [9], [1, 2])
+    assert (first.choices, first.prompt_ids) == ({0: relay.Relayed(" w5", [9])}, [1, 2])
     for msg in ({"role": "assistant", "content": None, "reasoning_content": " w5"},
                 {"role": "assistant", "content": " w5", "reasoning": "r"},
                 {"role": "assistant", "content": "", "tool_calls": [{"id": "t"}]},
@@ -372,7 +495,7 @@ def test_every_stream_not_relayed_is_counted_with_its_reason():
             h.decoders[0].knobs.delay = 0.5
             await _sse(h, GREEDY)  # relayed
             assert not_relayed(h) == {}
-            await _sse(h, {**GREEDY, "n": 2})
+            await _sse(h, {**GREEDY, "prompt": ["p", "q"]})
             await _sse(h, {**GREEDY, "stop": ["x"]})
             assert not_relayed(h) == {"request": 2}
             await _sse(h, {**GREEDY, "temperature": 0.7})  # this decoder does not say forces_first

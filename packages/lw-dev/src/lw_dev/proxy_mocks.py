@@ -82,7 +82,11 @@ class Knobs:
     fail_times: int | None = None  # status_after_metaserver for this many requests only (None: all)
     wait_metaserver: bool = True  # decoder: a failing request waits for its metaserver answers (False: fails at once)
     needs_prefill: bool | None = None  # decoder: sent in the metaserver body when not None
-    forces_first: bool | None = None  # decoder: sent in the metaserver body (continues from the answer's token)
+    # decoder: sent in the metaserver body; when true, each choice continues from the first token its
+    # engine request's answer carries (as lw-vllm's decoder does)
+    forces_first: bool | None = None
+    # choice j > 0 of a prompt draws its tokens as if its prompt ended with j (sampled choices differ)
+    distinct_choices: bool = False
     send_token: bool = True  # decoder: send lw_token back on metaserver calls (an older connector does not)
     # decoder: the next streamed answer starts with this word instead of the model's (a near-tie the
     # decoder decides the other way than the prefiller); used once, then cleared
@@ -103,6 +107,8 @@ class MockState:
     bodies: list[dict[str, Any]] = field(default_factory=list)
     auth: list[str | None] = field(default_factory=list)
     metaserver_results: list[tuple[int | None, Any]] = field(default_factory=list)  # None: no answer
+    metaserver_ids: list[str] = field(default_factory=list)  # the engine request ids that called, in order
+    answered_first: dict[int, int] = field(default_factory=dict)  # choice index -> first token its answer carried
     aborted: int = 0
     completed: int = 0
     recomputed: int = 0
@@ -122,12 +128,19 @@ def _choice_prompts(body: dict[str, Any]) -> list[Any]:
     return list(p)
 
 
-async def _call_metaserver(session: aiohttp.ClientSession, st: MockState, params: dict[str, Any], n: int) -> None:
+async def _call_metaserver(session: aiohttp.ClientSession, st: MockState, params: dict[str, Any], prompts: int,
+                           n: int = 1) -> None:
+    """One metaserver POST per engine request, named as vLLM names them (choice ``j`` of a request
+    of several choices: ``f"{j}_{request id}"``)."""
     dp = decode_transfer_params(params)  # what the real connector reads, with its checks
     assert isinstance(dp, DecodeTransferParams), dp
+    rid = uuid.uuid4().hex
 
     async def one(i: int) -> None:
-        body = msgspec.json.encode(MetaserverRequest(lw_parent_id=dp.lw_parent_id, request_id=f"cmpl-{uuid.uuid4().hex}-{i}",
+        pi, j = divmod(i, n)
+        request_id = f"cmpl-{rid}-{pi}" if n == 1 else f"{j}_cmpl-{rid}-{pi}"
+        st.metaserver_ids.append(request_id)
+        body = msgspec.json.encode(MetaserverRequest(lw_parent_id=dp.lw_parent_id, request_id=request_id,
                                                      needs_prefill=st.knobs.needs_prefill,
                                                      forces_first=st.knobs.forces_first))
         headers = {"Content-Type": "application/json"}
@@ -136,11 +149,14 @@ async def _call_metaserver(session: aiohttp.ClientSession, st: MockState, params
         try:
             async with session.post(dp.metaserver, data=body, headers=headers,
                                     timeout=aiohttp.ClientTimeout(total=30)) as r:
-                st.metaserver_results.append((r.status, await r.json(content_type=None)))
+                answer = await r.json(content_type=None)
+                st.metaserver_results.append((r.status, answer))
+                if r.status == 200 and st.knobs.forces_first and isinstance(answer.get("first_token"), int):
+                    st.answered_first[i] = answer["first_token"]
         except (TimeoutError, aiohttp.ClientError) as e:
             st.metaserver_results.append((None, repr(e)))
 
-    await asyncio.gather(*(one(i) for i in range(n)))
+    await asyncio.gather(*(one(i) for i in range(prompts * n)))
 
 
 SESSION = web.AppKey("session", aiohttp.ClientSession)
@@ -189,7 +205,8 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
         fail_status = k.status_after_metaserver if k.fail_times is None or st.failed < k.fail_times else None
         failing = fail_status is not None
         if role == "decoder" and params.get("do_remote_prefill") and not k.skip_metaserver:
-            calls = _call_metaserver(request.app[SESSION], st, params, len(prompts) * n)
+            st.answered_first.clear()
+            calls = _call_metaserver(request.app[SESSION], st, params, len(prompts), n)
             if k.wait_metaserver or not failing:
                 await calls
             else:
@@ -212,12 +229,12 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
             st.recomputed += 1
             cut = k.recompute_after
         if body.get("stream"):
-            return await _stream(request, st, choices, max_tokens, cut, chat, body)
+            return await _stream(request, st, choices, max_tokens, cut, chat, body, n)
         ret_ids = bool(body.get("return_token_ids"))
         out = []
         total = 0
         for idx, pids in choices:
-            toks = generate_ids(pids, max_tokens if cut is None else min(cut, max_tokens))
+            toks = choice_tokens(st, idx, pids, n, max_tokens if cut is None else min(cut, max_tokens))
             total += len(toks)
             text = "".join(map(token_text, toks))
             c: dict[str, Any] = {"index": idx}
@@ -307,8 +324,20 @@ def _logprobs(toks: list[int], chat: bool, value: float = -0.5) -> dict[str, Any
             "top_logprobs": None, "text_offset": [0] * len(toks)}
 
 
+def choice_tokens(st: MockState, idx: int, pids: list[int], n: int, count: int) -> list[int]:
+    """The ``count`` tokens choice ``idx`` (of ``n`` per prompt) generates after ``pids``: from the
+    first token its metaserver answer carried when the decoder continues from it, with
+    ``distinct_choices`` as if choice ``j > 0``'s prompt ended with ``j``."""
+    j = idx % n
+    base = pids + [j] if st.knobs.distinct_choices and j else pids
+    first = st.answered_first.get(idx) if st.role == "decoder" else None
+    if first is None or count < 1:
+        return generate_ids(base, count)
+    return [first] + generate_ids(base + [first], count - 1)
+
+
 async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, list[int]]], max_tokens: int,
-                  cut: int | None, chat: bool, body: dict[str, Any]) -> web.StreamResponse:
+                  cut: int | None, chat: bool, body: dict[str, Any], n: int = 1) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -322,7 +351,7 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
             first = WORD + int(k.first_word.strip().removeprefix("w"))
             gen[idx] = [first] + generate_ids(pids + [first], limit - 1)
         else:
-            gen[idx] = generate_ids(pids, limit)
+            gen[idx] = choice_tokens(st, idx, pids, n, limit)
     if st.role == "decoder":
         k.first_word = None
     head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": k.created,

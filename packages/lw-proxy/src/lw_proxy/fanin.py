@@ -41,6 +41,7 @@ from lw_core.wire import MetaserverResponse
 from .auth import same_secret
 from .errors import ProxyError
 from .metrics import ProxyMetrics
+from .relay import choice_index
 
 log = logging.getLogger("lw_proxy")
 
@@ -50,7 +51,7 @@ Outcome = tuple[int, bytes]  # HTTP status and JSON body for the held metaserver
 
 class Parent:
     __slots__ = ("id", "token", "children", "request", "ids", "waiters", "result", "task", "attempts", "wanted",
-                 "early", "stalled", "relay", "forces_first", "first_token")
+                 "early", "stalled", "relay", "forcing", "answers")
 
     def __init__(self, children: int, request: Any) -> None:
         self.id = uuid.uuid4().hex
@@ -66,8 +67,11 @@ class Parent:
         self.early = False  # the prefill was dispatched with the client request, not by the fan-in
         self.stalled = False  # a held POST timed out waiting for the prefill
         self.relay: Any = None  # --prefill-first: a future given the prefill's 200 answer (relay.Prefilled)
-        self.forces_first = False  # a waiting decoder continues from the first token its answer carries
-        self.first_token: int | None = None  # the prefill's first token, when its answer carries it
+        # The choices (indices) whose decoder request continues from the first token its answer carries.
+        self.forcing: set[int] = set()
+        # The 200 answer's body per choice when it carries that choice's first token (prefill_dispatch):
+        # a choice's engine request gets its own (``relay.choice_index``), others the plain answer.
+        self.answers: dict[int, bytes] = {}
 
 
 class ParentRegistry:
@@ -114,6 +118,7 @@ class ParentRegistry:
         p.attempts += 1
         if p.task is None:  # not dispatched (or skipped: the new decoder may not hold the prompt)
             p.ids.clear()
+            p.forcing.clear()
             p.result = None
             p.wanted = False
             self._answer_gone(p, "the decoder attempt was abandoned")
@@ -186,14 +191,31 @@ class ParentRegistry:
 
         ``needs_prefill`` False: the decoder already holds the prompt. When every child of the
         attempt says so, no prefill is dispatched and the POSTs are answered 200 at once.
-        ``forces_first``: the decoder continues from the first token the answer carries."""
-        t0 = time.perf_counter()
+        ``forces_first``: the decoder continues from the first token the answer carries (each
+        choice's engine request is answered with its choice's token: ``_for``)."""
         p = self._parents.get(parent_id)
+        out = await self._arrive(p, parent_id, request_id, token, needs_prefill, forces_first)
+        return out if p is None else self._for(p, request_id, out)
+
+    @staticmethod
+    def _for(p: Parent, request_id: str, out: Outcome) -> Outcome:
+        """The outcome for engine request ``request_id``: a 200 carries its choice's first token
+        when the prefill's answer has one (``Parent.answers``)."""
+        if out[0] != 200 or not p.answers:
+            return out
+        i = choice_index(request_id, getattr(p.request, "n", 1))
+        return (200, p.answers.get(i, out[1])) if i is not None else out
+
+    async def _arrive(self, p: Parent | None, parent_id: str, request_id: str, token: str | None,
+                      needs_prefill: bool | None, forces_first: bool | None) -> Outcome:
+        t0 = time.perf_counter()
         refused = self._refuse_token(p, token)
         if refused is not None:
             return refused
         if p is not None and forces_first:
-            p.forces_first = True
+            i = choice_index(request_id, getattr(p.request, "n", 1))
+            if i is not None:
+                p.forcing.add(i)
         if p is None:
             self._m.metaserver_wait.labels("unknown_parent").observe(0)
             e = ProxyError(404, f"unknown lw_parent_id {parent_id!r} (never issued, or already finished)",

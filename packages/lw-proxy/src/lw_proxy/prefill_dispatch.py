@@ -25,7 +25,7 @@ from .config import PREFILL_DISPATCH, ProxyConfig
 from .errors import ProxyError
 from .fanin import OK_BODY, Outcome, Parent, ParentRegistry
 from .metrics import ProxyMetrics
-from .relay import Prefilled, continues, first_token
+from .relay import Prefilled, continues, first_tokens
 from .relay import request_id as relay_request_id
 from .upstream import CHAT, COMPLETIONS, RETRY_STATUSES, UPSTREAM_ERRORS
 from .validate import ClientRequest
@@ -34,12 +34,13 @@ _encode = msgspec.json.encode
 
 
 def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False) -> dict[str, Any]:
-    """The prefill's request: the client's, one token, not streamed, one choice. ``token_ids``: ask
-    for the prompt's and the first token's ids (a relayed first token's)."""
+    """The prefill's request: the client's, one token, not streamed; one choice, or the client's
+    ``n`` when the decoder may continue from each choice's first token (``relay.continues``).
+    ``token_ids``: ask for the prompt's and the first tokens' ids (a relayed first token's)."""
     body = dict(req.body)
     for k in ("stream_options", "min_tokens", "best_of"):
         body.pop(k, None)
-    body.update(max_tokens=1, stream=False, n=1)
+    body.update(max_tokens=1, stream=False, n=req.n if continues(req) else 1)
     if req.chat:
         body["max_completion_tokens"] = 1
     if token_ids:
@@ -137,21 +138,24 @@ class PrefillDispatcher:
         return status, data
 
     def _answer(self, parent: Parent, pf: Backend, status: int, data: bytes) -> Outcome:
-        """The held POSTs' outcome; a request the decoder may continue from the prefill's token
-        (``relay.continues``) gets that token and its prompt's digest in the answer. With
-        ``--prefill-first`` the answer also goes to the stream, with whether the decoder continues
-        from the token: it said so (``forces_first``) and its POST is answered with it."""
+        """The held POSTs' outcome; each choice of a request the decoder may continue from the
+        prefill's tokens (``relay.continues``) is answered with its choice's token and the prompt's
+        digest (``Parent.answers``). With ``--prefill-first`` the answer also goes to the stream,
+        with whether the decoder continues from the tokens: every choice's request said so
+        (``forces_first``) and its POST is answered with its token."""
         pf.mark_ok()
         if status != 200:  # the prefiller refused this request: another prefiller would too
             self.m.errors.labels("prefill_failed").inc()
             raise ProxyError(502, f"prefiller {pf.url} answered HTTP {status}: {data[:500].decode(errors='replace')}",
                              kind="prefill_failed")
-        body = OK_BODY
-        first = first_token(data, parent.request.chat) if continues(parent.request) else None
-        if first is not None:
-            parent.first_token = first[0]
-            body = _encode(MetaserverResponse(first_token=first[0], prompt_digest=prompt_digest(first[1])))
+        req: ClientRequest = parent.request
+        firsts = first_tokens(data, req.chat) if continues(req) else None
+        if firsts is not None:
+            digest = prompt_digest(firsts[1])
+            parent.answers = {i: _encode(MetaserverResponse(first_token=t, prompt_digest=digest))
+                              for i, t in firsts[0].items() if i < req.n}
         if parent.relay is not None and not parent.relay.done():
-            forced = first is not None and parent.forces_first and not parent.stalled
+            every = set(range(req.n))
+            forced = every <= parent.answers.keys() and every <= parent.forcing and not parent.stalled
             parent.relay.set_result(Prefilled(parent.id, data, forced))
-        return 200, body
+        return 200, OK_BODY

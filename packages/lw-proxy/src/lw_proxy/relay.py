@@ -9,12 +9,12 @@ forwarded as usual. The client's TTFT becomes the prefill's, plus one hop.
 
 Token-identical only where the prefiller's first token is the decoder's, so only for requests where
 both pick it the same way and where the first token's text cannot be changed by what follows. The
-decoder is handed the prefill's token with its metaserver answer (``continues``: one engine request,
+decoder is handed the prefill's token with its metaserver answer (``continues``: one prompt,
 no ``min_tokens``; ``MetaserverResponse.first_token``) and, when its POST said ``forces_first``,
 continues from it (lw_vllm.pd.first_token), sampled or greedy. A greedy request is relayed either
 way; a sampled one only when its decoder's POST, in before the prefill answered, said so
 (``relayable``). A request qualifies (``eligible``) when it is a streamed ``/v1/completions`` with
-one prompt, ``n`` 1 (and ``best_of`` at most 1), and none of ``stop``,
+one prompt (``best_of`` at most 1), and none of ``stop``,
 ``echo``, ``suffix``, ``prompt_logprobs``, ``return_token_ids`` or
 ``stream_options.continuous_usage_stats`` (those change the first event or how text is held back)
 with a value other than null or false (``stop: []`` counts as present). A streamed
@@ -28,7 +28,15 @@ text and no U+FFFD (a partial UTF-8 sequence that later tokens would change); fo
 message's ``content`` with no ``tool_calls`` and no reasoning (a reasoning parser routes text the
 stream may send otherwise). A chat relay sends the two events a single engine opens with: the role
 (``{"role": "assistant", "content": ""}``, the prefill's role) and the first content; the decoder's
-own role event is then dropped. Log-probs (``logprobs``, 0 included, ``top_logprobs``, and
+own role event is then dropped.
+
+A request of ``n`` choices keeps ``n`` and its seed in the prefill (vLLM seeds choice ``i`` with
+``seed + i`` on the prefiller, the decoder and a single engine alike), and each choice's engine
+request on the decoder (vLLM names it ``f"{i}_{id}"``: ``choice_index``) is answered with its own
+choice's first token (``fanin.Parent.answers``). Its stream is relayed only when every choice's
+request continues from its token (``forced``; greedy choices are not relayed on their own), and
+only whole: every choice's token, each choice's events as a single engine opens them (chat: every
+choice's role event, then every choice's first content). Log-probs (``logprobs``, 0 included, ``top_logprobs``, and
 ``return_tokens_as_token_ids``, which only changes how they name tokens) go out with the relayed
 token: the prefill's request is the client's, so its answer holds the first token's
 entry, as a single engine computes it over the whole prompt; an answer without one entry per
@@ -71,12 +79,13 @@ def asks_logprobs(req: ClientRequest) -> bool:
 
 
 def continues(req: ClientRequest) -> bool:
-    """The decoder may continue from the prefill's first token (``lw_first_token``): one engine
-    request (one prompt, ``n`` 1, ``best_of`` at most 1) whose prefill draws its first token as the
-    decoder would, so not with ``min_tokens`` (the prefill drops it and may end where the client's
-    request may not)."""
+    """The decoder may continue from the prefill's first token (``lw_first_token``): one prompt
+    (``n`` engine requests, one per choice; ``best_of`` at most 1) whose prefill draws each choice's
+    first token as the decoder would (the prefill keeps ``n`` and the seed, and vLLM seeds choice
+    ``i`` with ``seed + i`` on both), so not with ``min_tokens`` (the prefill drops it and may end
+    where the client's request may not)."""
     b = req.body
-    if req.children != 1 or req.n != 1 or (b.get("best_of") or 1) != 1:
+    if req.children != req.n or (b.get("best_of") or 1) != 1:
         return False
     mt = b.get("min_tokens")
     return not (isinstance(mt, int) and not isinstance(mt, bool) and mt > 0)
@@ -99,35 +108,48 @@ def assembles(req: ClientRequest) -> bool:
 
 
 def with_prefill_logprobs(data: bytes, pre: Prefilled, chat: bool) -> bytes:
-    """The decoder's non-streamed answer ``data`` with its first token's log-prob entry taken from
-    the prefill's answer, when the decoder continued from that token (``pre.forced``) and both name
-    the same token; else ``data`` as it is."""
+    """The decoder's non-streamed answer ``data`` with each choice's first token's log-prob entry
+    taken from the prefill's answer's choice of the same index, when the decoder continued from the
+    prefill's tokens (``pre.forced``) and both name the same token; else ``data`` as it is."""
     if not pre.forced:
         return data
     try:
         obj, pobj = msgspec.json.decode(data), msgspec.json.decode(pre.data)
-        (ch,), (pch,) = obj["choices"], pobj["choices"]
-        lp, plp = ch["logprobs"], pch["logprobs"]
+        chs, pchs = obj["choices"], pobj["choices"]
     except (msgspec.DecodeError, KeyError, TypeError, ValueError):
         return data
-    if not isinstance(ch, dict) or not isinstance(pch, dict) or ch.get("index", 0) != 0:
+    if not isinstance(chs, list) or not isinstance(pchs, list):
         return data
+    by_index = {pch.get("index", 0): pch for pch in pchs if isinstance(pch, dict)}
+    changed = False
+    for ch in chs:
+        pch = by_index.get(ch.get("index", 0)) if isinstance(ch, dict) else None
+        if pch is not None and _first_entry_from(ch, pch, chat):
+            changed = True
+    return msgspec.json.encode(obj) if changed else data
+
+
+def _first_entry_from(ch: dict[str, Any], pch: dict[str, Any], chat: bool) -> bool:
+    """Put the prefill choice ``pch``'s log-prob entry in place of ``ch``'s first, when both name
+    the same token; whether it did."""
+    lp, plp = ch.get("logprobs"), pch.get("logprobs")
     toks, ptoks = ch.get("token_ids"), pch.get("token_ids")
     if _ids(toks) and _ids(ptoks) and toks[0] != ptoks[0]:
-        return data
+        return False
     if logprob_entries(plp, chat) != 1 or logprob_entries(lp, chat) < 1:
-        return data
+        return False
+    assert isinstance(lp, dict) and isinstance(plp, dict)
     if chat:
         if lp["content"][0].get("token") != plp["content"][0].get("token"):
-            return data
+            return False
         lp["content"][0] = plp["content"][0]
     else:
         if lp["tokens"][0] != plp["tokens"][0]:
-            return data
+            return False
         for key in ("token_logprobs", "top_logprobs"):
             if isinstance(lp.get(key), list) and isinstance(plp.get(key), list):
                 lp[key][0] = plp[key][0]
-    return msgspec.json.encode(obj)
+    return True
 
 
 def greedy(req: ClientRequest) -> bool:
@@ -149,29 +171,52 @@ def eligible(req: ClientRequest) -> bool:
 
 
 def relayable(req: ClientRequest, forced: bool) -> bool:
-    """An eligible request's prefill token goes out: greedy (the decoder picks the same token, or
-    the proxy resumes after it), or ``forced``: the decoder was handed the token with its
-    metaserver answer and continues from it."""
-    return forced or greedy(req)
+    """An eligible request's prefill tokens go out: ``forced``: the decoder was handed each
+    choice's token with its metaserver answer and continues from it; or greedy with one choice (the
+    decoder picks the same token, or the proxy resumes after it)."""
+    return forced or (greedy(req) and req.n == 1)
 
 
-def first_token(data: bytes, chat: bool) -> tuple[int, list[int]] | None:
-    """The prefill answer's one generated token id and its prompt's ids, when it ended on a plain
-    token (``finish_reason: "length"``, not an EOS or stop) and returned both; else None."""
+def first_tokens(data: bytes, chat: bool) -> tuple[dict[int, int], list[int]] | None:
+    """The prefill answer's generated token id per choice index, for each choice that ended on one
+    plain token (``finish_reason: "length"``, not an EOS or stop) and returned it, and the prompt's
+    ids; None when no choice did or the prompt's ids are missing."""
     try:
         obj = msgspec.json.decode(data)
-        (ch,) = obj["choices"]
+        chs = obj["choices"]
     except (msgspec.DecodeError, KeyError, TypeError, ValueError):
         return None
-    if not isinstance(ch, dict) or not isinstance(obj, dict) or ch.get("finish_reason") != "length":
+    if not isinstance(obj, dict) or not isinstance(chs, list):
         return None
-    toks = ch.get("token_ids")
-    pids = obj.get("prompt_token_ids") if chat else ch.get("prompt_token_ids")
-    if not isinstance(toks, list) or len(toks) != 1 or not _ids(toks) or not isinstance(pids, list) or not _ids(pids):
+    firsts: dict[int, int] = {}
+    pids: Any = obj.get("prompt_token_ids") if chat else None
+    for ch in chs:
+        if not isinstance(ch, dict):
+            continue
+        if not chat and pids is None:
+            pids = ch.get("prompt_token_ids")
+        if ch.get("finish_reason") != "length":
+            continue
+        toks, idx = ch.get("token_ids"), ch.get("index", 0)
+        if type(idx) is int and _ids(toks) and len(toks) == 1 and 0 <= toks[0] < 1 << 31:  # lw_core.wire.TokenId
+            firsts[idx] = toks[0]
+    if not firsts or not _ids(pids):
         return None
-    if not 0 <= toks[0] < 1 << 31:  # lw_core.wire.TokenId
+    return firsts, pids
+
+
+def choice_index(request_id: str, n: int) -> int | None:
+    """Which choice of an ``n``-choice request the decoder's engine request ``request_id`` is: vLLM
+    names the children of a request of several choices ``f"{index}_{request id}"``
+    (``vllm.v1.engine.parallel_sampling.ParentRequest.get_child_info``); a request of one choice is
+    choice 0. None when the id does not say."""
+    if n == 1:
+        return 0
+    head, sep, _ = request_id.partition("_")
+    if not sep or not head.isdigit() or len(head) > 6:
         return None
-    return toks[0], pids
+    i = int(head)
+    return i if i < n else None
 
 
 def _given(value: Any) -> bool:
@@ -193,59 +238,94 @@ def request_id(parent_id: str) -> str:
     return f"lw-{parent_id}"
 
 
-class First(NamedTuple):
-    """The relayed first event (``block``), its text, the token ids behind it when the prefill
-    returned them (it is asked to: ``return_token_ids``), else None, and how many log-prob entries
-    it carried (0 when the client asked none): the decoder's first as many are cut."""
+class Relayed(NamedTuple):
+    """One choice's relayed first token: its text, the token ids behind it when the prefill returned
+    them (it is asked to: ``return_token_ids``), else None, and how many log-prob entries went out
+    with it (0 when the client asked none): the decoder's first as many are cut."""
 
-    block: bytes
     text: str
     token_ids: list[int] | None
-    prompt_ids: list[int] | None
     logprobs: int = 0
-    created: int | None = None  # the prefill answer's ``created``: the whole stream's (``same_created``)
 
 
-def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs: bool = False) -> First | None:
-    """The SSE events carrying the prefill answer's first token (chat: the role event and the first
-    content) and, with ``logprobs`` (the client asked for them), its log-probs, which the answer must
-    hold for each of its tokens; None when it must not be relayed (see the module docstring)."""
+class First(NamedTuple):
+    """The relayed first events (``block``: chat, each choice's role event then each choice's first
+    content), what each choice relayed (by choice index), the prompt's ids when the prefill returned
+    them, and the prefill answer's ``created`` (the whole stream's: ``same_created``)."""
+
+    block: bytes
+    choices: dict[int, Relayed]
+    prompt_ids: list[int] | None
+    created: int | None = None
+
+
+def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs: bool = False,
+                n: int = 1) -> First | None:
+    """The SSE events carrying the prefill answer's first token of each of its ``n`` choices (chat:
+    the role events and the first contents) and, with ``logprobs`` (the client asked for them),
+    their log-probs, which the answer must hold for each of its tokens; None when they must not be
+    relayed (see the module docstring): every choice is relayed, or none."""
     if not data:
         return None
     try:
         obj = msgspec.json.decode(data)
-        (ch,) = obj["choices"]
-        msg = ch["message"] if chat else {}
-        text = msg["content"] if chat else ch["text"]
+        chs = obj["choices"]
     except (msgspec.DecodeError, KeyError, TypeError, ValueError):
         return None
+    if not isinstance(obj, dict) or not isinstance(chs, list) or len(chs) != n:
+        return None
+    if not all(isinstance(ch, dict) for ch in chs) or sorted(ch.get("index", 0) for ch in chs) != list(range(n)):
+        return None
+    got: dict[int, tuple[Relayed, Any, str | None]] = {}
+    pids: Any = obj.get("prompt_token_ids") if chat else None
+    for ch in sorted(chs, key=lambda c: c.get("index", 0)):
+        one = _relayed(ch, chat, logprobs)
+        if one is None:
+            return None
+        got[ch.get("index", 0)] = one
+        if not chat and pids is None:
+            pids = ch.get("prompt_token_ids")
+    created = obj.get("created")
+    if chat:
+        head = {"id": f"chatcmpl-{request_id(parent_id)}", "object": "chat.completion.chunk",
+                "created": created, "model": obj.get("model")}
+        block = b"".join(rc.sse_encode({**head, "choices": [{"index": i, "delta": {"role": role or "assistant",
+                                                                                   "content": ""},
+                                                            "logprobs": None, "finish_reason": None}],
+                                        "prompt_token_ids": None, "prompt_text": None})
+                         for i, (_, _, role) in got.items())
+        block += b"".join(rc.sse_encode({**head, "choices": [{"index": i, "delta": {"content": r.text}, "logprobs": lp,
+                                                             "finish_reason": None, "token_ids": None}]})
+                          for i, (r, lp, _) in got.items())
+    else:
+        block = b"".join(rc.sse_encode({"id": f"cmpl-{request_id(parent_id)}", "object": "text_completion",
+                                        "created": created, "model": obj.get("model"),
+                                        "choices": [{"index": i, "text": r.text, "logprobs": lp, "finish_reason": None,
+                                                     "stop_reason": None, "prompt_token_ids": None,
+                                                     "token_ids": None}]})
+                         for i, (r, lp, _) in got.items())
+    return First(block, {i: r for i, (r, _, _) in got.items()}, pids if _ids(pids) else None,
+                 created if type(created) is int else None)
+
+
+def _relayed(ch: dict[str, Any], chat: bool, logprobs: bool) -> tuple[Relayed, Any, str | None] | None:
+    """One prefill choice's relayed token, its log-probs as they go out and (chat) its role; None
+    when it must not be relayed."""
+    msg = ch.get("message") if chat else {}
+    if not isinstance(msg, dict):
+        return None
+    text = msg.get("content") if chat else ch.get("text")
     if not isinstance(text, str) or not text or "\ufffd" in text or ch.get("finish_reason") != "length":
         return None
-    if not isinstance(msg, dict) or any(msg.get(k) for k in ("tool_calls", "reasoning_content", "reasoning")):
+    if any(msg.get(k) for k in ("tool_calls", "reasoning_content", "reasoning")):
         return None
     toks = ch.get("token_ids")
-    pids = obj.get("prompt_token_ids") if chat else ch.get("prompt_token_ids")
     lp = ch.get("logprobs") if logprobs else None
     n_lp = logprob_entries(lp, chat)
     if logprobs and (n_lp < 1 or (_ids(toks) and n_lp != len(toks))):
         return None  # asked for, but not one entry per relayed token
-    if chat:
-        head = {"id": f"chatcmpl-{request_id(parent_id)}", "object": "chat.completion.chunk",
-                "created": obj.get("created"), "model": obj.get("model")}
-        role = msg.get("role") if isinstance(msg.get("role"), str) else "assistant"
-        block = rc.sse_encode({**head, "choices": [{"index": 0, "delta": {"role": role, "content": ""},
-                                                    "logprobs": None, "finish_reason": None}],
-                               "prompt_token_ids": None, "prompt_text": None})
-        block += rc.sse_encode({**head, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": lp,
-                                                     "finish_reason": None, "token_ids": None}]})
-    else:
-        block = rc.sse_encode({"id": f"cmpl-{request_id(parent_id)}", "object": "text_completion",
-                               "created": obj.get("created"), "model": obj.get("model"),
-                               "choices": [{"index": 0, "text": text, "logprobs": lp, "finish_reason": None,
-                                            "stop_reason": None, "prompt_token_ids": None, "token_ids": None}]})
-    created = obj.get("created")
-    return First(block, text, toks if _ids(toks) else None, pids if _ids(pids) else None, n_lp,
-                 created if type(created) is int else None)
+    role = msg.get("role") if chat and isinstance(msg.get("role"), str) else None
+    return Relayed(text, toks if _ids(toks) else None, n_lp), lp, role
 
 
 _CREATED = re.compile(rb'"created":\s*\d+')
@@ -280,10 +360,10 @@ def logprob_entries(lp: Any, chat: bool) -> int:
 
 
 def cut_logprobs(ch: dict[str, Any], n: int, chat: bool) -> int:
-    """Drop choice 0's first ``n`` log-prob entries (those of the relayed tokens, which went out
+    """Drop choice ``ch``'s first ``n`` log-prob entries (those of the relayed tokens, which went out
     with the prefiller's); returns how many are still to be dropped. Emptied log-probs become null."""
     lp = ch.get("logprobs")
-    if n <= 0 or ch.get("index", 0) != 0 or not isinstance(lp, dict) or not (have := logprob_entries(lp, chat)):
+    if n <= 0 or not isinstance(lp, dict) or not (have := logprob_entries(lp, chat)):
         return n
     k = min(n, have)
     if chat:
@@ -307,10 +387,10 @@ class Mismatch(Exception):
 
 def cut(ch: dict[str, Any], skip: str, skip_ids: list[int] | None,
         chat: bool = False) -> tuple[str, list[int] | None]:
-    """Drop from choice 0's text (chat: its delta's content) and token ids the part already relayed
-    (``skip``, and ``skip_ids`` when the prefill returned its ids), checking it matches; returns
-    what is still to be cut."""
-    if (not skip and not skip_ids) or ch.get("index", 0) != 0:
+    """Drop from choice ``ch``'s text (chat: its delta's content) and token ids the part already
+    relayed (``skip``, and ``skip_ids`` when the prefill returned its ids), checking it matches;
+    returns what is still to be cut."""
+    if not skip and not skip_ids:
         return skip, skip_ids
     delta = ch.get("delta") if chat else None
     text = ((delta.get("content") if isinstance(delta, dict) else None) if chat else ch.get("text")) or ""

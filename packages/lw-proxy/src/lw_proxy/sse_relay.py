@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from aiohttp import web
@@ -34,6 +34,20 @@ def deadline_error(cfg: ProxyConfig) -> ProxyError:
 
 
 @dataclass(slots=True)
+class Skip:
+    """What one choice relayed from the prefill (--prefill-first) and is still to be cut from the
+    decoder's stream."""
+
+    text: str = ""  # the relayed text
+    ids: list[int] | None = None  # the token ids relayed likewise
+    role: bool = False  # a chat relay sent the role event: the decoder's is dropped
+    logprobs: int = 0  # log-prob entries relayed with the first token: the decoder's are dropped
+
+    def done(self) -> bool:
+        return not (self.text or self.ids or self.role or self.logprobs)
+
+
+@dataclass(slots=True)
 class StreamState:
     """One client stream's state, across the decoder's call and any resumed choices."""
 
@@ -41,17 +55,18 @@ class StreamState:
     strip: bool  # the proxy asked for token ids the client did not (lw_proxy.token_ids): strip them
     usage: dict[str, Any] | None = None  # the usage summary, sent once at the end
     id: str | None = None  # the stream's id (a continuation's events are renamed to it)
-    skip: str = ""  # text relayed from the prefill (--prefill-first), cut from the decoder's stream
-    skip_ids: list[int] | None = None  # token ids relayed likewise
-    skip_role: bool = False  # a chat relay sent the role event: the decoder's is dropped
-    skip_logprobs: int = 0  # log-prob entries relayed with the first token: the decoder's are dropped
+    skips: dict[int, Skip] = field(default_factory=dict)  # per choice index: what is still to be cut
+    # Choices whose decoder text contradicted the relayed token: the rest of their events is dropped
+    # and each is resumed after the relayed token once the decoder's stream ends.
+    dropped: list[int] = field(default_factory=list)
     created: int | None = None  # the relayed event's ``created``: the decoder's events get it too
 
     def stop_cutting(self) -> None:
-        self.skip, self.skip_ids, self.skip_role, self.skip_logprobs = "", None, False, 0
+        self.skips.clear()
+        self.dropped.clear()
 
     def cutting(self) -> bool:
-        return bool(self.skip or self.skip_ids or self.skip_role or self.skip_logprobs)
+        return bool(self.skips or self.dropped)
 
 
 class SseRelay:
@@ -129,7 +144,7 @@ class SseRelay:
                 self.m.not_relayed.labels("decoder_first").inc()
             else:
                 pre: relay_mod.Prefilled = relay.result()
-                first = relay_mod.first_event(pre.data, pre.parent_id, req.chat, relay_mod.asks_logprobs(req))
+                first = relay_mod.first_event(pre.data, pre.parent_id, req.chat, relay_mod.asks_logprobs(req), req.n)
                 if first is None:
                     self.m.not_relayed.labels("token").inc()
                 elif not relay_mod.relayable(req, pre.forced):
@@ -137,10 +152,9 @@ class SseRelay:
                 else:
                     await out.prepare(request)
                     await out.write(first.block)
-                    state.ledger.feed(0, first.text, first.token_ids, first.prompt_ids,
-                                      ids_follow=first.token_ids is None)
-                    state.skip, state.skip_ids, state.skip_role = first.text, first.token_ids, req.chat
-                    state.skip_logprobs = first.logprobs
+                    for i, r in first.choices.items():
+                        state.ledger.feed(i, r.text, r.token_ids, first.prompt_ids, ids_follow=r.token_ids is None)
+                        state.skips[i] = Skip(r.text, r.token_ids, req.chat, r.logprobs)
                     state.created = first.created
                     self.m.relayed_first.inc()
             return await task
@@ -198,19 +212,12 @@ class SseRelay:
                 if parse or held or b'"recomputed"' in block:
                     parse = True
                 if parse or state.cutting() or (state.strip and b'"delta":{}' in block):
-                    try:
-                        block = self._filter(block, held, state, rewrite)
-                    except relay_mod.Mismatch as e:
-                        # Nothing of the decoder's answer has reached the client (the mismatch is in
-                        # the text that stood for the relayed token). Drop it and resume choice 0
-                        # after the relayed token, as a recomputed choice is: the prefiller's token is
-                        # the one a single engine gives, so the rest must follow from it.
-                        log.warning("lw-proxy --prefill-first: %s; resuming after the relayed token", e)
-                        self.m.errors.labels("relay_mismatch").inc()
-                        if state.skip_ids is None:  # ids the decoder sent before the mismatch are not ours
-                            state.ledger.drop_tokens(0)
+                    block = self._filter(block, held, state, rewrite)
+                    if state.dropped and len(state.dropped) == state.ledger.n:
+                        # Every choice contradicted its relayed token: nothing more of this answer is
+                        # wanted (its usage summary included); each choice is resumed.
+                        held.extend(state.dropped)
                         state.stop_cutting()
-                        held.append(0)
                         return True
                 else:
                     state.ledger.feed_block(block)
@@ -219,6 +226,8 @@ class SseRelay:
                 if block:
                     await out.write(self._stamped(block, state))
                 if done:
+                    held.extend(state.dropped)
+                    state.dropped.clear()
                     return True
             if len(buf) > MAX_EVENT_BYTES:  # no event boundary in sight: not an SSE stream we can forward
                 return ProxyError(502, f"the decoder sent {len(buf)} bytes without ending an SSE event",
@@ -266,14 +275,14 @@ class SseRelay:
                 continue
             kept = []
             for ch in choices:
-                delta = ch.get("delta")
-                if state.skip_role and isinstance(delta, dict) and "role" in delta and ch.get("index", 0) == 0:
-                    del delta["role"]  # the relayed events opened the choice already
-                    state.skip_role = False
-                if state.skip or state.skip_ids:
-                    state.skip, state.skip_ids = relay_mod.cut(ch, state.skip, state.skip_ids, state.ledger.chat)
-                if state.skip_logprobs:
-                    state.skip_logprobs = relay_mod.cut_logprobs(ch, state.skip_logprobs, state.ledger.chat)
+                idx = ch.get("index", 0)
+                if idx in state.dropped:
+                    continue
+                skip = state.skips.get(idx)
+                if skip is not None and self._cut(ch, skip, state):
+                    del state.skips[idx]
+                if idx in state.dropped:
+                    continue
                 if rewrite is not None:
                     ch["index"] = rewrite
                     delta = ch.get("delta")
@@ -298,6 +307,32 @@ class SseRelay:
             obj["choices"] = kept
             keep.append(rc.sse_encode(obj))
         return b"".join(keep)
+
+    def _cut(self, ch: dict[str, Any], skip: Skip, state: StreamState) -> bool:
+        """Cut what choice ``ch`` relayed from its event; whether nothing is left to cut. A decoder
+        whose text contradicts the relayed token has none of this choice reach the client (the
+        mismatch is in the text that stood for the relayed token): the choice is dropped and resumed
+        after the relayed token, as a recomputed choice is: the prefiller's token is the one a single
+        engine gives, so the rest must follow from it."""
+        chat = state.ledger.chat
+        delta = ch.get("delta")
+        if skip.role and isinstance(delta, dict) and "role" in delta:
+            del delta["role"]  # the relayed events opened the choice already
+            skip.role = False
+        try:
+            if skip.text or skip.ids:
+                skip.text, skip.ids = relay_mod.cut(ch, skip.text, skip.ids, chat)
+        except relay_mod.Mismatch as e:
+            idx = ch.get("index", 0)
+            log.warning("lw-proxy --prefill-first: choice %s: %s; resuming after the relayed token", idx, e)
+            self.m.errors.labels("relay_mismatch").inc()
+            if skip.ids is None:  # ids the decoder sent before the mismatch are not ours
+                state.ledger.drop_tokens(idx)
+            state.dropped.append(idx)
+            return True
+        if skip.logprobs:
+            skip.logprobs = relay_mod.cut_logprobs(ch, skip.logprobs, chat)
+        return skip.done()
 
     async def _resume_stream(self, req: ClientRequest, path: str, out: web.StreamResponse, held: list[int],
                              state: StreamState) -> Literal[True] | ProxyError:

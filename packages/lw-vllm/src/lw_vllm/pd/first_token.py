@@ -22,6 +22,7 @@ the argument costs a dict lookup when it joins the batch and nothing per step.
 
 from __future__ import annotations
 
+import copy
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
@@ -48,9 +49,13 @@ def forced_token(params: SamplingParams | None) -> int | None:
 
 
 def force_first(req: Any, token: int) -> None:
-    """Make ``req``'s (a vLLM ``Request`` not scheduled yet) first generated token ``token``."""
-    sp = req.sampling_params
+    """Make ``req``'s (a vLLM ``Request`` not scheduled yet) first generated token ``token``. The
+    request gets sampling parameters of its own: the children of a request of several choices
+    without a seed share one object (``vllm.v1.engine.parallel_sampling``), and each continues from
+    its own choice's token."""
+    sp = copy.copy(req.sampling_params)
     sp.extra_args = {**(sp.extra_args or {}), FIRST_TOKEN_ARG: token}
+    req.sampling_params = sp
 
 
 def runs_in(vllm_config: VllmConfig) -> bool:

@@ -11,7 +11,8 @@ recurrent-state model (``states``) that is what its hit can load: the chunks up 
 boundary before the prompt's last token (``state_plan.last_boundary``) and the state there; chunks
 without that state are no hit (the proxy would skip the prefill and the decoder recompute the prompt).
 
-A request whose params carry ``lw_first_token`` (lw-proxy: one choice) says ``forces_first`` in its
+A request whose params carry ``lw_first_token`` (lw-proxy: one prompt; each choice's engine request
+is answered with its own choice's token) says ``forces_first`` in its
 POST when this engine runs ``first_token.FirstTokenProcessor``, waits for the answer even when the
 pool already holds its prompt, and takes the answer's first token when its digest names this
 prompt: the decoder then continues from the token the proxy relayed to the client. A streaming

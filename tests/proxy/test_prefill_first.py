@@ -275,6 +275,27 @@ def test_a_decoder_that_picks_another_first_token_is_resumed_after_the_relayed_o
     run(body())
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_first_token_whose_text_is_held_back_is_relayed_as_a_single_engine_streams_it(chat):
+    """A first token that is part of a UTF-8 character has empty text until the next token
+    completes it: a single engine streams an event with empty text, then the next token's carries
+    both. The relay sends that empty event and the decoder's stream goes on from its second token:
+    each token once, the text whole."""
+    async def body():
+        async with harness(prefill_first=True) as h:
+            for b in (*h.prefillers, *h.decoders):
+                b.knobs.hold_first = True
+            h.decoders[0].knobs.delay = 0.5
+            _, texts, errors, events = await _sse(h, CHAT if chat else GREEDY)
+            assert errors == [] and "".join(texts) == "".join(generate("p", 4)) and len(texts) == 3
+            contents = [(ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                        for ev in events for ch in ev["choices"]]
+            assert contents == ["", "", *texts] if chat else ["", *texts], contents  # chat: the role event first
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
+
+    run(body())
+
+
 def test_eligible_only_for_plain_greedy_single_prompt_streams():
     def req(**kw):
         return parse_completion(msgspec.json.encode({**GREEDY, **kw}))
@@ -372,6 +393,12 @@ def test_first_event_only_for_a_whole_token_that_hit_the_length():
     assert json.loads(first.block[len(b"data: "):])["choices"][0]["token_ids"] is None
     for bad in (answer(""), answer("\ufffd"), answer(" w5", "stop"), b"not json", None):
         assert relay.first_event(bad, "abc") is None
+    # A token whose text the detokenizer holds back (a partial UTF-8 character): a single engine
+    # streams it as an event with empty text, which is relayed; the decoder's is cut by its id.
+    first = relay.first_event(answer("", token_ids=[7], prompt_token_ids=[1, 2]), "abc")
+    assert first.choices == {0: relay.Relayed("", [7])}
+    assert json.loads(first.block[len(b"data: "):])["choices"][0]["text"] == ""
+    assert relay.first_event(answer("", token_ids=[7, 8]), "abc") is None
 
 
 def test_cut_drops_the_relayed_text_across_events_and_refuses_a_different_one():

@@ -96,6 +96,9 @@ class Knobs:
     # streams: every k-th token (k, 2k, ...) is sent with empty text (its text held back, as for a
     # partial UTF-8 character) and its text comes with the next token
     empty_every: int | None = None
+    # the first token's text is held back (a partial UTF-8 character) and comes with the second; an
+    # answer of that one token has empty text, as vLLM's
+    hold_first: bool = False
     logprob: float = -0.5  # every token's logprob (tell a prefiller's from a decoder's)
     created: int = 0  # every answer's ``created`` (tell a prefiller's from a decoder's)
 
@@ -236,7 +239,7 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
         for idx, pids in choices:
             toks = choice_tokens(st, idx, pids, n, max_tokens if cut is None else min(cut, max_tokens))
             total += len(toks)
-            text = "".join(map(token_text, toks))
+            text = "".join(map(token_text, toks)) if not (k.hold_first and len(toks) == 1) else ""
             c: dict[str, Any] = {"index": idx}
             if chat:
                 c["message"] = {"role": "assistant", "content": None if k.reasoning else text}
@@ -376,7 +379,7 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
                 tok = gen[idx][t]
                 text = held[idx] + token_text(tok)
                 held[idx] = ""
-                if k.empty_every and (t + 1) % k.empty_every == 0 and not last:
+                if (k.empty_every and (t + 1) % k.empty_every == 0 or k.hold_first and t == 0) and not last:
                     held[idx], text = text, ""
                 c: dict[str, Any] = {"index": idx}
                 if chat:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lw_bench.pd import compare, compare_report, compare_stack, request_kinds
+from lw_bench.pd import compare, compare_report, compare_stack, request, request_kinds
 from lw_bench.pd import mode as bench_pd
 from lw_bench.pd.result import checked
 from lw_bench.pd.throttle import NAME, ThrottledBackend
@@ -177,6 +177,13 @@ def test_request_kinds_flag_bodies_and_summary(capsys: pytest.CaptureFixture[str
     assert (b["temperature"], b["top_p"], b["seed"], b["stream"]) == (0.8, 0.95, 7, True)
     b = request_kinds.body(kinds["completion_full"], [11, 12], None, max_tokens=1, seed=7)
     assert (b["prompt"], b["temperature"], b["stream"], b["max_tokens"]) == ([11, 12], 0.0, False, 1) and "seed" not in b
+    b = request_kinds.body(kinds["chat_n"], [11, 12], lambda ids: "t", max_tokens=2, seed=7)
+    assert (b["n"], b["temperature"], b["stream"]) == (2, 0.8, True)
+    # A stream's first token is its first event carrying one, empty text included (a held-back
+    # partial character), the role event a chat opens with excluded.
+    assert [request.token_event(c) for c in ({"text": ""}, {"delta": {"content": ""}},
+                                               {"delta": {"role": "assistant", "content": ""}},
+                                               {"delta": {}, "finish_reason": "length"})] == [True, True, False, False]
     # Prompts differ per kind and target (a repeated prompt would be a pool hit) and repeat per seed.
     ps = {(k, t): request_kinds.prompt(0, 0, 64, k, t) for k in kinds for t in ("alone", "pd")}
     assert len({tuple(v) for v in ps.values()}) == len(ps) and request_kinds.prompt(0, 0, 64, "chat", "pd") == ps["chat", "pd"]

@@ -20,9 +20,11 @@ def stream_ttft(url: str, body: dict[str, Any], timeout_s: float = 120.0) -> tup
 
 
 def first_content(url: str, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[float, float, int]:
-    """POST ``body`` to ``path``; (send time, time of the first event with content -- completion
-    ``text``, chat ``delta.content`` -- or, not streamed, of the whole answer, status), wall clock.
-    A stream is read to its end (and dropped) so the request finishes normally."""
+    """POST ``body`` to ``path``; (send time, time of the first event that carries a generated
+    token -- completion ``text``, chat ``delta.content`` outside the role event, empty text
+    included: a token whose text the detokenizer holds back is streamed with empty text -- or, not
+    streamed, of the whole answer, status), wall clock. A stream is read to its end (and dropped)
+    so the request finishes normally."""
     host, port = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
@@ -36,11 +38,20 @@ def first_content(url: str, path: str, body: dict[str, Any], timeout_s: float = 
         for line in r:
             if not t_first and line.startswith(b"data: {") and b'"choices"' in line:
                 ev = json.loads(line[6:])
-                if any(c.get("text") or (c.get("delta") or {}).get("content") for c in ev.get("choices") or ()):
+                if any(token_event(c) for c in ev.get("choices") or ()):
                     t_first = time.time()
         return t_send, t_first or time.time(), r.status
     finally:
         conn.close()
+
+
+def token_event(choice: dict[str, Any]) -> bool:
+    """A stream event's choice carries a generated token: a completion's ``text``, a chat delta's
+    ``content`` (not the role event a chat stream opens with)."""
+    if isinstance(choice.get("text"), str):
+        return True
+    delta = choice.get("delta") or {}
+    return isinstance(delta.get("content"), str) and "role" not in delta
 
 
 def _records(server: Any, want: int, timeout_s: float = 5.0) -> list[dict[str, Any]]:

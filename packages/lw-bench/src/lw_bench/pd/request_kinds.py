@@ -9,8 +9,9 @@ second request would measure a pool hit): ``alone`` straight to the prefiller an
 proxy a deployment runs by default (streaming decoder, ``--prefill-first``; the streaming decoder
 without it under ``--no-relay``).
 
-* streamed kinds: time to the first event that carries content (completion ``text``, chat
-  ``delta.content``); ``alone`` asks for one token, as a prefill does;
+* streamed kinds: time to the first event that carries a generated token (completion ``text``,
+  chat ``delta.content`` outside the role event; empty text counts: a token whose text the
+  detokenizer holds back is streamed so); ``alone`` asks for one token, as a prefill does;
 * non-streamed kinds: time to the whole answer, ``alone`` and ``pd`` both asking for the same number
   of tokens (a non-streamed client sees nothing before the end).
 
@@ -52,6 +53,8 @@ REQUEST_KINDS: dict[str, RequestKind] = {k.name: k for k in (
     RequestKind(name="chat_full", chat=True, stream=False),
     RequestKind(name="chat_sampled", chat=True, stream=True, fields=SAMPLING),
     RequestKind(name="chat_logprobs", chat=True, stream=True, fields={"logprobs": True, "top_logprobs": 2}),
+    RequestKind(name="completion_n", chat=False, stream=True, fields={**SAMPLING, "n": 2}),
+    RequestKind(name="chat_n", chat=True, stream=True, fields={**SAMPLING, "n": 2}),
 )}
 
 

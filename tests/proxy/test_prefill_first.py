@@ -391,8 +391,10 @@ def test_first_event_only_for_a_whole_token_that_hit_the_length():
     first = relay.first_event(answer(" w5", token_ids=[7], prompt_token_ids=[1, 2]), "abc")
     assert (first.choices[0].token_ids, first.prompt_ids) == ([7], [1, 2])  # kept for the ledger, never sent
     assert json.loads(first.block[len(b"data: "):])["choices"][0]["token_ids"] is None
-    for bad in (answer(""), answer("\ufffd"), answer(" w5", "stop"), b"not json", None):
+    for bad in (answer(""), answer(" w5", "stop"), b"not json", None):
         assert relay.first_event(bad, "abc") is None
+    # U+FFFD (bytes a prompt left open that the token cannot complete) is the single engine's text too.
+    assert relay.first_event(answer("\ufffda", token_ids=[7]), "abc").choices == {0: relay.Relayed("\ufffda", [7])}
     # A token whose text the detokenizer holds back (a partial UTF-8 character): a single engine
     # streams it as an event with empty text, which is relayed; the decoder's is cut by its id.
     first = relay.first_event(answer("", token_ids=[7], prompt_token_ids=[1, 2]), "abc")

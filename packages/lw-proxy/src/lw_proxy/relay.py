@@ -23,12 +23,15 @@ with a value other than null or false (``stop: []`` counts as present). A stream
 ``continuous_usage_stats``) and without ``tools`` or ``functions``: a tool
 parser may hold back or reroute the first token of a stream, which the prefiller's non-streamed
 answer cannot show. Every other request takes the normal path. The prefill's token is relayed only
-when its choice ended with ``finish_reason: "length"`` (not an EOS or stop token), with no U+FFFD in
-its text. A token whose text vLLM's detokenizer holds back (part of a UTF-8 character: its text is
-empty until a later token completes it) is relayed as a single engine streams it, an event with
-empty text (chat: empty content), when the prefill returned its id: the decoder's event for it is
-cut by that id, and the decoder, which generated it, sends the character with a later token. For
-chat, only as the
+when its choice ended with ``finish_reason: "length"`` (not an EOS or stop token). Its text is the
+single engine's first streamed text whatever it holds: vLLM's detokenizer (``vllm.v1.engine.
+detokenizer``) primes a decode stream with the prompt and only ever appends to a request's text, so
+a one-token answer's text is the first delta of a stream of the same request (no stop strings here
+hold text back), U+FFFD included (bytes a prompt left open that the token cannot complete). A
+token whose text the detokenizer holds back (part of a UTF-8 character: its text is empty until a
+later token completes it) is relayed as a single engine streams it, an event with empty text (chat:
+empty content), when the prefill returned its id: the decoder's event for it is cut by that id, and
+the decoder, which generated it, sends the character with a later token. For chat, only as the
 message's ``content`` with no ``tool_calls`` and no reasoning (a reasoning parser routes text the
 stream may send otherwise). A chat relay sends the two events a single engine opens with: the role
 (``{"role": "assistant", "content": ""}``, the prefill's role) and the first content; the decoder's
@@ -319,7 +322,7 @@ def _relayed(ch: dict[str, Any], chat: bool, logprobs: bool) -> tuple[Relayed, A
     if not isinstance(msg, dict):
         return None
     text = msg.get("content") if chat else ch.get("text")
-    if not isinstance(text, str) or "\ufffd" in text or ch.get("finish_reason") != "length":
+    if not isinstance(text, str) or ch.get("finish_reason") != "length":
         return None
     if any(msg.get(k) for k in ("tool_calls", "reasoning_content", "reasoning")):
         return None

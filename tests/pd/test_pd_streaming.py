@@ -148,6 +148,40 @@ def test_each_choice_of_a_seeded_request_continues_from_its_own_prefill_token(st
     assert (relayed, mismatch) == (1, 0) or (unrelayable, mismatch) == (1, 0), (relayed, unrelayable, mismatch)
 
 
+def _client_view(events: list) -> list:
+    """SSE payloads as a client compares two streams: no id or ``created`` (per request), no null
+    fields, floats (log-probs computed over loaded KV differ in the last bits) as their type."""
+    def clean(x):
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items() if v is not None and k not in ("id", "created")}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return "float" if isinstance(x, float) else x
+    return [clean(ev) for ev in events]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_a_relayed_stream_with_ids_and_usage_is_the_single_engines(stream_stack: Stack, path: str) -> None:
+    """Token ids, continuous usage and log-probs asked: the relayed stream (its first events built
+    from the prefill's answer) has the events of the same request streamed by one engine."""
+    url = stream_stack.proxy.url
+    body: dict = {"model": "tiny", "max_tokens": 5, "temperature": 0.0, "ignore_eos": True, "stream": True,
+                  "return_token_ids": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if path.endswith("chat/completions"):
+        body.update(messages=[{"role": "user", "content": text(350, 120)}], logprobs=True, top_logprobs=1)
+    else:
+        body.update(prompt=text(351, 120), logprobs=1)
+    settle(stream_stack)
+    status, single = post_sse(stream_stack.decode.url + path, body)
+    assert status == 200 and single[-1] == "[DONE]", single
+    before = metric_sum(url, RELAYED)
+    settle(stream_stack)
+    status, events = decoder_looks_first(stream_stack.prefill, url + path, body)
+    assert status == 200, events
+    assert metric_sum(url, RELAYED) == before + 1, "the first token was not relayed"
+    assert _client_view(events) == _client_view(single)
+
+
 def test_stalled_prefill_is_recomputed_at_the_deadline(stream_stack: Stack) -> None:
     """No prefiller ever reserves the prompt (the metaserver is silent, nothing prefills): the
     receive gives up at metaserver_timeout_s, every block is reported failed, vLLM recomputes the

@@ -296,6 +296,49 @@ def test_a_first_token_whose_text_is_held_back_is_relayed_as_a_single_engine_str
     run(body())
 
 
+def _shape(events):
+    """Events as a client compares them: without the id and ``created`` (per request) and the
+    fields whose value is null."""
+    def clean(x):
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items() if v is not None and k not in ("id", "created")}
+        return [clean(v) for v in x] if isinstance(x, list) else x
+    return [clean(ev) for ev in events]
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize("extra", [{}, {"return_token_ids": True},
+                                   {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+                                   {"return_token_ids": True, "logprobs": "lp",
+                                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}],
+                         ids=["plain", "ids", "usage", "all"])
+def test_a_relayed_stream_is_the_decoders_stream_event_for_event(chat, extra):
+    """Clients cannot tell: a relayed stream (the first events built from the prefill's answer)
+    has the events of the same stream not relayed, with token ids and continuous usage when asked."""
+    extra = dict(extra)
+    if extra.pop("logprobs", None):
+        extra.update({"logprobs": True, "top_logprobs": 1} if chat else {"logprobs": 1})
+    req = {**(CHAT if chat else GREEDY), **extra}
+
+    async def body():
+        got = {}
+        for prefill_first in (False, True):
+            async with harness(prefill_first=prefill_first) as h:
+                h.decoders[0].knobs.delay = 0.5
+                _, texts, errors, events = await _sse(h, req)
+                assert errors == [] and "".join(texts) == "".join(generate("p", 4))
+                got[prefill_first] = _shape(events)
+                relayed = h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total")
+                assert relayed == (1 if prefill_first else 0)
+        assert got[True] == got[False]
+        if "stream_options" in extra:
+            assert all("usage" in ev for ev in got[True])
+        if "return_token_ids" in extra:
+            assert any("token_ids" in ch for ev in got[True] for ch in ev["choices"])
+
+    run(body())
+
+
 def test_eligible_only_for_plain_greedy_single_prompt_streams():
     def req(**kw):
         return parse_completion(msgspec.json.encode({**GREEDY, **kw}))
@@ -309,16 +352,23 @@ def test_eligible_only_for_plain_greedy_single_prompt_streams():
     assert relay.relayable(req(), forced=False)
     assert not relay.eligible(req(temperature=0.5, min_tokens=2))  # the prefill drops min_tokens
     for kw in ({"prompt": ["a", "b"]}, {"stream": False}, {"n": 2, "prompt": ["a", "b"]},
-               {"stop": ["x"]}, {"echo": True}, {"best_of": 2}, {"return_token_ids": True},
-               {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}):
+               {"stop": ["x"]}, {"echo": True}, {"best_of": 2},
+               {"stream_options": {"include_usage": True, "continuous_usage_stats": 1}},
+               {"stream_options": {"include_usage": "yes", "continuous_usage_stats": True}}):
         assert not relay.eligible(req(**kw)), kw
+    # Token ids and continuous usage go out with the relayed token as a single engine sends them.
+    for kw in ({"return_token_ids": True}, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+               {"stream_options": {"continuous_usage_stats": False}}):
+        assert relay.eligible(req(**kw)), kw
+    assert relay.continuous_usage(req(stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert relay.continuous_usage(req(stream_options={"continuous_usage_stats": True})) is False  # vLLM: both
     # Several choices of one prompt: relayed only when the decoder continues from each one's token.
     assert relay.eligible(req(n=2)) and not relay.relayable(req(n=2), forced=False)
     assert relay.relayable(req(n=2), forced=True)
     assert relay.eligible(req(stream_options={"include_usage": True}))
 
 
-@pytest.mark.parametrize("key", relay._OFF + ("continuous_usage_stats",))
+@pytest.mark.parametrize("key", relay._OFF)
 def test_an_excluded_key_with_any_value_but_null_or_false_makes_a_request_ineligible(key):
     def req(value):
         kw = {"stream_options": {key: value}} if key == "continuous_usage_stats" else {key: value}
@@ -466,8 +516,7 @@ def test_chat_eligibility_and_first_events():
     assert not relay.asks_logprobs(req(logprobs=False)) and not relay.asks_logprobs(req(top_logprobs=2))
     assert relay.eligible(req(temperature=0.5)) and not relay.relayable(req(temperature=0.5), forced=False)
     for kw in ({"stream": False}, {"stop": "x"}, {"tools": []}, {"functions": [{"name": "f"}]}, {"echo": True},
-               {"return_token_ids": True}, {"return_prompt_text": True},
-               {"stream_options": {"continuous_usage_stats": True}}):
+               {"return_prompt_text": True}, {"stream_options": {"include_usage": True, "continuous_usage_stats": 1}}):
         assert not relay.eligible(req(**kw)), kw
 
     def answer(msg, finish="length", **top):

@@ -360,14 +360,22 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
     head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": k.created,
             "model": "mock-model"}
 
+    so = body.get("stream_options") or {}
+    continuous = bool(so.get("include_usage")) and bool(so.get("continuous_usage_stats"))  # as vLLM reads them
+    counts = {idx: 0 for idx, _ in choices}
+
     async def send(c: dict[str, Any], **top: Any) -> None:
+        if continuous:  # every event carries its choice's usage so far (chat also completion_tokens_details)
+            k = counts[c["index"]]
+            top["usage"] = {"prompt_tokens": 5, "total_tokens": 5 + k, "completion_tokens": k,
+                            **({"completion_tokens_details": None} if chat else {})}
         await resp.write(b"data: " + msgspec.json.encode({**head, "choices": [c], **top}) + b"\n\n")
 
     try:
         if chat:
             for idx, pids in choices:
                 await send({"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}, prompt_token_ids=pids if ret_ids else None)
+                            "finish_reason": None}, prompt_token_ids=pids if ret_ids else None, prompt_text=None)
         held = {idx: "" for idx, _ in choices}  # text held back by empty_every
         for t in range(limit):
             for idx, pids in choices:
@@ -393,6 +401,7 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
                 if last:
                     c["finish_reason"] = "length" if cut is None else "stop"
                     c["stop_reason"] = None if cut is None else "recomputed"
+                counts[idx] += 1
                 await send(c)
                 sent += 1
             if k.token_delay:

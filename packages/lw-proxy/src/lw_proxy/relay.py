@@ -15,12 +15,10 @@ continues from it (lw_vllm.pd.first_token), sampled or greedy. A greedy request 
 way; a sampled one only when its decoder's POST, in before the prefill answered, said so
 (``relayable``). A request qualifies (``eligible``) when it is a streamed ``/v1/completions`` with
 one prompt (``best_of`` at most 1), and none of ``stop``,
-``echo``, ``suffix``, ``prompt_logprobs``, ``return_token_ids`` or
-``stream_options.continuous_usage_stats`` (those change the first event or how text is held back)
-with a value other than null or false (``stop: []`` counts as present). A streamed
-``/v1/chat/completions`` qualifies on the same terms (``n`` 1, none of
-``stop``, ``echo``, ``prompt_logprobs``, ``return_token_ids``, ``return_prompt_text``,
-``continuous_usage_stats``) and without ``tools`` or ``functions``: a tool
+``echo``, ``suffix`` or ``prompt_logprobs`` (those change the first event or how text is held
+back) with a value other than null or false (``stop: []`` counts as present). A streamed
+``/v1/chat/completions`` qualifies on the same terms (none of ``stop``, ``echo``,
+``prompt_logprobs``, ``return_prompt_text``) and without ``tools`` or ``functions``: a tool
 parser may hold back or reroute the first token of a stream, which the prefiller's non-streamed
 answer cannot show. Every other request takes the normal path. The prefill's token is relayed only
 when its choice ended with ``finish_reason: "length"`` (not an EOS or stop token). Its text is the
@@ -35,7 +33,12 @@ the decoder, which generated it, sends the character with a later token. For cha
 message's ``content`` with no ``tool_calls`` and no reasoning (a reasoning parser routes text the
 stream may send otherwise). A chat relay sends the two events a single engine opens with: the role
 (``{"role": "assistant", "content": ""}``, the prefill's role) and the first content; the decoder's
-own role event is then dropped.
+own role event is then dropped. Token ids (``return_token_ids``: the prompt's, completions in the
+choice, chat at the top of the role event, and the token's) and continuous usage
+(``stream_options``: ``include_usage`` and ``continuous_usage_stats``, JSON ``true``; the prompt's
+count from the prefill's answer, one generated token, chat with the answer's
+``completion_tokens_details``) go out with the relayed events as a single engine's first events
+carry them; the decoder's first event of each relayed choice then gives up its prompt ids.
 
 A request of ``n`` choices keeps ``n`` and its seed in the prefill (vLLM seeds choice ``i`` with
 ``seed + i`` on the prefiller, the decoder and a single engine alike), and each choice's engine
@@ -67,6 +70,7 @@ computed it over the whole prompt as a single engine does, the decoder over load
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, NamedTuple, TypeGuard
 
 import msgspec
@@ -74,8 +78,8 @@ import msgspec
 from . import recompute as rc
 from .validate import ClientRequest
 
-_OFF = ("stop", "echo", "suffix", "prompt_logprobs", "return_token_ids")
-_OFF_CHAT = ("stop", "echo", "prompt_logprobs", "return_token_ids", "return_prompt_text", "tools", "functions")
+_OFF = ("stop", "echo", "suffix", "prompt_logprobs")
+_OFF_CHAT = ("stop", "echo", "prompt_logprobs", "return_prompt_text", "tools", "functions")
 
 
 def asks_logprobs(req: ClientRequest) -> bool:
@@ -173,8 +177,22 @@ def eligible(req: ClientRequest) -> bool:
         return False
     if any(_given(b.get(k)) for k in (_OFF_CHAT if req.chat else _OFF)):
         return False
-    so = b.get("stream_options")
-    return not (isinstance(so, dict) and _given(so.get("continuous_usage_stats")))
+    return continuous_usage(req) is not None
+
+
+def continuous_usage(req: ClientRequest) -> bool | None:
+    """Whether every event of the stream carries usage (vLLM: ``stream_options.include_usage`` and
+    ``continuous_usage_stats``); None when the request says so in a way this proxy does not read
+    (a value other than a JSON boolean or null), which is not relayed."""
+    so = req.body.get("stream_options")
+    if not isinstance(so, dict):
+        return False
+    inc, cont = so.get("include_usage"), so.get("continuous_usage_stats")
+    if not _given(cont):
+        return False
+    if cont is not True or not (inc is None or inc is False or inc is True):
+        return None
+    return inc is True
 
 
 def relayable(req: ClientRequest, forced: bool) -> bool:
@@ -267,11 +285,14 @@ class First(NamedTuple):
 
 
 def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs: bool = False,
-                n: int = 1) -> First | None:
+                n: int = 1, *, ids: bool = False, usage: bool = False) -> First | None:
     """The SSE events carrying the prefill answer's first token of each of its ``n`` choices (chat:
     the role events and the first contents) and, with ``logprobs`` (the client asked for them),
     their log-probs, which the answer must hold for each of its tokens; None when they must not be
-    relayed (see the module docstring): every choice is relayed, or none."""
+    relayed (see the module docstring): every choice is relayed, or none. ``ids``: the client
+    asked for token ids (``return_token_ids``): the events carry the prompt's and the token's, as
+    a single engine's first events do; ``usage``: every event carries usage
+    (``continuous_usage``), the prompt's count from the prefill's answer."""
     if not data:
         return None
     try:
@@ -292,6 +313,12 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs
         got[ch.get("index", 0)] = one
         if not chat and pids is None:
             pids = ch.get("prompt_token_ids")
+    pids = pids if _ids(pids) else None
+    if ids and (pids is None or any(r.token_ids is None for r, _, _ in got.values())):
+        return None  # the ids a single engine's first events carry are not known
+    u = _usage(obj.get("usage"), chat) if usage else None
+    if usage and u is None:
+        return None
     created = obj.get("created")
     if chat:
         head = {"id": f"chatcmpl-{request_id(parent_id)}", "object": "chat.completion.chunk",
@@ -299,20 +326,39 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs
         block = b"".join(rc.sse_encode({**head, "choices": [{"index": i, "delta": {"role": role or "assistant",
                                                                                    "content": ""},
                                                             "logprobs": None, "finish_reason": None}],
-                                        "prompt_token_ids": None, "prompt_text": None})
+                                        "prompt_token_ids": pids if ids else None, "prompt_text": None,
+                                        **({"usage": u(0)} if u else {})})
                          for i, (_, _, role) in got.items())
         block += b"".join(rc.sse_encode({**head, "choices": [{"index": i, "delta": {"content": r.text}, "logprobs": lp,
-                                                             "finish_reason": None, "token_ids": None}]})
+                                                             "finish_reason": None,
+                                                             "token_ids": r.token_ids if ids else None}],
+                                         **({"usage": u(1)} if u else {})})
                           for i, (r, lp, _) in got.items())
     else:
         block = b"".join(rc.sse_encode({"id": f"cmpl-{request_id(parent_id)}", "object": "text_completion",
                                         "created": created, "model": obj.get("model"),
                                         "choices": [{"index": i, "text": r.text, "logprobs": lp, "finish_reason": None,
-                                                     "stop_reason": None, "prompt_token_ids": None,
-                                                     "token_ids": None}]})
+                                                     "stop_reason": None, "prompt_token_ids": pids if ids else None,
+                                                     "token_ids": r.token_ids if ids else None}],
+                                        **({"usage": u(1)} if u else {})})
                          for i, (r, lp, _) in got.items())
-    return First(block, {i: r for i, (r, _, _) in got.items()}, pids if _ids(pids) else None,
-                 created if type(created) is int else None)
+    return First(block, {i: r for i, (r, _, _) in got.items()}, pids, created if type(created) is int else None)
+
+
+def _usage(usage: Any, chat: bool) -> Callable[[int], dict[str, Any]] | None:
+    """The continuous usage of an event after ``k`` generated tokens of its choice, as vLLM stamps
+    it (chat adds ``completion_tokens_details``, the prefill's), from the prefill answer's usage;
+    None without its prompt count."""
+    prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    if type(prompt) is not int:
+        return None
+    assert isinstance(usage, dict)
+    details = usage.get("completion_tokens_details")
+
+    def at(k: int) -> dict[str, Any]:
+        u = {"prompt_tokens": prompt, "total_tokens": prompt + k, "completion_tokens": k}
+        return {**u, "completion_tokens_details": details} if chat else u
+    return at
 
 
 def _relayed(ch: dict[str, Any], chat: bool, logprobs: bool) -> tuple[Relayed, Any, str | None] | None:

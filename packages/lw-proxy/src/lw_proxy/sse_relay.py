@@ -42,6 +42,7 @@ class Skip:
     ids: list[int] | None = None  # the token ids relayed likewise
     role: bool = False  # a chat relay sent the role event: the decoder's is dropped
     logprobs: int = 0  # log-prob entries relayed with the first token: the decoder's are dropped
+    prompt: bool = False  # the relayed event carried the prompt's ids: the decoder's first event's are dropped
 
     def done(self) -> bool:
         return not (self.text or self.ids or self.role or self.logprobs)
@@ -144,7 +145,9 @@ class SseRelay:
                 self.m.not_relayed.labels("decoder_first").inc()
             else:
                 pre: relay_mod.Prefilled = relay.result()
-                first = relay_mod.first_event(pre.data, pre.parent_id, req.chat, relay_mod.asks_logprobs(req), req.n)
+                first = relay_mod.first_event(pre.data, pre.parent_id, req.chat, relay_mod.asks_logprobs(req), req.n,
+                                              ids=token_ids.client_asked(req.body),
+                                              usage=relay_mod.continuous_usage(req) is True)
                 if first is None:
                     self.m.not_relayed.labels("token").inc()
                 elif not relay_mod.relayable(req, pre.forced):
@@ -154,7 +157,8 @@ class SseRelay:
                     await out.write(first.block)
                     for i, r in first.choices.items():
                         state.ledger.feed(i, r.text, r.token_ids, first.prompt_ids, ids_follow=r.token_ids is None)
-                        state.skips[i] = Skip(r.text, r.token_ids, req.chat, r.logprobs)
+                        state.skips[i] = Skip(r.text, r.token_ids, req.chat, r.logprobs,
+                                              prompt=token_ids.client_asked(req.body))
                     state.created = first.created
                     self.m.relayed_first.inc()
             return await task
@@ -316,6 +320,10 @@ class SseRelay:
         engine gives, so the rest must follow from it."""
         chat = state.ledger.chat
         delta = ch.get("delta")
+        if skip.prompt:  # the choice's first event: its prompt ids went out with the relayed one
+            if ch.get("prompt_token_ids") is not None:
+                ch["prompt_token_ids"] = None
+            skip.prompt = False
         if skip.role and isinstance(delta, dict) and "role" in delta:
             del delta["role"]  # the relayed events opened the choice already
             skip.role = False

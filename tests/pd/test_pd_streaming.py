@@ -161,16 +161,21 @@ def _client_view(events: list) -> list:
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_a_relayed_stream_with_ids_and_usage_is_the_single_engines(stream_stack: Stack, path: str) -> None:
-    """Token ids, continuous usage and log-probs asked: the relayed stream (its first events built
-    from the prefill's answer) has the events of the same request streamed by one engine."""
+@pytest.mark.parametrize("stop", [None, ["@@@@@@@@", "@@@"]], ids=["no_stop", "stop"])
+def test_a_relayed_stream_with_ids_and_usage_is_the_single_engines(stream_stack: Stack, path: str, stop) -> None:
+    """Token ids, continuous usage and log-probs asked, with and without stop strings (vLLM holds
+    back the longest one's length less one of the streamed text): the relayed stream (its first
+    events built from the prefill's answer) has the events of the same request streamed by one
+    engine."""
     url = stream_stack.proxy.url
     body: dict = {"model": "tiny", "max_tokens": 5, "temperature": 0.0, "ignore_eos": True, "stream": True,
-                  "return_token_ids": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+                  "return_token_ids": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                  "stop": stop}
     if path.endswith("chat/completions"):
-        body.update(messages=[{"role": "user", "content": text(350, 120)}], logprobs=True, top_logprobs=1)
+        body.update(messages=[{"role": "user", "content": text(350 + 2 * bool(stop), 120)}], logprobs=True,
+                    top_logprobs=1)
     else:
-        body.update(prompt=text(351, 120), logprobs=1)
+        body.update(prompt=text(351 + 2 * bool(stop), 120), logprobs=1)
     settle(stream_stack)
     status, single = post_sse(stream_stack.decode.url + path, body)
     assert status == 200 and single[-1] == "[DONE]", single

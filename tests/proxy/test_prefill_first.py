@@ -310,11 +310,14 @@ def _shape(events):
 @pytest.mark.parametrize("extra", [{}, {"return_token_ids": True},
                                    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
                                    {"return_token_ids": True, "logprobs": "lp",
-                                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}}],
-                         ids=["plain", "ids", "usage", "all"])
+                                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+                                   {"stop": "zz"}, {"stop": ["zzzzzz", "y"], "logprobs": "lp"}],
+                         ids=["plain", "ids", "usage", "all", "stop", "stop_long"])
 def test_a_relayed_stream_is_the_decoders_stream_event_for_event(chat, extra):
     """Clients cannot tell: a relayed stream (the first events built from the prefill's answer)
-    has the events of the same stream not relayed, with token ids and continuous usage when asked."""
+    has the events of the same stream not relayed, with token ids and continuous usage when asked,
+    and with stop strings the first token's text held back as vLLM holds it (all of it when the
+    longest stop string is longer than the token)."""
     extra = dict(extra)
     if extra.pop("logprobs", None):
         extra.update({"logprobs": True, "top_logprobs": 1} if chat else {"logprobs": 1})
@@ -352,14 +355,17 @@ def test_eligible_only_for_plain_greedy_single_prompt_streams():
     assert relay.relayable(req(), forced=False)
     assert not relay.eligible(req(temperature=0.5, min_tokens=2))  # the prefill drops min_tokens
     for kw in ({"prompt": ["a", "b"]}, {"stream": False}, {"n": 2, "prompt": ["a", "b"]},
-               {"stop": ["x"]}, {"echo": True}, {"best_of": 2},
+               {"stop": [""]}, {"stop": [1]}, {"stop": "x", "include_stop_str_in_output": 1}, {"echo": True},
+               {"best_of": 2},
                {"stream_options": {"include_usage": True, "continuous_usage_stats": 1}},
                {"stream_options": {"include_usage": "yes", "continuous_usage_stats": True}}):
         assert not relay.eligible(req(**kw)), kw
     # Token ids and continuous usage go out with the relayed token as a single engine sends them.
     for kw in ({"return_token_ids": True}, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-               {"stream_options": {"continuous_usage_stats": False}}):
+               {"stream_options": {"continuous_usage_stats": False}}, {"stop": ["x"]}, {"stop": []}):
         assert relay.eligible(req(**kw)), kw
+    assert [relay.held_back(req(**kw)) for kw in ({}, {"stop": "ab"}, {"stop": ["a", "abcd"]}, {"stop": []},
+                                                  {"stop": "abc", "include_stop_str_in_output": True})] == [0, 1, 3, 0, 0]
     assert relay.continuous_usage(req(stream_options={"include_usage": True, "continuous_usage_stats": True}))
     assert relay.continuous_usage(req(stream_options={"continuous_usage_stats": True})) is False  # vLLM: both
     # Several choices of one prompt: relayed only when the decoder continues from each one's token.
@@ -515,7 +521,7 @@ def test_chat_eligibility_and_first_events():
     assert relay.eligible(req(logprobs=True, top_logprobs=2)) and relay.asks_logprobs(req(logprobs=True))
     assert not relay.asks_logprobs(req(logprobs=False)) and not relay.asks_logprobs(req(top_logprobs=2))
     assert relay.eligible(req(temperature=0.5)) and not relay.relayable(req(temperature=0.5), forced=False)
-    for kw in ({"stream": False}, {"stop": "x"}, {"tools": []}, {"functions": [{"name": "f"}]}, {"echo": True},
+    for kw in ({"stream": False}, {"stop": [""]}, {"tools": []}, {"functions": [{"name": "f"}]}, {"echo": True},
                {"return_prompt_text": True}, {"stream_options": {"include_usage": True, "continuous_usage_stats": 1}}):
         assert not relay.eligible(req(**kw)), kw
 
@@ -574,7 +580,7 @@ def test_every_stream_not_relayed_is_counted_with_its_reason():
             await _sse(h, GREEDY)  # relayed
             assert not_relayed(h) == {}
             await _sse(h, {**GREEDY, "prompt": ["p", "q"]})
-            await _sse(h, {**GREEDY, "stop": ["x"]})
+            await _sse(h, {**GREEDY, "echo": True})
             assert not_relayed(h) == {"request": 2}
             await _sse(h, {**GREEDY, "temperature": 0.7})  # this decoder does not say forces_first
             assert not_relayed(h) == {"request": 2, "not_forced": 1}

@@ -376,7 +376,10 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
             for idx, pids in choices:
                 await send({"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}, prompt_token_ids=pids if ret_ids else None, prompt_text=None)
-        held = {idx: "" for idx, _ in choices}  # text held back by empty_every
+        held = {idx: "" for idx, _ in choices}  # text held back by empty_every or for stop strings
+        stop = body.get("stop") or []
+        stops = [stop] if isinstance(stop, str) else stop
+        hold = max(map(len, stops)) - 1 if stops and not body.get("include_stop_str_in_output") else 0
         for t in range(limit):
             for idx, pids in choices:
                 if k.die_after is not None and sent >= k.die_after:
@@ -389,6 +392,11 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
                 held[idx] = ""
                 if (k.empty_every and (t + 1) % k.empty_every == 0 or k.hold_first and t == 0) and not last:
                     held[idx], text = text, ""
+                if hold and not last:  # as vLLM: the stop strings' longest length less one is held back
+                    text = held[idx] + text
+                    held[idx], text = text[max(len(text) - hold, 0):], text[:max(len(text) - hold, 0)]
+                elif hold:
+                    text = held[idx] + text
                 c: dict[str, Any] = {"index": idx}
                 if chat:
                     c["delta"] = {"reasoning_content": text} if k.reasoning else {"content": text}

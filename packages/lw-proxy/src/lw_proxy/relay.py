@@ -14,11 +14,10 @@ no ``min_tokens``; ``MetaserverResponse.first_token``) and, when its POST said `
 continues from it (lw_vllm.pd.first_token), sampled or greedy. A greedy request is relayed either
 way; a sampled one only when its decoder's POST, in before the prefill answered, said so
 (``relayable``). A request qualifies (``eligible``) when it is a streamed ``/v1/completions`` with
-one prompt (``best_of`` at most 1), and none of ``stop``,
-``echo``, ``suffix`` or ``prompt_logprobs`` (those change the first event or how text is held
-back) with a value other than null or false (``stop: []`` counts as present). A streamed
-``/v1/chat/completions`` qualifies on the same terms (none of ``stop``, ``echo``,
-``prompt_logprobs``, ``return_prompt_text``) and without ``tools`` or ``functions``: a tool
+one prompt (``best_of`` at most 1), and none of ``echo``, ``suffix`` or ``prompt_logprobs``
+(those change the first event) with a value other than null or false. A streamed
+``/v1/chat/completions`` qualifies on the same terms (none of ``echo``, ``prompt_logprobs``,
+``return_prompt_text``) and without ``tools`` or ``functions``: a tool
 parser may hold back or reroute the first token of a stream, which the prefiller's non-streamed
 answer cannot show. Every other request takes the normal path. The prefill's token is relayed only
 when its choice ended with ``finish_reason: "length"`` (not an EOS or stop token). Its text is the
@@ -33,7 +32,12 @@ the decoder, which generated it, sends the character with a later token. For cha
 message's ``content`` with no ``tool_calls`` and no reasoning (a reasoning parser routes text the
 stream may send otherwise). A chat relay sends the two events a single engine opens with: the role
 (``{"role": "assistant", "content": ""}``, the prefill's role) and the first content; the decoder's
-own role event is then dropped. Token ids (``return_token_ids``: the prompt's, completions in the
+own role event is then dropped. With stop strings (``stop``: a non-empty string or a list of them)
+vLLM holds back the longest one's length less one of the streamed text until it knows no stop
+string begins there (``held_back``): the relayed text is the first token's but for that many last
+characters, as a single engine's first event, and the decoder, holding back the same, sends them
+later (a first token that completes a stop string ends the prefill with ``stop``: not relayed).
+Token ids (``return_token_ids``: the prompt's, completions in the
 choice, chat at the top of the role event, and the token's) and continuous usage
 (``stream_options``: ``include_usage`` and ``continuous_usage_stats``, JSON ``true``; the prompt's
 count from the prefill's answer, one generated token, chat with the answer's
@@ -78,8 +82,8 @@ import msgspec
 from . import recompute as rc
 from .validate import ClientRequest
 
-_OFF = ("stop", "echo", "suffix", "prompt_logprobs")
-_OFF_CHAT = ("stop", "echo", "prompt_logprobs", "return_prompt_text", "tools", "functions")
+_OFF = ("echo", "suffix", "prompt_logprobs")
+_OFF_CHAT = ("echo", "prompt_logprobs", "return_prompt_text", "tools", "functions")
 
 
 def asks_logprobs(req: ClientRequest) -> bool:
@@ -177,7 +181,24 @@ def eligible(req: ClientRequest) -> bool:
         return False
     if any(_given(b.get(k)) for k in (_OFF_CHAT if req.chat else _OFF)):
         return False
-    return continuous_usage(req) is not None
+    return continuous_usage(req) is not None and held_back(req) is not None
+
+
+def held_back(req: ClientRequest) -> int | None:
+    """How many characters of a stream's text vLLM holds back while it looks for the request's
+    stop strings (``stop``; none with ``include_stop_str_in_output``): the longest one's length
+    less one (``vllm.v1.engine.detokenizer``), so a single engine's first event shows the first
+    token's text but for its last that many characters. None for a ``stop`` this proxy does not
+    read (not a non-empty string or a list of them), which is not relayed."""
+    stop, incl = req.body.get("stop"), req.body.get("include_stop_str_in_output")
+    if stop is None or stop is False:
+        return 0
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
+        return None
+    if not (incl is None or incl is False or incl is True):
+        return None
+    return 0 if incl is True or not stops else max(map(len, stops)) - 1
 
 
 def continuous_usage(req: ClientRequest) -> bool | None:
@@ -285,14 +306,15 @@ class First(NamedTuple):
 
 
 def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs: bool = False,
-                n: int = 1, *, ids: bool = False, usage: bool = False) -> First | None:
+                n: int = 1, *, ids: bool = False, usage: bool = False, hold: int = 0) -> First | None:
     """The SSE events carrying the prefill answer's first token of each of its ``n`` choices (chat:
     the role events and the first contents) and, with ``logprobs`` (the client asked for them),
     their log-probs, which the answer must hold for each of its tokens; None when they must not be
     relayed (see the module docstring): every choice is relayed, or none. ``ids``: the client
     asked for token ids (``return_token_ids``): the events carry the prompt's and the token's, as
     a single engine's first events do; ``usage``: every event carries usage
-    (``continuous_usage``), the prompt's count from the prefill's answer."""
+    (``continuous_usage``), the prompt's count from the prefill's answer; ``hold``: the characters
+    vLLM holds back for stop strings (``held_back``), which the first events do not show yet."""
     if not data:
         return None
     try:
@@ -307,7 +329,7 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs
     got: dict[int, tuple[Relayed, Any, str | None]] = {}
     pids: Any = obj.get("prompt_token_ids") if chat else None
     for ch in sorted(chs, key=lambda c: c.get("index", 0)):
-        one = _relayed(ch, chat, logprobs)
+        one = _relayed(ch, chat, logprobs, hold)
         if one is None:
             return None
         got[ch.get("index", 0)] = one
@@ -361,9 +383,9 @@ def _usage(usage: Any, chat: bool) -> Callable[[int], dict[str, Any]] | None:
     return at
 
 
-def _relayed(ch: dict[str, Any], chat: bool, logprobs: bool) -> tuple[Relayed, Any, str | None] | None:
-    """One prefill choice's relayed token, its log-probs as they go out and (chat) its role; None
-    when it must not be relayed."""
+def _relayed(ch: dict[str, Any], chat: bool, logprobs: bool, hold: int = 0) -> tuple[Relayed, Any, str | None] | None:
+    """One prefill choice's relayed token (its text but for the last ``hold`` characters), its
+    log-probs as they go out and (chat) its role; None when it must not be relayed."""
     msg = ch.get("message") if chat else {}
     if not isinstance(msg, dict):
         return None
@@ -373,6 +395,8 @@ def _relayed(ch: dict[str, Any], chat: bool, logprobs: bool) -> tuple[Relayed, A
     if any(msg.get(k) for k in ("tool_calls", "reasoning_content", "reasoning")):
         return None
     toks = ch.get("token_ids")
+    if hold:
+        text = text[:max(len(text) - hold, 0)]
     if not text and not (_ids(toks) and len(toks) == 1):
         return None  # an empty text is relayed by its token id, which the decoder's stream is cut by
     lp = ch.get("logprobs") if logprobs else None

@@ -147,7 +147,8 @@ class SseRelay:
                 pre: relay_mod.Prefilled = relay.result()
                 first = relay_mod.first_event(pre.data, pre.parent_id, req.chat, relay_mod.asks_logprobs(req), req.n,
                                               ids=token_ids.client_asked(req.body),
-                                              usage=relay_mod.continuous_usage(req) is True)
+                                              usage=relay_mod.continuous_usage(req) is True,
+                                              hold=relay_mod.held_back(req) or 0)
                 if first is None:
                     self.m.not_relayed.labels("token").inc()
                 elif not relay_mod.relayable(req, pre.forced):

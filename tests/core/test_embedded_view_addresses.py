@@ -121,3 +121,26 @@ def test_a_steps_table_answers_as_view_addresses_and_sees_every_change_after_it_
     finally:
         b.close()
         writer.close()
+
+
+def test_a_steps_table_renews_its_leases_while_its_layers_go_by(tmp_path):
+    """Layers after the first are answered from what the table's last full check proved, only for as
+    long as that proof holds: once a lease is within half its time-to-live of ending, the next query
+    looks again and renews it, so a step's later layers never read an object whose lease ran out."""
+    path = str(tmp_path / "p")
+    reader = EmbeddedBackend(path, capacity_bytes=2 * MiB, lease_ttl_s=2.0)
+    writer = EmbeddedBackend(path, capacity_bytes=2 * MiB)
+    try:
+        _put(writer, ["a", "b"], MiB)
+        hs = reader.open(["a", "b"])
+        t = reader.address_table(hs)
+        rows = np.array([0, 1])
+        first = reader.table_addresses(t, rows, 0, 16)
+        assert list(reader.table_addresses(t, rows, 16, 16)) == list(first + 16)  # answered from the proof
+        time.sleep(1.2)  # past half the lease: the proof has run out
+        assert list(reader.table_addresses(t, rows, 32, 16)) == list(first + 32)
+        time.sleep(1.0)  # the leases taken at open would have ended by now
+        assert writer.reserve(["c"], MiB) == [None], "the table's query renewed both leases"
+    finally:
+        reader.close()
+        writer.close()

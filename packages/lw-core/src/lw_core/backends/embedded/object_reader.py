@@ -29,6 +29,7 @@ from lw_core.backends.embedded.address_table import (
     STREAM,
     WRITABLE,
     AddressTable,
+    Checked,
     build_table,
 )
 from lw_core.backends.embedded.pool_files import PoolFiles
@@ -166,12 +167,12 @@ class ObjectReader:
         lease renewals, for a device copier that moves them by address (int64); ``None`` when a
         handle has no window (streaming)."""
         hs = [own_handle(h, "view") for h in handles]
-        return self.table_addresses(build_table(hs), np.arange(len(hs)), offset, nbytes)
+        return self.table_addresses(build_table(hs, self.pool.handle_states), np.arange(len(hs)), offset, nbytes)
 
     def address_table(self, handles: Sequence[Any]) -> AddressTable:
         """A step's table of ``handles`` (``lw_core.backends.embedded.address_table``): build it once,
         then ``table_addresses`` answers each batch of each layer with array work only."""
-        return build_table(handles)
+        return build_table(handles, self.pool.handle_states)
 
     def table_addresses(self, table: AddressTable, rows: np.ndarray, offset: int, nbytes: int) -> np.ndarray | None:
         """``view_addresses`` of the table's handles at ``rows``. The checks run on arrays; a handle
@@ -181,10 +182,13 @@ class ObjectReader:
         npa = self.pool.np
         assert npa is not None, "the pool is attached (checked by usable)"
         rows = np.asarray(rows, dtype=np.int64)
+        now = time.time()
+        if offset >= 0 and nbytes >= 0 and table.proven(rows, self.pool.epoch, now, offset + nbytes):
+            return table.cols[rows, OFF] + (offset + int(npa.ctypes.data))  # the layers after the first
+        clock = table.clock_now  # read before the handles: a change after it shows as a tick
         flags = table.flags(rows)
         if (flags & STREAM).any():
             return None
-        now = time.time()
         a = table.cols[rows]
         offs = a[:, OFF]
         slow = (a[:, NBYTES] < offset + nbytes) | (a[:, EPOCH] != self.pool.epoch) | (offset < 0) | (nbytes < 0)
@@ -196,7 +200,28 @@ class ObjectReader:
             slow[r] |= ~fresh | (lt.generations(a[r, SLOT]) != oids.astype(np.uint64))
         for i in np.flatnonzero(slow):
             self._window(table.handles[rows[i]], offset, nbytes, now)  # renews the lease, or raises what view would
+        table.checked = self._check_all(table, clock)
         return offs + (offset + int(npa.ctypes.data))
+
+    def _check_all(self, table: AddressTable, clock: int) -> Checked:
+        """What holds now for every row of ``table`` (``Checked``): read after ``clock`` was."""
+        now = time.time()
+        a = table.cols
+        flags = table.flags(np.arange(len(a)))
+        has = np.fromiter((h is not None for h in table.handles), dtype=bool, count=len(a))
+        ok = has & (a[:, EPOCH] == self.pool.epoch) & ((flags & STREAM) == 0)
+        r = np.flatnonzero(ok & ((flags & WRITABLE) == 0))
+        until = float("inf")
+        if len(r):
+            lt = self.pool.leases
+            oids = a[r, OID]
+            left = lt.expiries(a[r, LEASE], oids) - now
+            fresh = ((flags[r] & LEASED) != 0) & (left > self.lease_ttl_s / 2)
+            fresh &= lt.generations(a[r, SLOT]) == oids.astype(np.uint64)
+            ok[r] = fresh
+            if fresh.any():
+                until = now + float(left[fresh].min()) - self.lease_ttl_s / 2
+        return Checked(clock, self.pool.epoch, until, ok)
 
     def _window(self, h: EmbeddedHandle, offset: int, nbytes: int, now: float) -> int:
         """Where ``h``'s bytes ``[offset, offset + nbytes)`` start in the arena, once checked (and a
@@ -308,19 +333,22 @@ class ObjectReader:
         self.usable()
         lt, ep = self.pool.leases, self.pool.epoch
         stale = 0
-        with lt.lock:
-            gen = lt.gen
-            lease: list[int] = []
-            oids: list[int] = []
-            for h in hs:
-                h._leased = False
-                if h._epoch != ep:
-                    continue
-                if gen[h._pg] != h._oid:
-                    stale += 1  # evicted while leased: a reader ran past its lease
-                lease.append(h._lease)
-                oids.append(h._oid)
-            lt.drop_many(lease, oids)
+        try:
+            with lt.lock:
+                gen = lt.gen
+                lease: list[int] = []
+                oids: list[int] = []
+                for h in hs:
+                    h._leased = False
+                    if h._epoch != ep:
+                        continue
+                    if gen[h._pg] != h._oid:
+                        stale += 1  # evicted while leased: a reader ran past its lease
+                    lease.append(h._lease)
+                    oids.append(h._oid)
+                lt.drop_many(lease, oids)
+        finally:
+            self.pool.handle_states.tick()
         if stale:
             self.local["stale_views"] += stale
             log.warning(

@@ -178,6 +178,7 @@ class ObjectWriter:
         lost = self._write(fn)
         for h in hs:
             h._writable = False
+        self.pool.handle_states.tick()
         if lost:
             raise ObjectMissing(
                 f"embedded pool: {len(lost)} object(s) not published: aborted, or the reservation expired "
@@ -202,3 +203,4 @@ class ObjectWriter:
             self._write(fn)
         for h in hs:
             h._writable = False
+        self.pool.handle_states.tick()

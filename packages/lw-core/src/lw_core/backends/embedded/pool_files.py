@@ -26,7 +26,7 @@ from lw_core.backends.embedded import files
 from lw_core.backends.embedded.arena_alloc import ArenaCorrupt, ExtentAllocator
 from lw_core.backends.embedded.env import acquire_env, boot_id, release_env
 from lw_core.backends.embedded.leases import LeaseTable, table_bytes
-from lw_core.backends.embedded.records import CAP_REC, CIDX, COUNTERS, COUNTERS_REC, FORMAT, PAGE, T, log
+from lw_core.backends.embedded.records import CAP_REC, CIDX, COUNTERS, COUNTERS_REC, FORMAT, PAGE, StateClock, T, log
 from lw_core.backends.embedded.txn import Tx
 from lw_core.backends.embedded.writer_lock import WriterLock
 from lw_core.procs import Owner
@@ -53,6 +53,7 @@ class PoolFiles:
         self._leases: LeaseTable | None = None
         self._attach_fd: int | None = None
         self.epoch = 0  # which attachment of the pool (the backend counts re-attaches): handles carry it
+        self.handle_states = StateClock()  # ticks when a handle of this pool changes state (records.py)
 
     @property
     def leases(self) -> LeaseTable:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import mmap
 import struct
@@ -70,8 +71,29 @@ COUNTERS_REC = struct.Struct("<" + "q" * len(COUNTERS))
 T = TypeVar("T")
 
 
+class StateClock:
+    """Ticks after any change of a handle's mutable state (``_writable``, ``_leased``, ``_stream``):
+    a commit, an abort, a release, a switch to streaming. A reader that cached those states when
+    the clock read ``now`` knows they still hold while it reads the same value (``AddressTable``),
+    so it need not look at each handle again. Values are never reused (``next`` on a counter is
+    atomic), so a tick cannot be mistaken for an earlier reading even when two threads store their
+    values out of order."""
+
+    __slots__ = ("now", "_ticks")
+
+    def __init__(self) -> None:
+        self._ticks = itertools.count(1)
+        self.now = 0
+
+    def tick(self) -> None:
+        """Call after the states changed (never before: a reader could cache the old ones)."""
+        self.now = next(self._ticks)
+
+
 class EmbeddedHandle:
-    """A reservation (writable) or a lease (read-only) on one object; valid in its process only."""
+    """A reservation (writable) or a lease (read-only) on one object; valid in its process only.
+    Whoever changes ``_writable``, ``_leased`` or ``_stream`` of a handle that may be in an
+    ``AddressTable`` ticks its pool's ``StateClock`` afterwards."""
 
     __slots__ = ("key", "nbytes", "_bkey", "_off", "_alloc", "_oid", "_writable", "_leased", "_pg", "_lease", "_epoch", "_stream")
 

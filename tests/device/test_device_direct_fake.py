@@ -6,6 +6,7 @@ views checked and objects committed or aborted only once the copies that use the
 from __future__ import annotations
 
 import logging
+import shutil
 import threading
 import time
 
@@ -16,6 +17,7 @@ from fake_ops import FakeOps, entries, position
 from recording_backend import Recording, ViewsOnly
 
 from lw_core.backends.embedded import EmbeddedBackend
+from lw_core.backends.embedded import backend as embedded_backend
 from lw_core.pipeline import LayerPipeline
 from lw_core.plan import ObjectLayout, ReqLoad, ReqSave
 from lw_vllm.device import host_register
@@ -127,6 +129,80 @@ def test_batches_in_the_registered_pool_move_directly_by_the_chosen_mechanism(po
         assert e[1] == cd.dev.h2d_stream.name
         ev = next(r[2] for j, r in entries(log, "record") if j > i and r[1] == e[1])
         assert ("wait", "compute", ev) in log
+
+
+def test_a_pool_made_anew_at_its_path_is_registered_again_and_the_old_arena_let_go(pool_path, monkeypatch):
+    """The embedded pool re-attaches when its directory is replaced: the next step registers the new
+    arena (on a thread of its own), copies move directly from it again, and the old arena is
+    unregistered once no copy uses it."""
+    monkeypatch.setattr(embedded_backend, "POOL_CHECK_S", 0.0)
+    b = EmbeddedBackend(pool_path, capacity_bytes=4 * MiB)
+    log: list = []
+    src, dst = _kv(True), _kv(False)
+    cs, cd = _copier(src, log), _copier(dst, log)
+    ps = LayerPipeline(b, cs, _layout(cs), max_transfer_blocks=3)
+    pd = LayerPipeline(b, cd, _layout(cd), prefetch_depth=2, max_transfer_blocks=3)
+    other = None
+    try:
+        old = _base(b)
+        assert _step(ps, pd) and cd.mechanism_counts["kernel"] == LAYERS * 2
+        shutil.rmtree(pool_path)
+        other = EmbeddedBackend(pool_path, capacity_bytes=4 * MiB)  # another process makes a new pool there
+        b.lookup(["k0"])
+        assert b.stats()["reattached"] == 1
+        new = _base(b)
+        assert new != old
+        _step(ps, pd)  # the step that notices: it registers the new arena on a thread; its copies may be staged
+        for p in (ps, pd):
+            assert p._registering is not None
+            p._registering.join(10)
+        for c in (cs, cd):
+            assert [r.addr for r in c.dev.direct.registry.regions(id(c.dev.direct))] == [new]
+        assert len([e for _, e in entries(log, "register") if e[1] == new]) == 2  # one per copier's registry
+        assert len([e for _, e in entries(log, "unregister") if e[1] == old]) == 2  # the old arena let go
+        dst[0].zero_(), dst[1].zero_(), dst[2].zero_()
+        kernel, staged = cd.mechanism_counts["kernel"], cd.mechanism_counts["staged"]
+        assert _step(ps, pd)
+        _same(src, dst)
+        assert cd.mechanism_counts["kernel"] == kernel + LAYERS * 2 and cd.mechanism_counts["staged"] == staged
+    finally:
+        ps.close(), pd.close(), cs.close(), cd.close(), b.close()
+        if other is not None:
+            other.close()
+
+
+def test_a_batch_planned_in_memory_that_was_let_go_is_never_enqueued():
+    old, new = np.zeros(2 * MiB, dtype=np.uint8), np.zeros(2 * MiB, dtype=np.uint8)
+    ops = FakeOps()
+    d = DirectPath(ops, "kernel")
+    d.register([old])
+    layer = torch.zeros(1, 2, 4096, dtype=torch.uint8)
+    plan = d.plan(layer, [old[8192 : 8192 + 4096]], 4096)
+    assert plan is not None
+    gone = d.register([new])  # the pool moved: the old range is let go (still registered)
+    assert [r.addr for r in gone] == [plan.region.addr]
+    with pytest.raises(RuntimeError, match="registered anew"):
+        d.h2d(plan, layer, [1])
+    assert d.plan(layer, [old[8192 : 8192 + 4096]], 4096) is None  # nor planned again
+    assert d.plan(layer, [new[8192 : 8192 + 4096]], 4096) is not None
+
+
+def _base(b: EmbeddedBackend) -> int:
+    (arena,) = b.host_regions()
+    addr = int(np.frombuffer(arena, dtype=np.uint8).ctypes.data)
+    return -(-addr // host_register.PAGE) * host_register.PAGE
+
+
+def _step(ps: LayerPipeline, pd: LayerPipeline) -> bool:
+    """A save of KEYS under fresh keys' names, then a load of them: True when both went through."""
+    ps.start_save([ReqSave("r", KEYS, SRC_BLOCKS)])
+    for layer in range(LAYERS):
+        ps.save_layer(layer)
+    saved = ps.finish_save()
+    pd.start_load([ReqLoad("r", KEYS, DST_BLOCKS)])
+    for layer in range(LAYERS):
+        pd.wait_layer(layer)
+    return bool(pd.finish_load().ok and (saved.ok or not saved.committed_keys))
 
 
 def test_auto_takes_batched_dma_for_large_segments_and_the_gather_below():

@@ -117,7 +117,10 @@ class Backend(Protocol[H]):
     # Optional: ``host_regions() -> list[memoryview]``, the host memory this process maps that
     # every ``view`` window lies in (the embedded pool: its arena). A device copier registers it
     # with the device once (``LayerPipeline`` hands it over), so copies to and from views need no
-    # staging. Each memoryview keeps its range mapped while the copier holds it.
+    # staging. Each memoryview keeps its range mapped while the copier holds it. With it, optional:
+    # ``host_regions_epoch() -> int``, a value that changes whenever ``host_regions`` would answer
+    # differently (the embedded pool re-attached to a pool made anew at its path): the pipeline
+    # then registers the new memory, and the copier lets the old go once no copy uses it.
     # With it, optional: ``view_addresses(handles, offset, nbytes) -> int64 array | None``, the host
     # addresses of ``view``'s windows for a batch (same checks and lease renewals as ``view``), so a
     # device copier moves a batch by address with no Python object per window. With that,

@@ -14,7 +14,9 @@ Two optional methods (looked up with ``getattr``; a copier without them works as
   on a device, so the pool reads straight into what the DMA reads).
 * ``register_host(buffers) -> None``: called by ``LayerPipeline`` with the backend's
   ``host_regions()`` (when it has them): a device copier registers that memory with the device and
-  then copies batches of views in it directly, asynchronously.
+  then copies batches of views in it directly, asynchronously. Called again (from a thread of the
+  pipeline's own) when the backend's ``host_regions_epoch`` changes: memory the copier registered
+  before that is not among the new buffers is let go once no copy uses it.
 * ``addressable(layer, addrs) -> bool``, ``to_kv_at(layer, block_ids, addrs)``,
   ``from_kv_at(layer, block_ids, addrs, after)``: the same copies with the views given by their
   host addresses (a backend's ``view_addresses``), when ``addressable`` says the copier moves

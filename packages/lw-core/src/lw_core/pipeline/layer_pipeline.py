@@ -78,6 +78,8 @@ class LayerPipeline:
             staging=StagingPool(copier.wait, alloc=getattr(copier, "host_buffer", None)),
             sleep=sleep,
         )
+        self._regions_epoch: Any = None  # the backend's host_regions_epoch() when last registered
+        self._registering: threading.Thread | None = None
         self._register_host()
         self._load: LoadStep | None = None
         self._save: SaveStep | None = None
@@ -90,10 +92,38 @@ class LayerPipeline:
         register = getattr(self.ctx.copier, "register_host", None)
         if regions is None or register is None:
             return
+        self._regions_epoch = self._host_epoch()
         try:
             register(regions())
         except Exception:
             log.exception("registering the pool's host memory with the device failed; copies go through staging")
+
+    def _host_epoch(self) -> Any:
+        epoch = getattr(self.ctx.backend, "host_regions_epoch", None)
+        try:
+            return None if epoch is None else epoch()
+        except Exception:
+            log.exception("backend.host_regions_epoch failed")
+            return self._regions_epoch
+
+    def _follow_host_regions(self) -> None:
+        """As each step starts: when the backend's host memory has moved since it was registered
+        (``host_regions_epoch``: the embedded pool re-attached to a pool made anew at its path),
+        register the new memory on a thread of its own (pinning a large arena takes seconds; the
+        step does not wait). Until it is registered, copies from the new memory are staged; the
+        copier lets the old memory go once no copy of it is left."""
+        if self._regions_epoch is None:
+            return  # nothing registered, or a backend whose host memory never moves
+        t = self._registering
+        if t is not None and t.is_alive():
+            return  # the next step looks again
+        epoch = self._host_epoch()
+        if epoch == self._regions_epoch:
+            return
+        self._regions_epoch = epoch
+        log.info("the pool's host memory moved (backend epoch %s): registering it with the device again", epoch)
+        self._registering = threading.Thread(target=self._register_host, name="lw-register-host", daemon=True)
+        self._registering.start()
 
     @property
     def backend(self) -> Backend[Any]:
@@ -127,6 +157,7 @@ class LayerPipeline:
         self._check_open("start_load")
         if self._load is not None:
             raise RuntimeError("LayerPipeline.start_load: the previous step's loads were not finished (call finish_load)")
+        self._follow_host_regions()
         step = LoadStep(self.ctx, loads)
         if not step.n:
             return
@@ -173,6 +204,7 @@ class LayerPipeline:
         self._check_open("start_save")
         if self._save is not None:
             raise RuntimeError("LayerPipeline.start_save: the previous step's saves were not finished (call finish_save)")
+        self._follow_host_regions()
         step = SaveStep(self.ctx, saves)
         self._save = step
         step.reserve()

@@ -32,6 +32,7 @@ Loads and saves use separate streams, so a load never queues behind a save that 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -43,6 +44,8 @@ import torch
 from lw_vllm.device.device_streams import DeviceOps
 from lw_vllm.device.direct_path import DirectPath
 from lw_vllm.device.staging import PinnedStaging
+
+log = logging.getLogger("lw_vllm.device")
 
 
 class DevicePath:
@@ -64,7 +67,20 @@ class DevicePath:
 
     # --- registered pool memory ---
     def register(self, buffers: Sequence[Any]) -> None:
-        self.direct.register(buffers)
+        """Register ``buffers`` (the pool's host memory); memory registered before that lies in none
+        of them is unregistered once every copy enqueued so far has completed (copies are enqueued
+        under the stream locks and refuse memory let go, so none enqueued later uses it); if they
+        do not complete within ``copy_timeout_s`` it stays registered."""
+        gone = self.direct.register(buffers)
+        if not gone:
+            return
+        with self._h2d_lock, self._d2h_lock:
+            evs = [self.ops.record(s) for s in (self.h2d_stream, self.d2h_stream)]
+        if all(self.wait(ev, self.copy_timeout_s) for ev in evs):
+            self.direct.registry.unregister(gone)
+        else:
+            log.warning("lw-vllm: %d bytes of pool memory that moved stay registered: copies of it still run",
+                        sum(r.nbytes for r in gone))
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Unregister the pool memory once every copy enqueued so far has completed; if they do not

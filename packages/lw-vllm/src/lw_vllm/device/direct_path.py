@@ -20,6 +20,7 @@ view) falls to the other, then to the staged path. ``counts`` tallies batches pe
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,13 +56,26 @@ class DirectPath:
         self.registry = registry_for(ops)
         self.counts = {"kernel": 0, "batch_dma": 0, "staged": 0}
         self.register_failures = 0
+        self._lock = threading.Lock()  # registrations (on a thread of their own) against close
+        self._closed = False
 
-    def register(self, buffers: Sequence[Any]) -> None:
-        if self.mechanism != "staged":
+    def register(self, buffers: Sequence[Any]) -> list[Region]:
+        """Register ``buffers`` for this path. Ranges it held that lie in none of them (memory that
+        moved: a pool re-attached) are let go: the ones nobody else holds are returned, still
+        registered, for the caller to unregister once none of its enqueued copies can use them;
+        from now on no batch is planned in them, and one planned before is refused (``_run``)."""
+        if self.mechanism == "staged":
+            return []
+        with self._lock:
+            if self._closed:
+                return []
             self.register_failures += self.registry.register(buffers, id(self))
+            return self.registry.detach(id(self), lambda r: not self.registry.covers(r, buffers))
 
     def close(self) -> None:
-        self.registry.release(id(self))
+        with self._lock:
+            self._closed = True
+            self.registry.release(id(self))
 
     def _how(self, region: Region, segment: int) -> str | None:
         can_dma = bool(getattr(self.ops, "can_batch_copy", False))
@@ -111,6 +125,8 @@ class DirectPath:
         self._run(plan, layer, block_ids, to_device=False)
 
     def _run(self, plan: Plan, layer: torch.Tensor, block_ids: Sequence[int], to_device: bool) -> None:
+        if id(self) not in plan.region.holders:  # let go since the plan (registered anew): never enqueue
+            raise RuntimeError("the pool memory of this batch was registered anew meanwhile; its blocks are recomputed")
         ids = np.asarray(block_ids, dtype=np.int64)
         if plan.how == "batch_dma":
             from lw_vllm.device.zero_copy import segments

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import mmap
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,14 +147,33 @@ class HostRegistry:
 
     def release(self, holder: int) -> None:
         """``holder`` is done with its ranges: unregister those nobody else holds."""
+        self.unregister(self.detach(holder, lambda r: True))
+
+    def detach(self, holder: int, which: Callable[[Region], bool]) -> list[Region]:
+        """``holder`` lets go of its ranges for which ``which`` is true. Those nobody else holds
+        are no longer found by ``locate`` and are returned, still registered: the caller
+        unregisters them (``unregister``) once no copy it enqueued can use them."""
         with self._lock:
             for r in self._regions:
-                r.holders.discard(holder)
+                if holder in r.holders and which(r):
+                    r.holders.discard(holder)
             gone = [r for r in self._regions if not r.holders]
             self._regions = [r for r in self._regions if r.holders]
-            for r in gone:
-                for a, _ in r.pieces:
-                    self._unregister(a)
+        return gone
+
+    def unregister(self, regions: Sequence[Region]) -> None:
+        for r in regions:
+            for a, _ in r.pieces:
+                self._unregister(a)
+
+    def covers(self, region: Region, buffers: Sequence[Any]) -> bool:
+        """Whether ``region`` lies in one of ``buffers`` (the ranges a registration asked for)."""
+        for buf in buffers:
+            arr = np.frombuffer(buf, dtype=np.uint8)
+            addr = int(arr.ctypes.data)
+            if addr <= region.addr and region.addr + region.nbytes <= addr + int(arr.nbytes):
+                return True
+        return False
 
 
 _SHARED: dict[str, HostRegistry] = {}

@@ -238,6 +238,11 @@ class EmbeddedBackend:
         mm = self._pool.mm
         return [] if mm is None else [memoryview(mm)]
 
+    def host_regions_epoch(self) -> int:
+        """Changes whenever ``host_regions`` would answer differently (the optional protocol
+        method): each re-attach maps a new arena."""
+        return self._pool.epoch
+
     def intact(self, handles: Sequence[EmbeddedHandle]) -> list[bool]:
         return self._reader.intact(handles) if self._tiered is None else self._tiered.intact(handles)
 

@@ -275,10 +275,12 @@ class LoadStep:
                 live = np.flatnonzero(~self.failed[rng.start : rng.stop])
             if not len(live):
                 continue
-            idx = (live + rng.start).tolist()
-            idx, srcs, bufs = self._fetch_isolating(layer, idx)
+            rows = live + rng.start
+            idx, srcs, bufs = self._fetch_isolating(layer, rows.tolist(), rows)
             if not idx:
                 continue
+            if len(idx) != len(rows):  # items the store refused were dropped (the order stays)
+                rows = np.asarray(idx, dtype=np.int64)
             if not staggered:
                 staggered = True
                 delay = stagger_delay_us(ctx.limits.h2d_stagger_us, ctx.limits.tp_rank, ctx.limits.tp_size, layer)
@@ -291,25 +293,26 @@ class LoadStep:
                         return  # too late: the data must not reach the KV
                     try:
                         if isinstance(srcs, At):
-                            token = ctx.copier.to_kv_at(layer, self.block_arr[idx], srcs.addrs)  # type: ignore[attr-defined]
+                            token = ctx.copier.to_kv_at(layer, self.block_arr[rows], srcs.addrs)  # type: ignore[attr-defined]
                         else:
                             token = ctx.copier.to_kv(layer, [self.blocks[i] for i in idx], srcs)
                     except Exception as e:
                         log.exception("to_kv of layer %d failed", layer)
                         self._fail_locked(idx, f"layer {layer}: copy into the KV cache: {describe(e)}")
                         continue
-                    self.done[layer, idx] = True
+                    self.done[layer, rows] = True
                     if not bufs:
-                        self.viewed[idx] = True
+                        self.viewed[rows] = True
                         self.view_copies.append((token, idx))
                     self.tokens[layer].append(token)
             finally:
                 for b in bufs:
                     ctx.staging.put(b, token)
 
-    def _fetch(self, layer: int, idx: list[int], by_address: bool = True) -> tuple[Any, list[np.ndarray]]:
+    def _fetch(self, layer: int, idx: list[int], by_address: bool = True, rows: np.ndarray | None = None) -> tuple[Any, list[np.ndarray]]:
         """Host sources of one batch: the views' addresses when the copier moves them by address,
-        zero-copy views when the backend has them, else a staging read."""
+        zero-copy views when the backend has them, else a staging read. ``rows``: ``idx`` as an
+        array, when the caller has it."""
         ctx = self.ctx
         off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
         if self.any_split and any(self.splits[i] is not None for i in idx):
@@ -317,7 +320,7 @@ class LoadStep:
         if ctx.views.load and by_address:
             table = self.table.get(self.ctx, self.item_handle)
             hs = None if table is not None else [self.item_handle[i] for i in idx]
-            addrs = ctx.addresses(layer, hs, off, n, table, idx)
+            addrs = ctx.addresses(layer, hs, off, n, table, idx if rows is None else rows)
             if addrs is not None:
                 return At(addrs), []
         hs = [self.item_handle[i] for i in idx]
@@ -364,10 +367,10 @@ class LoadStep:
             raise
         return dsts, [buf]
 
-    def _fetch_isolating(self, layer: int, idx: list[int]) -> tuple[list[int], Any, list[np.ndarray]]:
+    def _fetch_isolating(self, layer: int, idx: list[int], rows: np.ndarray | None = None) -> tuple[list[int], Any, list[np.ndarray]]:
         """Fetch a batch; if the store refuses it, retry item by item so only the bad objects fail."""
         try:
-            srcs, bufs = self._fetch(layer, idx)
+            srcs, bufs = self._fetch(layer, idx, rows=rows)
             return idx, srcs, bufs
         except BackendError as e:
             if len(idx) == 1:

@@ -327,12 +327,13 @@ class SaveStep:
         off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
         if ctx.views.save:
             table = self.table.get(self.ctx, self.handles)
-            addrs = ctx.addresses(layer, None if table is not None else [self.handles[i] for i in idx], off, n, table, idx)
+            rows = np.asarray(idx, dtype=np.int64)  # once: numpy indexes with a list slowly
+            addrs = ctx.addresses(layer, None if table is not None else [self.handles[i] for i in idx], off, n, table, rows)
             if addrs is not None:  # the copier writes the objects by address
                 with self.lock:
                     if self.cancelled:
                         return
-                    tok = copier.from_kv_at(layer, self.block_arr[idx], addrs, after=token)  # type: ignore[attr-defined]
+                    tok = copier.from_kv_at(layer, self.block_arr[rows], addrs, after=token)  # type: ignore[attr-defined]
                     self.pending.append((tok, layer, idx))  # done once it completes (``_settle``)
                 return
         hs = [self.handles[i] for i in idx]

@@ -4,7 +4,7 @@
 #
 #   bash scripts/device-check.sh            # from a checkout of this repository
 #
-# Sets up from the repository alone (lw-core, lw-bench, lw-dev and lw_vllm's copier on PYTHONPATH,
+# Sets up from the repository alone (lw-core, lw-bench, lw-dev, lw_vllm's copier and lw_mooncake's get arena on PYTHONPATH,
 # no pip install of the project and no vLLM; missing modules such as msgspec and lmdb installed
 # from the bundle's wheels into a temporary directory), then:
 #   1. runs the device tests (tests/device: the copier and pipeline contract on the device, direct
@@ -29,7 +29,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 OUT_DIR=${OUT:-/tmp/lw-device-check}
 mkdir -p "$OUT_DIR"
-export PYTHONPATH="$PWD/packages/lw-core/src:$PWD/packages/lw-bench/src:$PWD/packages/lw-vllm/src:$PWD/packages/lw-dev/src${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$PWD/packages/lw-core/src:$PWD/packages/lw-bench/src:$PWD/packages/lw-vllm/src:$PWD/packages/lw-dev/src:$PWD/packages/lw-mooncake/src${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONDONTWRITEBYTECODE=1
 export LW_TESTS_ALLOW_MISSING=${LW_TESTS_ALLOW_MISSING:-memcache_hybrid,mooncake,vllm}
 t_start=$(date +%s)

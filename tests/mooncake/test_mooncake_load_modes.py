@@ -127,7 +127,7 @@ class _SlowGets:
 
 
 def test_a_whole_fetch_past_its_deadline_is_unavailable_and_its_buffer_is_never_handed_out(cluster, make_client):
-    b = make_client(cluster, load="whole", call_timeout_s=0.3)
+    b = make_client(cluster, load="whole", call_timeout_s=0.3, get_arena_bytes=0)  # a buffer per fetch
     try:
         data = _put(b, ["t0"], 128 * KiB, seed=5)
         slow = _SlowGets(b.client.store, delay_s=1.0)
@@ -145,6 +145,48 @@ def test_a_whole_fetch_past_its_deadline_is_unavailable_and_its_buffer_is_never_
         assert bytes(v) == data["t0"].tobytes()
         assert np.shares_memory(np.frombuffer(v, np.uint8), late) is False
         b.release([h])
+    finally:
+        b.client.store = b.client.store._store if isinstance(b.client.store, _SlowGets) else b.client.store
+        b.store.remove_all(True)
+
+
+def test_whole_fetches_land_in_the_get_arena_the_device_is_given_and_reuse_it(cluster, make_client):
+    """The arena is registered with Mooncake once and is what ``host_regions`` hands a device
+    copier; fetched objects lie in it, a release gives the space back, a fetch past its deadline
+    keeps its pages from every later fetch until it returned, and an open without room fetches
+    into a buffer of its own. Bytes exact throughout."""
+    b = make_client(cluster, load="whole", call_timeout_s=0.3, get_arena_bytes=768 * KiB)
+    try:
+        data = _put(b, [f"g{i}" for i in range(6)], 128 * KiB, seed=7)
+        (region,) = b.host_regions()
+        lo = np.frombuffer(region, np.uint8).ctypes.data
+        inside = lambda v: lo <= np.frombuffer(v, np.uint8).ctypes.data < lo + region.nbytes  # noqa: E731
+        for rep in range(4):
+            keys = [f"g{(rep + i) % 6}" for i in range(4)]
+            hs = b.open(keys)
+            for k, h in zip(keys, hs):
+                v = b.view(h, 0, 128 * KiB)
+                assert inside(v) and bytes(v) == data[k].tobytes()
+            b.release(hs)
+        assert b.arena.free_bytes() == 768 * KiB and b.stats()["arena_gets"] == 4
+        (h0,) = b.open(["g0"])
+        slow = _SlowGets(b.client.store, delay_s=1.0)
+        b.client.store = slow
+        with pytest.raises(BackendUnavailable, match="batch_get_into"):
+            b.open(["g1"])
+        assert b.arena.free_bytes() == 768 * KiB - 2 * 128 * KiB  # h0's pages and the late get's
+        b.client.store = slow._store
+        hs = b.open(["g2", "g3", "g4", "g5"])  # fills what is left
+        assert all(inside(b.view(h, 0, 1)) for h in hs)
+        (big,) = b.open(["g1"])  # no room: a buffer of its own
+        assert not inside(b.view(big, 0, 1)) and b.stats()["get_arena_full"] == 1
+        assert slow.done.wait(10)
+        for k, h in zip(["g0", "g2", "g3", "g4", "g5", "g1"], [h0, *hs, big]):
+            assert bytes(b.view(h, 0, 128 * KiB)) == data[k].tobytes(), k  # the late get wrote its own pages
+        b.release([h0, *hs, big])
+        time.sleep(0.1)  # the late call's future is done just after it returns
+        b.arena.prune()
+        assert b.arena.free_bytes() == 768 * KiB
     finally:
         b.client.store = b.client.store._store if isinstance(b.client.store, _SlowGets) else b.client.store
         b.store.remove_all(True)

@@ -16,7 +16,9 @@ become readable), ``abort`` revokes. Without sessions, objects are put whole at 
   ``load`` (key ``mooncake_load``): ``"per_layer"`` -- ``read`` is one ``get_into_ranges`` per
   batch, a ranged get of one layer of every object, into registered staging, then copied out, and
   ``view`` of a read handle is ``None``; ``"whole"`` -- ``open`` fetches the whole objects with
-  ``batch_get_into`` into local copies, which ``view``/``read`` then serve (fewer, larger calls:
+  ``batch_get_into`` into the get arena (``get_arena.GetArena``: registered with Mooncake once and
+  offered as ``host_regions``, so a device copier moves layers from it by DMA; a buffer of the
+  fetch's own when it is full), which ``view``/``read`` then serve (fewer, larger calls:
   Mooncake's cost is per key and call; measured in docs/bench/mooncake.md); ``"auto"`` (the
   default) -- ``"whole"`` for an open of at most ``mooncake_whole_max_bytes``, else ``"per_layer"``.
   ``release`` drops the local copies; Mooncake itself pins an object for ``--default_kv_lease_ttl``
@@ -28,6 +30,7 @@ protocol's calls to them:
 * ``client.StoreClient`` -- the Mooncake client set up against the master, its calls under a
   deadline (``mooncake_call_timeout_s``; past it ``BackendUnavailable``), and whether it is closed;
 * ``puts.StagedPuts`` / ``gets.StagedGets`` -- registered put and get staging, one batch at a time;
+* ``get_arena.GetArena`` -- the memory whole gets land in, and which extents of it read handles hold;
 * ``reservations.Reservations`` -- this process's open reservations (their local objects);
 * ``put_sessions.PutSessions`` / ``session_writer.SessionWriter`` -- put sessions, when used;
 * ``object_writer.ObjectWriter`` / ``object_reader.ObjectReader`` -- the protocol's two halves;
@@ -48,6 +51,7 @@ from typing import Any
 from lw_core.backends.segment_stream.checks import check_publish, require_streaming
 from lw_mooncake.calls import Deadlines
 from lw_mooncake.client import INSTALL_HINT, StoreClient, route_address
+from lw_mooncake.get_arena import ALIGN, GetArena
 from lw_mooncake.gets import StagedGets
 from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
 from lw_mooncake.object_reader import ObjectReader
@@ -68,12 +72,14 @@ class MooncakeBackend:
     def __init__(self, master: str, *, metadata_server: str = "P2PHANDSHAKE", protocol: str = "tcp", rdma_devices: str = "",
                  local_hostname: str = "", global_segment_size: int = 0, local_buffer_size: int = 16 << 20,
                  staging_size: int = 64 << 20, call_timeout_s: float = 5.0, setup_timeout_s: float = 30.0,
-                 load: str = "auto", whole_max_bytes: int = 256 << 20, restore_signals: bool = True,
+                 load: str = "auto", whole_max_bytes: int = 256 << 20, get_arena_bytes: int = 256 << 20, restore_signals: bool = True,
                  streaming: bool = False, put_sessions: bool | None = None, prefer_local_segment: bool = True) -> None:
         if load not in ("auto", "per_layer", "whole"):
             raise ValueError(f"mooncake_load={load!r}: expected 'auto', 'per_layer' or 'whole'")
         if whole_max_bytes < 0:
             raise ValueError(f"mooncake_whole_max_bytes={whole_max_bytes}: must be >= 0")
+        if get_arena_bytes < 0:
+            raise ValueError(f"mooncake_get_arena_bytes={get_arena_bytes}: must be >= 0")
         self.load = load
         self.staging_size = staging_size
         self.client = StoreClient.connect(
@@ -84,7 +90,11 @@ class MooncakeBackend:
         self.master, self.metadata_server = master, self.client.metadata_server
         self.local_hostname = self.client.local_hostname
         self.puts = StagedPuts(self.client, staging_size)
-        self.gets = StagedGets(self.client, staging_size)
+        # Whole gets land in one arena registered once (with Mooncake, and with a device through
+        # ``host_regions``); none when loads never fetch whole objects.
+        self.arena = (GetArena(self.client.store, self.client.calls, get_arena_bytes)
+                      if get_arena_bytes >= ALIGN and load != "per_layer" else None)
+        self.gets = StagedGets(self.client, staging_size, self.arena)
         self.reservations = Reservations()
         self.stream_writer = StreamWriter(self.client, self.puts, self.reservations) if streaming else None
         self.stream_reader = StreamReader(self.client, self.gets)
@@ -105,7 +115,7 @@ class MooncakeBackend:
                    global_segment_size=k.mooncake_global_segment_size,
                    local_buffer_size=k.mooncake_local_buffer_size, staging_size=k.mooncake_staging_size,
                    call_timeout_s=k.mooncake_call_timeout_s, load=k.mooncake_load,
-                   whole_max_bytes=k.mooncake_whole_max_bytes,
+                   whole_max_bytes=k.mooncake_whole_max_bytes, get_arena_bytes=k.mooncake_get_arena_bytes,
                    prefer_local_segment=k.mooncake_prefer_local_segment, **kwargs)
 
     @property
@@ -153,6 +163,11 @@ class MooncakeBackend:
     def release(self, handles: Sequence[Any]) -> None:
         self.reader.release(handles)
 
+    def host_regions(self) -> list[memoryview]:
+        """Where whole gets land (the optional protocol method): a device copier registers it and
+        moves the layers of fetched objects from it directly."""
+        return [] if self.arena is None else [self.arena.region()]
+
     # ----- streaming (StreamWriter, StreamReader) -----
 
     def publish(self, handles: Sequence[Any], upto: int) -> None:
@@ -172,7 +187,8 @@ class MooncakeBackend:
 
     def stats(self) -> dict[str, int]:
         leftovers = len(self.stream_writer.collector) if self.stream_writer is not None else 0
-        return {**self.writer.counts, **self.gets.counts, "pending": len(self.reservations),
+        arena = {} if self.arena is None else dict(self.arena.counts)
+        return {**self.writer.counts, **self.gets.counts, **arena, "pending": len(self.reservations),
                 "call_timeouts": self.calls.timeouts, "stream_leftovers": leftovers}
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -181,6 +197,8 @@ class MooncakeBackend:
         if self.stream_writer is not None:
             self.stream_writer.close()
         self.writer.close()
+        if self.arena is not None:
+            self.arena.close()
         self.client.close(timeout_s)
 
     def __enter__(self) -> MooncakeBackend:

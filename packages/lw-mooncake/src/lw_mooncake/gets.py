@@ -1,6 +1,7 @@
 """``StagedGets``: ranged gets through registered get staging (``get_into_ranges``), gets of whole
-objects (``batch_get_into``) into a buffer registered for the call, and the count of the bytes they
-read (``counts["bytes_read"]``).
+objects (``batch_get_into``) into the get arena (``lw_mooncake.get_arena``; registered once, with
+Mooncake and, through the backend's ``host_regions``, with a device) or, without room there, into a
+buffer registered for the call, and the count of the bytes they read (``counts["bytes_read"]``).
 
 Invariants:
 
@@ -9,7 +10,8 @@ Invariants:
 * Bytes reach the caller's buffers only from a call that returned them whole; a get past its
   deadline retires the staging (``lw_mooncake.buffers.Staging``) or its whole-get buffer, as the
   late call may still write it. A whole-get buffer is never let go while registered: a get that
-  raises anything hands it to ``LateBuffers``, which unregisters it before dropping it.
+  raises anything hands it to ``LateBuffers``, which unregisters it before dropping it; arena
+  extents given to such a get are freed only once it has returned (``GetArena.keep_late``).
 * An object that is gone is ``ObjectMissing`` (or, where asked, reported and left out); any other
   failure is the lw-core error of its status (``lw_mooncake.errors``).
 """
@@ -24,15 +26,17 @@ from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 from lw_mooncake.buffers import Staging
 from lw_mooncake.client import StoreClient
 from lw_mooncake.errors import OBJECT_NOT_FOUND, to_error
+from lw_mooncake.get_arena import GetArena
 
 # A ranged get: the object's key, the offset in it, and the buffer its bytes go to.
 Range = tuple[str, int, np.ndarray]
 
 
 class StagedGets:
-    def __init__(self, client: StoreClient, staging_size: int) -> None:
+    def __init__(self, client: StoreClient, staging_size: int, arena: GetArena | None = None) -> None:
         self.client = client
         self.staging_size = staging_size
+        self.arena = arena  # where whole gets land when it has room (``lw_mooncake.get_arena``)
         self._staging = Staging(client.store, staging_size, client.calls, "get")
         self.counts: Counter[str] = Counter()
         self._late = self._staging.late  # buffers of failed whole gets (never read)
@@ -75,12 +79,18 @@ class StagedGets:
 
     def whole(self, keys: list[str], sizes: dict[str, int], fetched: dict[str, np.ndarray]) -> None:
         """The objects ``keys`` (of ``sizes``, together within the staging size) into ``fetched``:
-        one ``batch_get_into`` straight into a fresh buffer of their total size, registered for
-        that call only, whose slices become the copies (no second copy out of shared staging). An
-        object gone since its size was read is left out; the buffer of a call past its deadline is
-        retired (kept, never read), as the late call may still write it."""
+        one ``batch_get_into`` straight into extents of the get arena when it has room (held, with
+        no holder yet: the caller says how many read handles hold each, ``GetArena.hold``), else
+        into a fresh buffer of their total size, registered for that call only, whose slices
+        become the copies (no second copy out of shared staging). An object gone since its size
+        was read is left out; the memory of a call past its deadline is retired (kept, never
+        read), as the late call may still write it."""
         self.client.check_open()
         self._late.prune()
+        offs_in = self.arena.take([sizes[k] for k in keys]) if self.arena is not None and keys else None
+        if offs_in is not None:
+            self._whole_in_arena(keys, sizes, fetched, offs_in)
+            return
         offs = np.cumsum([0] + [sizes[k] for k in keys[:-1]]).tolist()
         total = offs[-1] + sizes[keys[-1]] if keys else 0
         if total > self.staging_size:
@@ -114,3 +124,25 @@ class StagedGets:
             elif n != OBJECT_NOT_FOUND:
                 raise to_error(n, f"get of {k!r}") if n < 0 else BackendError(
                     f"get of {k!r}: {n} of {sizes[k]} bytes")
+
+    def _whole_in_arena(self, keys: list[str], sizes: dict[str, int], fetched: dict[str, np.ndarray], offs: list[int]) -> None:
+        arena = self.arena
+        assert arena is not None
+        try:
+            res = self.client.calls.call("batch_get_into", self.client.store.batch_get_into, keys,
+                                         [arena.base + o for o in offs], [sizes[k] for k in keys])
+        except BaseException as e:
+            arena.keep_late(offs, e)  # freed once the call has returned
+            raise
+        self.counts["arena_gets"] += 1
+        error: BackendError | None = None
+        for k, o, n in zip(keys, offs, res):
+            if n == sizes[k]:
+                fetched[k] = arena.buf[o : o + n]
+                self.counts["bytes_read"] += n
+                continue
+            arena.hold(o, 0)  # nothing of it is used: free
+            if n != OBJECT_NOT_FOUND and error is None:
+                error = to_error(n, f"get of {k!r}") if n < 0 else BackendError(f"get of {k!r}: {n} of {sizes[k]} bytes")
+        if error is not None:
+            raise error  # the caller lets the extents in ``fetched`` go

@@ -14,11 +14,13 @@ Invariants:
   bytes reach a caller only from a get that returned them whole (``StagedGets``).
 * Every batch of gets fits ``staging_size``; an object or read larger than that is refused.
 * The reader holds no state of its own: a read handle carries its fetched copy (``data``), which
-  ``release`` drops; Mooncake's own read lease is a TTL on the master.
+  ``release`` drops (in the get arena, an extent is handed out again only once every handle
+  holding it was released); Mooncake's own read lease is a TTL on the master.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -71,24 +73,38 @@ class ObjectReader:
                 out.append(None)
             else:
                 out.append(MooncakeHandle(k, sizes[k], data=None if fetched is None else fetched[k]))
+        arena = self.gets.arena
+        if fetched and arena is not None:  # each handle holds its object's arena extent until release
+            per_key = Counter(keys)
+            for k, arr in fetched.items():
+                if arena.covers(arr):
+                    arena.hold(int(arr.ctypes.data) - arena.base, per_key[k])
         return out
 
     def _fetch_whole(self, sizes: dict[str, int]) -> dict[str, np.ndarray]:
         """The objects, fetched in batches that fit the staging; an object gone since its
-        descriptor was read is left out (a miss)."""
+        descriptor was read is left out (a miss). On an error, what was fetched is let go."""
         fetched: dict[str, np.ndarray] = {}
         batch: list[str] = []
         total = 0
-        for k, n in sizes.items():
-            if n > self.staging_size:
-                raise BackendError(f"open: {k!r} of {n} bytes exceeds mooncake_staging_size={self.staging_size}")
-            if total + n > self.staging_size:
+        try:
+            for k, n in sizes.items():
+                if n > self.staging_size:
+                    raise BackendError(f"open: {k!r} of {n} bytes exceeds mooncake_staging_size={self.staging_size}")
+                if total + n > self.staging_size:
+                    self.gets.whole(batch, sizes, fetched)
+                    batch, total = [], 0
+                batch.append(k)
+                total += n
+            if batch:
                 self.gets.whole(batch, sizes, fetched)
-                batch, total = [], 0
-            batch.append(k)
-            total += n
-        if batch:
-            self.gets.whole(batch, sizes, fetched)
+        except BaseException:
+            arena = self.gets.arena
+            if arena is not None:
+                for arr in fetched.values():
+                    if arena.covers(arr):
+                        arena.hold(int(arr.ctypes.data) - arena.base, 0)
+            raise
         return fetched
 
     def view(self, handle: MooncakeHandle, offset: int, nbytes: int) -> memoryview | None:
@@ -123,9 +139,13 @@ class ObjectReader:
             self.gets.ranges(batch)
 
     def release(self, handles: Sequence[MooncakeHandle | MooncakeStreamHandle]) -> None:
-        """Drops fetched copies; a streaming handle ends (it holds nothing, Mooncake's lease is a TTL)."""
+        """Drops fetched copies (an arena extent is free once its last handle is released); a
+        streaming handle ends (it holds nothing, Mooncake's lease is a TTL)."""
+        arena = self.gets.arena
         for h in handles:
             if isinstance(h, MooncakeStreamHandle):
                 h.dead = True
-            else:
-                h.data = None
+            elif h.data is not None:
+                data, h.data = h.data, None
+                if arena is not None and arena.covers(data):
+                    arena.drop(data)

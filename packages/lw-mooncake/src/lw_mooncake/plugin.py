@@ -55,6 +55,10 @@ class MooncakeKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     mooncake_load: Literal["auto", "per_layer", "whole"] = "auto"
     # "auto" loads: the most bytes one open fetches whole (local copies held until release); 0 = never.
     mooncake_whole_max_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 256 * MiB
+    # Whole gets land in this much host memory, registered once with Mooncake and (on a GPU) with
+    # the device, which then moves their layers by DMA straight from it; an open that does not fit
+    # fetches into a buffer of its own. 0 = a buffer per fetch always.
+    mooncake_get_arena_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 256 * MiB
     # Deadline of every store call; a call past it raises BackendUnavailable (the caller recomputes).
     mooncake_call_timeout_s: Annotated[float, Meta(gt=0, le=600)] = 5.0
 
@@ -66,6 +70,7 @@ NOTES = {
     "mooncake_global_segment_size": "bytes; 0 = lend nothing (objects live on holders/other clients)",
     "mooncake_staging_size": "bytes; the largest object must fit",
     "mooncake_whole_max_bytes": 'bytes; with mooncake_load="auto", opens up to this size fetch whole objects',
+    "mooncake_get_arena_bytes": "bytes of registered host memory whole gets land in; 0 = a buffer per fetch",
 }
 
 

@@ -84,7 +84,8 @@ def test_a_streaming_handle_has_no_addresses(tmp_path):
 
 def test_a_steps_table_answers_as_view_addresses_and_sees_every_change_after_it_was_built(tmp_path):
     """``address_table`` is built once per step; what a handle's state becomes afterwards (released,
-    committed, aborted, evicted) is what the table's answers follow, never the state it was built in."""
+    committed, aborted, evicted) is what the table's answers follow, never the state it was built in;
+    ``table_intact`` answers as ``intact``."""
     path = str(tmp_path / "p")
     b = EmbeddedBackend(path, capacity_bytes=2 * MiB, lease_ttl_s=2.0)
     writer = EmbeddedBackend(path, capacity_bytes=2 * MiB)
@@ -110,6 +111,8 @@ def test_a_steps_table_answers_as_view_addresses_and_sees_every_change_after_it_
             with pytest.raises(ObjectMissing):
                 b.table_addresses(wt, np.array([row]), 0, 100)
 
+        assert b.table_intact(t, np.array([1, 2])).tolist() == b.intact(hs[1:]) == [True, True]
+        assert b.table_intact(b.address_table([None, hs[1]]), np.array([0, 1])).tolist() == [False, True]
         time.sleep(2.2)  # the leases of "a" and "b" end; the writer evicts them and takes the space
         size = 2 * MiB
         while (got := writer.reserve(["f"], size)) == [None]:  # the largest object the pool takes: it evicts them all
@@ -118,6 +121,7 @@ def test_a_steps_table_answers_as_view_addresses_and_sees_every_change_after_it_
         assert size >= MiB
         with pytest.raises(ObjectMissing, match="evicted"):
             b.table_addresses(t, np.array([1, 2]), 0, 16)
+        assert b.table_intact(t, np.array([1, 2])).tolist() == b.intact(hs[1:]) == [False, False]  # on arrays, as intact
     finally:
         b.close()
         writer.close()

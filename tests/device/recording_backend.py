@@ -1,4 +1,4 @@
-"""A backend proxy that records, for every release / commit / abort / intact call, whether the
+"""A backend proxy that records, for every release / commit / abort / intact (or table_intact) call, whether the
 device copies enqueued so far had all completed at that moment (``copies_done``, a callable the
 test gives: the fake ops' events, or a real device's)."""
 
@@ -8,7 +8,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-RECORDED = ("release", "commit", "abort", "intact")
+RECORDED = ("release", "commit", "abort", "intact", "table_intact")
 
 
 class Recording:
@@ -27,8 +27,8 @@ class Recording:
         def recorded(handles: Any, *a: Any) -> Any:
             done = self.copies_done()
             out = attr(handles, *a)
-            with self.called:
-                self.calls.append((name, len(handles), done))
+            with self.called:  # table_intact(table, rows) is intact of the handles at rows
+                self.calls.append(("intact", len(a[0]), done) if name == "table_intact" else (name, len(handles), done))
                 self.called.notify_all()
             return out
 

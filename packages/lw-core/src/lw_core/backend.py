@@ -126,7 +126,8 @@ class Backend(Protocol[H]):
     # device copier moves a batch by address with no Python object per window. With that,
     # optional: ``address_table(handles) -> table | None`` and ``table_addresses(table, rows,
     # offset, nbytes)``: the same for the handles at ``rows`` of a table built once per step (the
-    # pipeline asks for every layer's batches of the same handles).
+    # pipeline asks for every layer's batches of the same handles); and with a table,
+    # ``table_intact(table, rows) -> bool array``: ``intact`` of the handles at ``rows``.
     # Optional: ``purge(prefix, timeout_s) -> dict[str, int]``, remove every committed object whose
     # key starts with ``prefix`` ("" = all) and keep reservations under it from being published;
     # counts: ``objects``, ``bytes``, ``reservations``, ``disk_objects`` removed, and ``leased``,

@@ -117,6 +117,11 @@ class LazyAddressTable:
             self._table = ctx.address_table(handles)
         return self._table
 
+    def built(self) -> Any:
+        """The table when a batch has built it, else None."""
+        t = self._table
+        return None if t is _NOT_BUILT else t
+
 
 @dataclass(frozen=True)
 class StepContext:

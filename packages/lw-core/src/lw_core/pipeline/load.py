@@ -230,13 +230,15 @@ class LoadStep:
         idx = np.flatnonzero(self.viewed & ~self.failed)  # their copies have completed (``_settle_view_copies``)
         if intact is None or not len(idx):
             return
+        table = self.table.built()  # rows are items: the check on arrays, when the backend has it
+        by_table = getattr(self.ctx.backend, "table_intact", None) if table is not None else None
         try:
-            ok = intact([self.item_handle[i] for i in idx])
+            ok = np.asarray(by_table(table, idx) if by_table is not None else intact([self.item_handle[i] for i in idx]), dtype=bool)
         except Exception as e:
-            ok = [False] * len(idx)
+            ok = np.zeros(len(idx), dtype=bool)
             log.exception("backend.intact failed")
             self.errors.add(f"backend.intact: {describe(e)}")
-        bad = [int(i) for i, good in zip(idx, ok) if not good]
+        bad = idx[~ok].tolist()
         if bad:
             self._fail_locked(bad, f"{len(bad)} objects were evicted or reused while their view was being copied "
                                    f"(a reader ran past its lease, e.g. {self.keys[bad[0]]}); their blocks are recomputed")

@@ -58,6 +58,7 @@ class DirectPath:
         self.register_failures = 0
         self._lock = threading.Lock()  # registrations (on a thread of their own) against close
         self._closed = False
+        self._last_located: tuple[np.ndarray, int, tuple[Region, np.ndarray] | None] | None = None
 
     def register(self, buffers: Sequence[Any]) -> list[Region]:
         """Register ``buffers`` for this path. Ranges it held that lie in none of them (memory that
@@ -100,11 +101,22 @@ class DirectPath:
         """The same for ``n``-byte windows given by their host addresses."""
         if self.mechanism == "staged":
             return None
-        return self._plan(layer, self.registry.locate_addrs(addrs, n, id(self)))
+        return self._plan(layer, self._locate_addrs(addrs, n))
 
     def addressable(self, addrs: np.ndarray, n: int) -> bool:
         """Whether windows at these addresses can move directly (registered, not ``staged``)."""
-        return self.mechanism != "staged" and self.registry.locate_addrs(addrs, n, id(self)) is not None
+        return self.mechanism != "staged" and self._locate_addrs(addrs, n) is not None
+
+    def _locate_addrs(self, addrs: np.ndarray, n: int) -> tuple[Region, np.ndarray] | None:
+        """``locate_addrs``, once per batch: the pipeline asks ``addressable`` and then plans the
+        same array. The answer is kept with the array itself (compared by identity, held, so its
+        id cannot be reused meanwhile); a region let go since is refused when the plan runs."""
+        last = self._last_located  # one read: other threads may replace it
+        if last is not None and last[0] is addrs and last[1] == n:
+            return last[2]
+        found = self.registry.locate_addrs(addrs, n, id(self))
+        self._last_located = (addrs, n, found)
+        return found
 
     def _plan(self, layer: torch.Tensor, found: tuple[Region, np.ndarray] | None) -> Plan | None:
         if found is None:

@@ -12,11 +12,12 @@ since the last reading, so a query never answers from a stale flag.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from lw_core.backends.embedded.records import EmbeddedHandle, StateClock, own_handle
+from lw_core.backends.embedded.records import PAGE, EmbeddedHandle, StateClock, own_handle
 
 # Columns of ``AddressTable.cols`` (int64).
 OFF, NBYTES, EPOCH, LEASE, OID, SLOT = range(6)  # SLOT: the generation slot (leases.py)
@@ -43,11 +44,12 @@ class AddressTable:
     """The fixed fields of a step's handles (``cols``) and, cached, their mutable state and what
     their last full check proved (``checked``)."""
 
-    __slots__ = ("handles", "cols", "_clock", "_states", "checked")
+    __slots__ = ("handles", "cols", "present", "_clock", "_states", "checked")
 
-    def __init__(self, handles: list[EmbeddedHandle | None], cols: np.ndarray, clock: StateClock):
+    def __init__(self, handles: list[EmbeddedHandle | None], cols: np.ndarray, clock: StateClock, present: np.ndarray):
         self.handles = handles  # None: no object (an item that failed before the copy)
         self.cols = cols  # int64 [n, 6]: the fixed fields above, zeros for None
+        self.present = present  # bool [n]: which rows have a handle
         self._clock = clock
         self._states: tuple[int, np.ndarray] | None = None  # (clock reading, flags of every row)
         self.checked: Checked | None = None  # replaced whole, never changed in place
@@ -86,11 +88,26 @@ def _read_flags(hs: list[EmbeddedHandle | None]) -> np.ndarray:
 
 def build_table(handles: Sequence[Any], clock: StateClock) -> AddressTable:
     """The table of ``handles`` (this backend's handles, or None for an item with no object);
-    ``clock``: their pool's ``StateClock``."""
-    hs = [None if h is None else own_handle(h, "address_table") for h in handles]
+    ``clock``: their pool's ``StateClock``. Column by column, and a column whose value every
+    handle shares (the object size, the pool attachment: the usual step) is filled at once:
+    turning Python ints into an array is what this costs."""
+    hs = list(handles)
+    if any(type(h) is not EmbeddedHandle for h in hs):
+        hs = [None if h is None else own_handle(h, "address_table") for h in hs]
     cols = np.zeros((len(hs), 6), dtype=np.int64)
-    fixed = [(h._off, h.nbytes, h._epoch, h._lease, h._oid, h._pg) for h in hs if h is not None]
-    if fixed:
-        at = np.fromiter((i for i, h in enumerate(hs) if h is not None), dtype=np.int64, count=len(fixed))
-        cols[at] = np.array(fixed, dtype=np.int64).reshape(len(fixed), 6)
-    return AddressTable(hs, cols, clock)
+    present = np.array([h is not None for h in hs], dtype=bool) if None in hs else np.ones(len(hs), dtype=bool)
+    live: list[EmbeddedHandle] = [h for h in hs if h is not None] if None in hs else hs
+    if live:
+        at: Any = slice(None) if len(live) == len(hs) else np.flatnonzero(present)
+        for col, get in ((OFF, _OFF), (NBYTES, _NBYTES), (EPOCH, _EPOCH), (LEASE, _LEASE), (OID, _OID)):
+            vals = set(map(get, live)) if col in (NBYTES, EPOCH) else None
+            if vals is not None and len(vals) == 1:
+                cols[at, col] = vals.pop()
+            else:
+                cols[at, col] = np.fromiter(map(get, live), dtype=np.int64, count=len(live))
+        cols[at, SLOT] = cols[at, OFF] // PAGE  # the generation slot of an object at that offset
+    return AddressTable(hs, cols, clock, present)
+
+
+_OFF, _NBYTES, _EPOCH = attrgetter("_off"), attrgetter("nbytes"), attrgetter("_epoch")
+_LEASE, _OID = attrgetter("_lease"), attrgetter("_oid")

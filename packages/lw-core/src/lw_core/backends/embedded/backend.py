@@ -246,6 +246,11 @@ class EmbeddedBackend:
     def intact(self, handles: Sequence[EmbeddedHandle]) -> list[bool]:
         return self._reader.intact(handles) if self._tiered is None else self._tiered.intact(handles)
 
+    def table_intact(self, table: Any, rows: Any) -> Any:
+        """``intact`` of the handles of a step's ``address_table`` at ``rows`` (bool array), on
+        arrays: a table is built only when every handle has its window in the arena."""
+        return self._reader.table_intact(table, rows)
+
     def commit(self, handles: Sequence[EmbeddedHandle]) -> None:
         self._writer.commit(handles)
 

@@ -208,8 +208,7 @@ class ObjectReader:
         now = time.time()
         a = table.cols
         flags = table.flags(np.arange(len(a)))
-        has = np.fromiter((h is not None for h in table.handles), dtype=bool, count=len(a))
-        ok = has & (a[:, EPOCH] == self.pool.epoch) & ((flags & STREAM) == 0)
+        ok = table.present & (a[:, EPOCH] == self.pool.epoch) & ((flags & STREAM) == 0)
         r = np.flatnonzero(ok & ((flags & WRITABLE) == 0))
         until = float("inf")
         if len(r):
@@ -254,6 +253,19 @@ class ObjectReader:
         if bad:
             self.local["stale_views"] += bad
         return out
+
+    def table_intact(self, table: AddressTable, rows: np.ndarray) -> np.ndarray:
+        """``intact`` of the table's handles at ``rows``, on arrays (bool per row; a row with no
+        handle is False)."""
+        self.usable()
+        a = table.cols[np.asarray(rows, dtype=np.int64)]
+        fences.fence()  # the caller's copies are ordered before the generations are read
+        ok = (a[:, EPOCH] == self.pool.epoch) & (self.pool.leases.generations(a[:, SLOT]) == a[:, OID].astype(np.uint64))
+        ok &= table.present[rows]
+        bad = len(ok) - int(ok.sum())
+        if bad:
+            self.local["stale_views"] += bad
+        return ok
 
     def open(self, keys: Sequence[str]) -> list[EmbeddedHandle | None]:
         """Lease committed objects. Takes no pool-wide lock: the index is only read, and the

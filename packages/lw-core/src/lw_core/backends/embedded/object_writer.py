@@ -21,6 +21,7 @@ from lw_core.backends.embedded.records import (
     COMMITTED,
     NBYTES,
     NP_COPY_MIN,
+    OBJ_REC,
     OFF,
     OID,
     PAGE,
@@ -28,14 +29,13 @@ from lw_core.backends.embedded.records import (
     ST,
     STAMP,
     EmbeddedHandle,
-    Resv,
     T,
     bytes_view,
     encode_keys,
     own_handle,
 )
 from lw_core.backends.embedded.sweep import Sweeper
-from lw_core.backends.embedded.txn import Tx
+from lw_core.backends.embedded.txn import Tx, resv_value
 from lw_core.backends.embedded.writer_lock import WriterLock
 from lw_core.procs import Owner
 
@@ -96,6 +96,8 @@ class ObjectWriter:
             # One extent for the whole batch when there is one: one free-list update, not n.
             base = t.alloc(alloc * len(eligible)) if len(eligible) > 1 else None
             off: int | None
+            put, obj_db, resv_db = t.txn.put, self.pool.obj, self.pool.resv
+            pack, u64, owner, made = OBJ_REC.pack, BE_U64.pack, self.me.pack(), 0
             for j, i in enumerate(eligible):
                 if base is not None:
                     off = base + j * alloc
@@ -107,11 +109,12 @@ class ObjectWriter:
                         t.c[CIDX["reserve_rejected_full"]] += len(eligible) - j
                         break
                 oid = t.next_id()
-                t.put_obj(bkeys[i], [RESERVED, oid, off, alloc, nbytes, 0])
-                t.put_resv(oid, Resv(self.me, t.now, off, alloc, 0), bkeys[i])
-                t.c[CIDX["reserved_objects"]] += 1
-                t.c[CIDX["reserved_bytes"]] += alloc
+                put(bkeys[i], pack(RESERVED, oid, off, alloc, nbytes, 0), db=obj_db)
+                put(u64(oid), resv_value(owner, t.now, off, alloc, 0, bkeys[i]), db=resv_db)
+                made += 1
                 out[i] = EmbeddedHandle(keys[i], bkeys[i], nbytes, off, alloc, oid, True, epoch)
+            t.c[CIDX["reserved_objects"]] += made
+            t.c[CIDX["reserved_bytes"]] += alloc * made
             return out
 
         return self._write(fn)
@@ -146,26 +149,30 @@ class ObjectWriter:
 
         def fn(t: Tx) -> list[str]:
             lost = []
+            # Per object: its record, its LRU entry, its reservation gone; the counters once at the
+            # end (this loop is what a save pays per object in Python).
+            get, put, delete = t.txn.get, t.txn.put, t.txn.delete
+            obj_db, lru_db, resv_db, set_gen = self.pool.obj, self.pool.lru, self.pool.resv, self.pool.leases.set_gen
+            unpack, pack, u64 = OBJ_REC.unpack, OBJ_REC.pack, BE_U64.pack
+            n = nbytes = alloc = 0
             for h in hs:
                 if h._epoch != ep:  # reserved in a pool directory deleted since: its ids mean nothing here
                     lost.append(h.key)
                     continue
-                o = t.get_obj(h._bkey)
+                v = get(h._bkey, db=obj_db)
+                o = None if v is None else list(unpack(v))
                 if o is not None and o[OID] == h._oid:
                     if o[ST] == COMMITTED:
                         continue  # committed twice: the first one counted
                     stamp = t.next_id()
                     o[ST], o[STAMP] = COMMITTED, stamp
-                    t.put_obj(h._bkey, o)
-                    self.pool.leases.set_gen(o[OFF] // PAGE, o[OID])  # readers check it after each copy
-                    t.txn.put(BE_U64.pack(stamp), h._bkey, db=self.pool.lru)
-                    t.txn.delete(BE_U64.pack(h._oid), db=self.pool.resv)
-                    t.c[CIDX["reserved_objects"]] -= 1
-                    t.c[CIDX["reserved_bytes"]] -= o[ALLOC]
-                    t.c[CIDX["objects"]] += 1
-                    t.c[CIDX["bytes"]] += o[NBYTES]
-                    t.c[CIDX["committed_alloc_bytes"]] += o[ALLOC]
-                    t.c[CIDX["commits"]] += 1
+                    put(h._bkey, pack(*o), db=obj_db)
+                    set_gen(o[OFF] // PAGE, o[OID])  # readers check it after each copy
+                    put(u64(stamp), h._bkey, db=lru_db)
+                    delete(u64(h._oid), db=resv_db)
+                    n += 1
+                    nbytes += o[NBYTES]
+                    alloc += o[ALLOC]
                 else:
                     # Aborted before, or our reservation timed out (its key went to others) and
                     # its extent was kept for us until now.
@@ -173,6 +180,13 @@ class ObjectWriter:
                     if found is not None:
                         t.drop_resv(h._oid, found[0])
                     lost.append(h.key)
+            c = t.c
+            c[CIDX["reserved_objects"]] -= n
+            c[CIDX["reserved_bytes"]] -= alloc
+            c[CIDX["objects"]] += n
+            c[CIDX["bytes"]] += nbytes
+            c[CIDX["committed_alloc_bytes"]] += alloc
+            c[CIDX["commits"]] += n
             return lost
 
         lost = self._write(fn)

@@ -74,7 +74,7 @@ class Tx:
         return None if v is None else unpack_resv(v)
 
     def put_resv(self, oid: int, r: Resv, bkey: bytes) -> None:
-        self.txn.put(BE_U64.pack(oid), r.owner.pack() + RESV_TAIL.pack(r.t0, r.off, r.alloc, r.orphan) + bkey, db=self.pool.resv)
+        self.txn.put(BE_U64.pack(oid), resv_value(r.owner.pack(), r.t0, r.off, r.alloc, r.orphan, bkey), db=self.pool.resv)
 
     def drop_resv(self, oid: int, r: Resv) -> None:
         """Forget a reservation and free its extent."""
@@ -82,3 +82,9 @@ class Tx:
         self.free(r.off, r.alloc)
         self.c[CIDX["reserved_objects"]] -= 1
         self.c[CIDX["reserved_bytes"]] -= r.alloc
+
+
+def resv_value(owner: bytes, t0: float, off: int, alloc: int, orphan: int, bkey: bytes) -> bytes:
+    """A reservation's record (``unpack_resv`` reads it): its owner (packed), when it began, its
+    extent, whether it is an orphan, then the object's key."""
+    return owner + RESV_TAIL.pack(t0, off, alloc, orphan) + bkey

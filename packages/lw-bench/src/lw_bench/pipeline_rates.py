@@ -26,7 +26,7 @@ from typing import Any
 
 from lw_bench.bench_store import open_for_pipeline as open_backend
 from lw_bench.pipeline_result import HostRow, RateRow
-from lw_core.backend import BackendError
+from lw_core.backend import BackendError, supports_purge
 
 CASES = [  # name, layers, blocks, bytes of one block of one layer
     ("16 KiB", 8, 2048, 16 << 10),
@@ -181,6 +181,13 @@ def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) 
     return rows
 
 
+def _purge(backend: Any, prefix: str) -> None:
+    """Remove the objects under ``prefix`` so the next save has room."""
+    left = backend.purge(prefix, 30.0)
+    if left.get("leased"):
+        raise SystemExit(f"lw-bench pipeline --host-work: {left['leased']} objects under {prefix!r} are still leased")
+
+
 def measure_host_work(acc: Any, cfg: dict[str, Any]) -> list[HostRow]:
     """Per case and mechanism: the fastest of ``reps`` saves and of ``reps`` bulk loads of a step
     whose copies move nothing (the module docstring); ``acc``: the bench's cpu-torch device."""
@@ -197,8 +204,16 @@ def measure_host_work(acc: Any, cfg: dict[str, Any]) -> list[HostRow]:
         layout = ObjectLayout((bb,) * layers)
         total = layout.nbytes * blocks
         mechs = ("kernel", "batch_dma")
-        try:  # nothing writes the pool's bytes or the KV's: neither takes memory it does not touch
-            backend, tmp = open_backend(dict(cfg, backend_keys=None), total * reps * len(mechs) + 4 * layout.nbytes)
+        # Room for the loads' objects and one more save: each later save's objects are purged
+        # (untimed) before the next, so the pool (a tmpfs file, its pages taken when it is made)
+        # stays at twice a step whatever the repetitions.
+        try:
+            backend, tmp = open_backend(dict(cfg, backend_keys=None), 2 * total + 4 * layout.nbytes)
+            if not supports_purge(backend):  # room for every save then
+                backend.close()
+                if tmp:
+                    shutil.rmtree(tmp, ignore_errors=True)
+                backend, tmp = open_backend(dict(cfg, backend_keys=None), total * reps * len(mechs) + 4 * layout.nbytes)
         except (BackendError, OSError) as e:
             print(f"lw-bench pipeline --host-work: case {name} skipped: no pool of its size here: {e}", file=sys.stderr)
             continue
@@ -208,13 +223,19 @@ def measure_host_work(acc: Any, cfg: dict[str, Any]) -> list[HostRow]:
                 copier = TorchCopier(kv, blocks, ops=ops, mechanism=m)
                 key = f"host/{name}/{m}".replace(" ", "")
                 try:
-                    t_save = min(_save(acc, backend, copier, layout, [f"{key}/{r}/{i}" for i in range(blocks)])
-                                 for r in range(reps))
+                    saves = []
+                    for r in range(reps):
+                        saves.append(_save(acc, backend, copier, layout, [f"{key}/{r}/{i}" for i in range(blocks)]))
+                        if r and supports_purge(backend):
+                            _purge(backend, f"{key}/{r}/")
+                    t_save = min(saves)
                     t_load, _ = _loads(acc, backend, copier, layout, [f"{key}/0/{i}" for i in range(blocks)], None, kv,
                                        reps, pick=min)
                     used = dict(copier.mechanism_counts)
                 finally:
                     copier.close()
+                if supports_purge(backend):
+                    _purge(backend, f"{key}/")
                 windows = layers * blocks
                 rows.append(HostRow(
                     case=name, layers=layers, blocks=blocks, segment_bytes=bb, windows=windows, mechanism=m,

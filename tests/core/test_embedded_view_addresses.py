@@ -50,24 +50,31 @@ def test_the_addresses_are_the_view_windows_in_the_host_region(tmp_path):
         b.close()
 
 
-def test_a_lease_near_its_end_is_renewed_and_an_evicted_object_is_refused(tmp_path):
+@pytest.fixture
+def full_pool(tmp_path):
+    """A reader (leases of 2 s) and a writer on a 2 MiB pool that two 1 MiB objects fill."""
     path = str(tmp_path / "p")
     reader = EmbeddedBackend(path, capacity_bytes=2 * MiB, lease_ttl_s=2.0)
     writer = EmbeddedBackend(path, capacity_bytes=2 * MiB)
     try:
         _put(writer, ["a", "b"], MiB)
-        hs = reader.open(["a", "b"])
-        time.sleep(1.2)  # past half the lease: view_addresses renews it
-        reader.view_addresses(hs, 0, 16)
-        time.sleep(1.0)  # the first lease has ended by now
-        assert writer.reserve(["c"], MiB) == [None], "a renewed lease still pins both objects"
-        time.sleep(1.1)  # now the renewed one has too: the writer evicts one and takes its space
-        _put(writer, ["c"], MiB)
-        with pytest.raises(ObjectMissing, match="evicted"):
-            reader.view_addresses(hs, 0, 16)
+        yield reader, writer
     finally:
         reader.close()
         writer.close()
+
+
+def test_a_lease_near_its_end_is_renewed_and_an_evicted_object_is_refused(full_pool):
+    reader, writer = full_pool
+    hs = reader.open(["a", "b"])
+    time.sleep(1.2)  # past half the lease: view_addresses renews it
+    reader.view_addresses(hs, 0, 16)
+    time.sleep(1.0)  # the first lease has ended by now
+    assert writer.reserve(["c"], MiB) == [None], "a renewed lease still pins both objects"
+    time.sleep(1.1)  # now the renewed one has too: the writer evicts one and takes its space
+    _put(writer, ["c"], MiB)
+    with pytest.raises(ObjectMissing, match="evicted"):
+        reader.view_addresses(hs, 0, 16)
 
 
 def test_a_streaming_handle_has_no_addresses(tmp_path):
@@ -127,24 +134,17 @@ def test_a_steps_table_answers_as_view_addresses_and_sees_every_change_after_it_
         writer.close()
 
 
-def test_a_steps_table_renews_its_leases_while_its_layers_go_by(tmp_path):
+def test_a_steps_table_renews_its_leases_while_its_layers_go_by(full_pool):
     """Layers after the first are answered from what the table's last full check proved, only for as
     long as that proof holds: once a lease is within half its time-to-live of ending, the next query
     looks again and renews it, so a step's later layers never read an object whose lease ran out."""
-    path = str(tmp_path / "p")
-    reader = EmbeddedBackend(path, capacity_bytes=2 * MiB, lease_ttl_s=2.0)
-    writer = EmbeddedBackend(path, capacity_bytes=2 * MiB)
-    try:
-        _put(writer, ["a", "b"], MiB)
-        hs = reader.open(["a", "b"])
-        t = reader.address_table(hs)
-        rows = np.array([0, 1])
-        first = reader.table_addresses(t, rows, 0, 16)
-        assert list(reader.table_addresses(t, rows, 16, 16)) == list(first + 16)  # answered from the proof
-        time.sleep(1.2)  # past half the lease: the proof has run out
-        assert list(reader.table_addresses(t, rows, 32, 16)) == list(first + 32)
-        time.sleep(1.0)  # the leases taken at open would have ended by now
-        assert writer.reserve(["c"], MiB) == [None], "the table's query renewed both leases"
-    finally:
-        reader.close()
-        writer.close()
+    reader, writer = full_pool
+    hs = reader.open(["a", "b"])
+    t = reader.address_table(hs)
+    rows = np.array([0, 1])
+    first = reader.table_addresses(t, rows, 0, 16)
+    assert list(reader.table_addresses(t, rows, 16, 16)) == list(first + 16)  # answered from the proof
+    time.sleep(1.2)  # past half the lease: the proof has run out
+    assert list(reader.table_addresses(t, rows, 32, 16)) == list(first + 32)
+    time.sleep(1.0)  # the leases taken at open would have ended by now
+    assert writer.reserve(["c"], MiB) == [None], "the table's query renewed both leases"

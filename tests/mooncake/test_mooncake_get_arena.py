@@ -211,6 +211,6 @@ def test_a_failed_batch_lets_go_of_what_the_open_fetched_before_it(make):
 def test_freeing_an_extent_twice_is_a_loud_error(make):
     _, _, arena = make({}, 4 * ALIGN)
     (o,) = arena.take([ALIGN])
-    arena.hold(o, 0)
+    arena.hold_at(o, 0)
     with pytest.raises(RuntimeError, match="not held"):
-        arena.drop(arena.buf[o : o + ALIGN])
+        arena.hold(arena.buf[o : o + ALIGN], -1)

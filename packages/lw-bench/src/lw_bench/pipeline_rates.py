@@ -209,7 +209,8 @@ def measure_host_work(acc: Any, cfg: dict[str, Any]) -> list[HostRow]:
         # stays at twice a step whatever the repetitions.
         try:
             backend, tmp = open_backend(dict(cfg, backend_keys=None), 2 * total + 4 * layout.nbytes)
-            if not supports_purge(backend):  # room for every save then
+            purges = supports_purge(backend)
+            if not purges:  # room for every save then
                 backend.close()
                 if tmp:
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -226,7 +227,7 @@ def measure_host_work(acc: Any, cfg: dict[str, Any]) -> list[HostRow]:
                     saves = []
                     for r in range(reps):
                         saves.append(_save(acc, backend, copier, layout, [f"{key}/{r}/{i}" for i in range(blocks)]))
-                        if r and supports_purge(backend):
+                        if r and purges:
                             _purge(backend, f"{key}/{r}/")
                     t_save = min(saves)
                     t_load, _ = _loads(acc, backend, copier, layout, [f"{key}/0/{i}" for i in range(blocks)], None, kv,
@@ -234,7 +235,7 @@ def measure_host_work(acc: Any, cfg: dict[str, Any]) -> list[HostRow]:
                     used = dict(copier.mechanism_counts)
                 finally:
                     copier.close()
-                if supports_purge(backend):
+                if purges:
                     _purge(backend, f"{key}/")
                 windows = layers * blocks
                 rows.append(HostRow(

@@ -3,7 +3,7 @@ layer pipeline as the backend's ``host_regions`` (a device copier registers it t
 fetched objects' layers into the KV cache by DMA straight from it, instead of through staging).
 
 A whole get takes one extent per object (``take``), the objects' read handles hold them
-(``hold``, counted: one open may name a key twice) and ``release`` gives them back (``drop``).
+(``hold``, counted: one open may name a key twice) and ``release`` gives them back (``hold`` -1).
 
 Invariants:
 
@@ -74,33 +74,30 @@ class GetArena:
             if self._closed:
                 return None
             for n in sizes:
-                off = self._alloc(-(-max(n, 1) // ALIGN) * ALIGN)
+                size = -(-max(n, 1) // ALIGN) * ALIGN
+                off = self._alloc(size)
                 if off is None:
-                    for o, s in got:
-                        self._insert(o, s)
+                    for o, sz in got:
+                        self._insert(o, sz)
                     self.counts["get_arena_full"] += 1
                     return None
-                got.append((off, -(-max(n, 1) // ALIGN) * ALIGN))
-            for o, s in got:
-                self._held[o] = [s, 0]
+                got.append((off, size))
+            for o, sz in got:
+                self._held[o] = [sz, 0]
         return [o for o, _ in got]
 
-    def hold(self, off: int, holders: int) -> None:
-        """``holders`` more read handles hold the extent at ``off``; with 0, nobody will: it is free."""
-        with self._lock:
-            h = self._held[off]
-            h[1] += holders
-            if h[1] <= 0:
-                self._insert(off, self._held.pop(off)[0])
+    def hold(self, arr: np.ndarray, holders: int) -> None:
+        """``holders`` more read handles hold the extent ``arr`` starts at (0: nobody will, it is
+        free now; -1: one holder is done with it, ``release``)."""
+        self.hold_at(int(arr.ctypes.data) - self.base, holders)
 
-    def drop(self, arr: np.ndarray) -> None:
-        """A holder of the extent ``arr`` starts at is done with it (``release``)."""
-        off = int(arr.ctypes.data) - self.base
+    def hold_at(self, off: int, holders: int) -> None:
+        """``hold`` of the extent at offset ``off``."""
         with self._lock:
             h = self._held.get(off)
             if h is None:
-                raise RuntimeError(f"mooncake get arena: drop of an extent at {off} that is not held")
-            h[1] -= 1
+                raise RuntimeError(f"mooncake get arena: the extent at {off} is not held")
+            h[1] += holders
             if h[1] <= 0:
                 self._insert(off, self._held.pop(off)[0])
 

@@ -141,7 +141,7 @@ class StagedGets:
                 fetched[k] = arena.buf[o : o + n]
                 self.counts["bytes_read"] += n
                 continue
-            arena.hold(o, 0)  # nothing of it is used: free
+            arena.hold_at(o, 0)  # nothing of it is used: free
             if n != OBJECT_NOT_FOUND and error is None:
                 error = to_error(n, f"get of {k!r}") if n < 0 else BackendError(f"get of {k!r}: {n} of {sizes[k]} bytes")
         if error is not None:

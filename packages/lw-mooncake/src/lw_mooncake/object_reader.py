@@ -73,13 +73,17 @@ class ObjectReader:
                 out.append(None)
             else:
                 out.append(MooncakeHandle(k, sizes[k], data=None if fetched is None else fetched[k]))
-        arena = self.gets.arena
-        if fetched and arena is not None:  # each handle holds its object's arena extent until release
+        if fetched:  # each handle holds its object's arena extent until release
             per_key = Counter(keys)
             for k, arr in fetched.items():
-                if arena.covers(arr):
-                    arena.hold(int(arr.ctypes.data) - arena.base, per_key[k])
+                self._hold(arr, per_key[k])
         return out
+
+    def _hold(self, arr: np.ndarray, holders: int) -> None:
+        """``GetArena.hold`` of a fetched copy that lies in the get arena (others are plain arrays)."""
+        arena = self.gets.arena
+        if arena is not None and arena.covers(arr):
+            arena.hold(arr, holders)
 
     def _fetch_whole(self, sizes: dict[str, int]) -> dict[str, np.ndarray]:
         """The objects, fetched in batches that fit the staging; an object gone since its
@@ -99,11 +103,8 @@ class ObjectReader:
             if batch:
                 self.gets.whole(batch, sizes, fetched)
         except BaseException:
-            arena = self.gets.arena
-            if arena is not None:
-                for arr in fetched.values():
-                    if arena.covers(arr):
-                        arena.hold(int(arr.ctypes.data) - arena.base, 0)
+            for arr in fetched.values():
+                self._hold(arr, 0)
             raise
         return fetched
 
@@ -141,11 +142,9 @@ class ObjectReader:
     def release(self, handles: Sequence[MooncakeHandle | MooncakeStreamHandle]) -> None:
         """Drops fetched copies (an arena extent is free once its last handle is released); a
         streaming handle ends (it holds nothing, Mooncake's lease is a TTL)."""
-        arena = self.gets.arena
         for h in handles:
             if isinstance(h, MooncakeStreamHandle):
                 h.dead = True
             elif h.data is not None:
                 data, h.data = h.data, None
-                if arena is not None and arena.covers(data):
-                    arena.drop(data)
+                self._hold(data, -1)

@@ -95,8 +95,9 @@ def build_table(handles: Sequence[Any], clock: StateClock) -> AddressTable:
     if any(type(h) is not EmbeddedHandle for h in hs):
         hs = [None if h is None else own_handle(h, "address_table") for h in hs]
     cols = np.zeros((len(hs), 6), dtype=np.int64)
-    present = np.array([h is not None for h in hs], dtype=bool) if None in hs else np.ones(len(hs), dtype=bool)
-    live: list[EmbeddedHandle] = [h for h in hs if h is not None] if None in hs else hs
+    gaps = None in hs
+    present = np.array([h is not None for h in hs], dtype=bool) if gaps else np.ones(len(hs), dtype=bool)
+    live: list[EmbeddedHandle] = [h for h in hs if h is not None] if gaps else hs
     if live:
         at: Any = slice(None) if len(live) == len(hs) else np.flatnonzero(present)
         for col, get in ((OFF, _OFF), (NBYTES, _NBYTES), (EPOCH, _EPOCH), (LEASE, _LEASE), (OID, _OID)):

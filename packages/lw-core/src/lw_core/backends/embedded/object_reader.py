@@ -258,7 +258,8 @@ class ObjectReader:
         """``intact`` of the table's handles at ``rows``, on arrays (bool per row; a row with no
         handle is False)."""
         self.usable()
-        a = table.cols[np.asarray(rows, dtype=np.int64)]
+        rows = np.asarray(rows, dtype=np.int64)
+        a = table.cols[rows]
         fences.fence()  # the caller's copies are ordered before the generations are read
         ok = (a[:, EPOCH] == self.pool.epoch) & (self.pool.leases.generations(a[:, SLOT]) == a[:, OID].astype(np.uint64))
         ok &= table.present[rows]

@@ -1,7 +1,8 @@
 """Module-scoped 1P1D stacks (prefiller + decoder vLLM OpenAI servers, lw-proxy) on 127.0.0.1.
 
 Each test module that asks for a stack gets its own, started once and always stopped; the pool
-is a fresh embedded pool on tmpfs. Servers' logs stay under pytest's tmp dir for post-mortems.
+is a fresh embedded pool on tmpfs. A stack whose next module asks for the same fixture is handed
+on to it instead (engine starts are most of these modules' time); the last module stops it. Servers' logs stay under pytest's tmp dir for post-mortems.
 The engine-free scheduler tests (test_scheduler_pd.py and the modules that reuse its helpers) take
 a metaserver stand-in (``meta``, one per module) and a fresh pool directory (``pool_dir``).
 """
@@ -40,12 +41,37 @@ def _stack(model: str, timeout_s: float, tmp_path_factory: pytest.TempPathFactor
         shutil.rmtree(pool, ignore_errors=True)
 
 
-def _module_stack(model: str, timeout_s: float, *, streaming: bool = False) -> Any:
-    """A module-scoped fixture of ``model``'s stack (``pd_streaming`` on when ``streaming``)."""
+_KEPT: dict[str, tuple[Iterator[Stack], Stack]] = {}  # fixture name -> (its generator, its stack)
+_NEXT: list[pytest.Item | None] = [None]  # the item after the one being torn down
 
-    @pytest.fixture(scope="module")
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    _NEXT[0] = nextitem  # read by the stacks' teardown, which runs after this hook
+
+
+def pytest_sessionfinish() -> None:
+    while _KEPT:  # an interrupted session: nothing is handed on any more
+        next(_KEPT.popitem()[1][0], None)
+
+
+def _module_stack(model: str, timeout_s: float, *, streaming: bool = False, name: str | None = None) -> Any:
+    """A module-scoped fixture of ``model``'s stack (``pd_streaming`` on when ``streaming``). With
+    ``name``, the fixture of that name hands its stack on to the next module when that module asks
+    for the same fixture, instead of stopping it."""
+
+    @pytest.fixture(scope="module", name=name)
     def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-        yield from (streaming_stack if streaming else _stack)(model, timeout_s, tmp_path_factory)
+        gen, s = _KEPT.pop(name, (None, None)) if name else (None, None)
+        if gen is None or s is None:
+            gen = (streaming_stack if streaming else _stack)(model, timeout_s, tmp_path_factory)
+            s = next(gen)
+        yield s
+        nxt = _NEXT[0]
+        if name and nxt is not None and name in getattr(nxt, "fixturenames", ()):
+            _KEPT[name] = (gen, s)
+        else:
+            next(gen, None)  # runs the stack's finally: stopped, its pool removed
 
     return stack
 
@@ -59,6 +85,10 @@ mamba2_stack = _module_stack("mamba2", GQA_METASERVER_TIMEOUT_S)
 swa_stream_stack = _module_stack("swa", STREAM_TIMEOUT_S, streaming=True)
 gdn_stream_stack = _module_stack("gdn", STREAM_TIMEOUT_S, streaming=True)
 mamba2_stream_stack = _module_stack("mamba2", STREAM_TIMEOUT_S, streaming=True)
+# test_pd_streaming and test_pd_streaming_faults (last: it kills the prefiller) share one: both time
+# the receive against GQA_STREAM_TIMEOUT_S.
+GQA_STREAM_TIMEOUT_S = 10.0
+gqa_stream_stack = _module_stack("gqa", GQA_STREAM_TIMEOUT_S, streaming=True, name="gqa_stream_stack")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 
 import pytest
 from pd_faults_flow import decoder_looks_first
@@ -16,7 +15,7 @@ from lw_bench.pd.stack import Stack, free_port, metric_sum, metric_sums, post_js
 from lw_dev.fake_metaserver import FakeMetaserver
 from lw_dev.pd_flow import baseline, settle, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
-from lw_dev.pd_streaming_flow import streaming_stack, streams_in_decoder_first
+from lw_dev.pd_streaming_flow import streams_in_decoder_first
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -26,8 +25,10 @@ RELAYED = "lw_proxy_prefill_first_relayed_total"
 
 
 @pytest.fixture(scope="module")
-def stream_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from streaming_stack("gqa", TIMEOUT_S, tmp_path_factory)
+def stream_stack(gqa_stream_stack: Stack) -> Stack:
+    """conftest's, handed on to test_pd_streaming_faults once this module is done."""
+    assert gqa_stream_stack.metaserver_timeout_s == TIMEOUT_S
+    return gqa_stream_stack
 
 
 def _completion(prompt, **kw):

@@ -26,7 +26,6 @@ from lw_core.backends.embedded import EmbeddedBackend
 from lw_core.backends.embedded.records import POOL_CHECK_S
 from lw_dev.pd_flow import baseline, settle, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
-from lw_dev.pd_streaming_flow import streaming_stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -38,8 +37,10 @@ TRIES = 5  # prompts tried to catch the prefiller between reserving and committi
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    yield from streaming_stack("gqa", TIMEOUT_S, tmp_path_factory)
+def stack(gqa_stream_stack: Stack) -> Stack:
+    """conftest's, the one test_pd_streaming used when both run (this module kills its prefiller)."""
+    assert gqa_stream_stack.metaserver_timeout_s == TIMEOUT_S
+    return gqa_stream_stack
 
 
 @pytest.fixture

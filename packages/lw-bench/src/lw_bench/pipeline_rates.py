@@ -124,6 +124,21 @@ def _loads(acc: Any, backend: Any, copier: Any, layout: Any, keys: list[str], sr
     return pick(times), verified
 
 
+def _case_pool(cfg: dict[str, Any], per_mechanism: int, mechs: int) -> tuple[Any, str | None, bool]:
+    """A pool for one case: room for one mechanism's objects when the backend can purge them
+    (each mechanism's are purged, untimed, before the next: the pool, a tmpfs file whose pages are
+    taken when it is made and registered with the device, stays at about twice a step), room for
+    every mechanism's otherwise. Returns the backend, its temporary directory and whether it purges."""
+    backend, tmp = open_backend(dict(cfg, backend_keys=None), per_mechanism)
+    if supports_purge(backend):
+        return backend, tmp, True
+    backend.close()
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
+    backend, tmp = open_backend(dict(cfg, backend_keys=None), per_mechanism * mechs)
+    return backend, tmp, False
+
+
 def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) -> list[RateRow]:
     import torch
 
@@ -145,7 +160,7 @@ def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) 
         ceil_load, ceil_save = _ceiling(acc, dst, reps)
         saves = 2 if total * 2 <= SAVE_BYTES else 1
         try:
-            backend, tmp = open_backend(dict(cfg, backend_keys=None), total * saves * len(mechs) + 4 * layout.nbytes * len(mechs))
+            backend, tmp, purges = _case_pool(cfg, total * saves + 4 * layout.nbytes, len(mechs))
         except (BackendError, OSError) as e:  # e.g. /dev/shm too small for the case: say so, go on
             print(f"lw-bench pipeline --rates: case {name} skipped: no pool of its size here: {e}", file=sys.stderr)
             continue
@@ -165,6 +180,8 @@ def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) 
                 except (Exception, SystemExit) as e:  # one mechanism failing must not cost the others' figures
                     error, t_save, t_load, verified = f"{type(e).__name__}: {e}"[:300], float("inf"), float("inf"), False
                     print(f"lw-bench pipeline --rates: {name} {m}: {error}", file=sys.stderr)
+                if purges:  # the next mechanism's saves get the room back
+                    _purge(backend, f"{key}/")
                 used = {k: cs.mechanism_counts.get(k, 0) + cd.mechanism_counts.get(k, 0) for k in ("kernel", "batch_dma", "staged")}
                 load_gbps, save_gbps = total / t_load / 1e9, total / t_save / 1e9
                 rows.append(RateRow(

@@ -82,6 +82,30 @@ def test_a_key_evicted_while_known_is_stored_again_before_its_next_open(pool):
     assert out is not None and (out == 2).all()
 
 
+def test_one_open_of_live_evicted_stored_again_and_missing_keys_answers_each(pool):
+    """One call mixing every case: a known key whose object lives, a known key evicted and stored
+    again (looked up once more), one evicted for good and one never stored (misses); each hit's
+    lease is its own and released once."""
+    store(pool, "old", N, 1)
+    store(pool, "gone", N, 3)
+    assert load(pool, "old", N) is not None and load(pool, "gone", N) is not None  # both known now
+    evict(pool, "old")
+    evict(pool, "gone")
+    store(pool, "old", N, 2)
+    store(pool, "live", N, 4)
+    assert load(pool, "live", N) is not None  # known and live
+    hs = pool.open(["live", "old", "gone", "never"])
+    assert [h is not None for h in hs] == [True, True, False, False]
+    outs = [np.zeros(N, np.uint8) for _ in range(2)]
+    pool.read(hs[:2], [0, 0], outs)
+    assert (outs[0] == 4).all() and (outs[1] == 2).all()
+    assert len({h._lease for h in hs[:2]}) == 2
+    pool.release(hs)
+    pool.release(hs)  # a second release of the same handles is a no-op
+    assert pool.stats()["open_hits"] >= 2
+    pool.verify()
+
+
 def test_a_recreated_pool_forgets_known_keys(tmp_path, monkeypatch):
     # Ids restart in a new pool: the old pool's (id, offset) for "k" is (id 3, page 1); in the new
     # pool id 3 is "pad" on page 1. Remembered across the re-attach, "k" would read pad's bytes.

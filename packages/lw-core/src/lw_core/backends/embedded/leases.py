@@ -38,7 +38,6 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
@@ -99,6 +98,7 @@ class LeaseTable:
         o += 8 * ROWS * ENTRIES
         self._exp = mv[o : o + 8 * ROWS * ENTRIES].cast("d")  # ent_exp, flat
         self._views = (mv, self.gen, self.hint, self.ref, self._oid, self._exp)
+        self._oid_np, self._exp_np = self.ent_oid.reshape(-1), self.ent_exp.reshape(-1)  # flat, for many at once
         self._base = 0  # this row's first entry in the flat views
         self.row = -1
         self._free: list[int] = []
@@ -164,25 +164,27 @@ class LeaseTable:
         self.ref[page] = 1
         return i
 
-    def take_many(self, oids: Sequence[int], pages: Sequence[int], expiry: float) -> list[int]:
-        """``take`` of each (oid, page) in one pass (call under ``self.lock``): the entry indexes, -1
-        where the row is full. The high-water mark is stored once, before the caller's fence."""
-        free, exp, ent, hint, ref, base, hw = self._free, self._exp, self._oid, self.hint, self.ref, self._base, self._hw
-        out: list[int] = []
-        for oid, page in zip(oids, pages):
-            if not free:
-                out.append(-1)
-                continue
-            i = free.pop()
-            exp[base + i] = expiry
-            ent[base + i] = oid
-            if i >= hw:
-                hw = i + 1
-            if hint[page] < expiry:
-                hint[page] = expiry
-            ref[page] = 1
-            out.append(i)
-        if hw != self._hw:
+    def take_many(self, oids: np.ndarray, pages: np.ndarray, expiry: float) -> np.ndarray:
+        """``take`` of each (oid, page) at once (call under ``self.lock``; ``oids`` uint64, ``pages``
+        int64): the entry indexes (int64), -1 where the row is full. As in ``take``, every entry's
+        expiry is stored before its object id, and the high-water mark once, before the caller's
+        fence; per-item Python work is what bounds opens of small objects, so none is done here."""
+        out = np.full(len(oids), -1, dtype=np.int64)
+        free = self._free
+        k = min(len(oids), len(free))
+        if not k:
+            return out
+        idx = np.array(free[len(free) - k :][::-1], dtype=np.int64)  # the entries k pop()s would give
+        del free[len(free) - k :]
+        at = self._base + idx
+        self._exp_np[at] = expiry
+        self._oid_np[at] = oids[:k]
+        pg = pages[:k]
+        self._hint[pg] = np.maximum(self._hint[pg], expiry)
+        self._ref[pg] = 1
+        out[:k] = idx
+        hw = int(idx.max()) + 1
+        if hw > self._hw:
             self._hw = hw
             self.rows[self.row, 3] = hw
         return out
@@ -200,15 +202,16 @@ class LeaseTable:
             self._oid[self._base + i] = 0
             self._free.append(i)
 
-    def drop_many(self, entries: Sequence[int], oids: Sequence[int]) -> None:
-        """``drop`` of each (entry, oid) in one pass (call under ``self.lock``)."""
-        if self.row < 0:
+    def drop_many(self, entries: np.ndarray, oids: np.ndarray) -> None:
+        """``drop`` of each (entry, oid) at once (call under ``self.lock``; int64 and uint64 arrays)."""
+        if self.row < 0 or not len(entries):
             return
-        ent, free, base = self._oid, self._free, self._base
-        for i, oid in zip(entries, oids):
-            if i >= 0 and ent[base + i] == oid:
-                ent[base + i] = 0
-                free.append(i)
+        ok = entries >= 0
+        entries = entries[ok]
+        mine = self._oid_np[self._base + entries] == oids[ok]
+        entries = entries[mine]
+        self._oid_np[self._base + entries] = 0
+        self._free.extend(entries.tolist())
 
     def expiry(self, i: int, oid: int) -> float:
         """When entry ``i`` (a lease on ``oid``) expires; 0 when it is not ours any more."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -48,6 +49,9 @@ from lw_core.backends.embedded.records import (
 
 KNOWN_MAX = 1 << 16  # keys open() remembers (self._known), about 200 bytes each
 
+
+# The object id and the generation slot of a known record (``ObjectReader._lookup_into``).
+_OID, _PAGE = itemgetter(1), itemgetter(5)
 
 class ObjectReader:
     """Reads of the pool ``pool``; ``usable`` and ``check_pool`` are the backend's checks (closed or
@@ -275,7 +279,8 @@ class ObjectReader:
 
         Keys are looked up in ``self._known`` first (key -> the committed record last seen for it,
         see there) and only the others in the index; either way the lease is published, fenced and
-        the generation checked again, as for an index lookup."""
+        the generation checked again, as for an index lookup, and a known record whose object was
+        evicted since is looked up in the index once more (the key may have been stored again)."""
         self.usable()
         self.check_pool()
         lt, ep = self.pool.leases, self.pool.epoch
@@ -283,32 +288,21 @@ class ObjectReader:
         if kep != ep:  # a re-attached pool: its object ids mean something else
             known = {}
             self._known = (ep, known)
-        gen = lt.gen
         try:
             recs: list[Any] = [known.get(k) for k in keys]
         except TypeError:  # an unhashable key: encode_keys below says what is wrong with it
             recs = [None] * len(keys)
-        for j, r in enumerate(recs):
-            if r is not None and gen[r[5]] != r[1]:
-                recs[j] = None  # evicted since: the key may have been stored again, look it up
         if None in recs:
-            self._lookup_into(keys, recs, gen, known)
-        # Lease the live ones in one pass (take_many), fence once, check again; per-key Python
-        # work is what bounds opens of small objects.
-        hit = [j for j, r in enumerate(recs) if r is not None]
+            self._lookup_into(keys, recs, lt.gen, known)
         out: list[EmbeddedHandle | None] = [None] * len(recs)
-        full = 0
-        with lt.lock:  # usable() was checked above
-            taken = lt.take_many([recs[j][1] for j in hit], [recs[j][5] for j in hit], time.time() + self.lease_ttl_s)
-            fences.fence()  # the leases are visible before the generations are checked again
-            for j, i in zip(hit, taken):
-                bk, oid, off, alloc, nbytes, pg = recs[j]
-                if i < 0:
-                    full += 1
-                elif gen[pg] != oid:
-                    lt.drop(i, oid)
-                else:
-                    out[j] = EmbeddedHandle(keys[j], bk, nbytes, off, alloc, oid, False, ep, i)
+        full, gone = self._lease_into(keys, recs, range(len(recs)), out, ep)
+        if gone:  # known records of objects evicted since: the key may have been stored again
+            for j in gone:
+                recs[j] = None
+                known.pop(keys[j], None)
+            self._lookup_into(keys, recs, lt.gen, known)
+            more, _ = self._lease_into(keys, recs, gone, out, ep)
+            full += more
         if full:
             self.local["lease_row_full"] += full
             log.warning("embedded pool %r: this process holds too many leases; %d opens were misses", self.pool.path, full)
@@ -316,6 +310,42 @@ class ObjectReader:
         self.local["open_hits"] += hits
         self.local["open_misses"] += len(out) - hits
         return out
+
+    def _lease_into(self, keys: Sequence[str], recs: list[Any], idx: Sequence[int], out: list[EmbeddedHandle | None],
+                    ep: int) -> tuple[int, list[int]]:
+        """Lease the objects ``recs`` names at ``idx`` (None there: a miss) in one pass
+        (``LeaseTable.take_many``), fence once, check their generations again, and put a handle in
+        ``out`` for each that still lives. Returns how many found the lease row full and the
+        indexes whose object was evicted meanwhile (their leases dropped again)."""
+        if len(idx) == len(recs) and None not in recs:  # every key of the call (the usual case)
+            sel: Sequence[int] = idx
+            rs = recs
+        else:
+            sel = [j for j in idx if recs[j] is not None]
+            if not sel:
+                return 0, []
+            rs = [recs[j] for j in sel]
+        n = len(rs)
+        oids = np.fromiter(map(_OID, rs), np.uint64, n)
+        pages = np.fromiter(map(_PAGE, rs), np.int64, n)
+        lt = self.pool.leases
+        with lt.lock:  # usable() was checked by the caller
+            taken = lt.take_many(oids, pages, time.time() + self.lease_ttl_s)
+            fences.fence()  # the leases are visible before the generations are checked again
+            got = taken >= 0
+            live = got & (lt.generations(pages) == oids)
+            lost = got & ~live
+            if lost.any():
+                lt.drop_many(taken[lost], oids[lost])
+        tk = taken.tolist()
+        if sel is idx and len(out) == n and live.all():  # the usual case, in one comprehension
+            out[:] = [EmbeddedHandle(k, r[0], r[4], r[2], r[3], r[1], False, ep, t) for k, r, t in zip(keys, rs, tk)]
+            return 0, []
+        for p in (range(n) if live.all() else np.flatnonzero(live).tolist()):
+            j = sel[p]
+            bk, oid, off, alloc, nbytes, _ = rs[p]
+            out[j] = EmbeddedHandle(keys[j], bk, nbytes, off, alloc, oid, False, ep, tk[p])
+        return n - int(got.sum()), [sel[p] for p in np.flatnonzero(lost).tolist()]
 
     def _lookup_into(self, keys: Sequence[str], recs: list[Any], gen: Any, known: dict[str, Any]) -> None:
         """Fill ``recs[j]`` (None there) with key j's committed, live record from the index, as
@@ -359,7 +389,7 @@ class ObjectReader:
                         stale += 1  # evicted while leased: a reader ran past its lease
                     lease.append(h._lease)
                     oids.append(h._oid)
-                lt.drop_many(lease, oids)
+                lt.drop_many(np.array(lease, dtype=np.int64), np.array(oids, dtype=np.uint64))
         finally:
             self.pool.handle_states.tick()
         if stale:

@@ -173,6 +173,48 @@ def test_choices_whose_decoder_contradicts_their_relayed_tokens_are_resumed_afte
     run(body())
 
 
+def _usage(events):
+    (u,) = [ev["usage"] for ev in events if ev.get("usage") and not ev.get("choices")]
+    return u
+
+
+@pytest.mark.parametrize("which", [frozenset({1}), None], ids=["one choice", "every choice"])
+def test_the_usage_summary_counts_what_the_client_got_when_choices_are_resumed_after_their_relayed_tokens(which):
+    """Usage asked (``include_usage``): a choice dropped for contradicting its relayed token counts
+    its relayed token and its continuation's, never the decoder's own; with every choice dropped
+    before the decoder's summary came, the prompt is still the client's, not a continuation's."""
+    async def body():
+        async with harness(prefill_first=True) as h:
+            pf, dec = h.prefillers[0], h.decoders[0]
+            pf.knobs.distinct_choices, pf.knobs.delay = True, 0.3
+            dec.knobs.forces_first, dec.knobs.first_word, dec.knobs.first_word_choices = True, " w999", which
+            dec.knobs.token_delay = 0.05  # the decoder's summary comes well after the mismatches
+            _, texts, errors, events = await _sse(h, {**GREEDY, "temperature": 0.7, "n": 2, "max_tokens": 4,
+                                                      "stream_options": {"include_usage": True}})
+            assert errors == [] and " w999" not in "".join(texts)
+            u = _usage(events)
+            assert u["completion_tokens"] == 8 and u["total_tokens"] == u["prompt_tokens"] + 8, u
+            if which is None:  # the decoder's summary never came: the prompt is the client's
+                assert u["prompt_tokens"] == len(tokenize("p")), u
+
+    run(body())
+
+
+def test_a_resumed_choice_counts_its_continuations_tokens_in_the_usage_summary():
+    """A choice the decoder ended "recomputed" after 2 of 6 tokens: the summary counts all 6."""
+    async def body():
+        async with harness() as h:
+            h.decoders[0].knobs.recompute_after = 2
+            _, texts, errors, events = await _sse(h, {**GREEDY, "max_tokens": 6,
+                                                      "stream_options": {"include_usage": True}})
+            assert errors == [] and "".join(texts) == "".join(generate("p", 6))
+            assert _usage(events)["completion_tokens"] == 6
+            cont = [b for b in h.decoders[0].bodies if b.get("prompt") != "p"]
+            assert len(cont) == 1 and cont[0]["stream_options"] == {"include_usage": True}
+
+    run(body())
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_a_non_streamed_answer_of_several_choices_continues_each_from_its_prefill_token(chat):
     """Not streamed, ``n`` 2, log-probs asked: each choice continues from its own prefill token and

@@ -91,6 +91,7 @@ class Knobs:
     # decoder: the next streamed answer starts with this word instead of the model's (a near-tie the
     # decoder decides the other way than the prefiller); used once, then cleared
     first_word: str | None = None
+    first_word_choices: frozenset[int] | None = None  # only these choices start with first_word (None: all)
     # chat: the answer goes out as reasoning_content deltas, with no content (a reasoning model)
     reasoning: bool = False
     # streams: every k-th token (k, 2k, ...) is sent with empty text (its text held back, as for a
@@ -350,7 +351,8 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
     ret_ids, lp = bool(body.get("return_token_ids")), _wants_logprobs(body, chat)
     gen: dict[int, list[int]] = {}
     for idx, pids in choices:
-        if k.first_word is not None and st.role == "decoder" and limit:
+        if (k.first_word is not None and st.role == "decoder" and limit
+                and (k.first_word_choices is None or idx in k.first_word_choices)):
             first = WORD + int(k.first_word.strip().removeprefix("w"))
             gen[idx] = [first] + generate_ids(pids + [first], limit - 1)
         else:

@@ -86,6 +86,13 @@ _OFF = ("echo", "suffix", "prompt_logprobs")
 _OFF_CHAT = ("echo", "prompt_logprobs", "return_prompt_text", "tools", "functions")
 
 
+def asks_usage(req: ClientRequest) -> bool:
+    """The client asked for the stream's usage summary (``stream_options.include_usage``: JSON
+    ``true``)."""
+    so = req.body.get("stream_options")
+    return isinstance(so, dict) and so.get("include_usage") is True
+
+
 def asks_logprobs(req: ClientRequest) -> bool:
     """The client asked for the sampled tokens' log-probs (completions: ``logprobs`` given, 0
     included; chat: ``logprobs: true``)."""

@@ -61,6 +61,13 @@ class StreamState:
     # and each is resumed after the relayed token once the decoder's stream ends.
     dropped: list[int] = field(default_factory=list)
     created: int | None = None  # the relayed event's ``created``: the decoder's events get it too
+    # Usage of a stream with resumed choices (``usage_summary``): whether ``usage`` is the decoder's
+    # own summary, the token ids the decoder sent per choice, and per dropped choice how many
+    # relayed tokens the client got for it.
+    decoder_usage: bool = False
+    decoder_tokens: dict[int, int] = field(default_factory=dict)
+    relayed_tokens: dict[int, int] = field(default_factory=dict)
+    dropped_relayed: dict[int, int] = field(default_factory=dict)
 
     def stop_cutting(self) -> None:
         self.skips.clear()
@@ -68,6 +75,35 @@ class StreamState:
 
     def cutting(self) -> bool:
         return bool(self.skips or self.dropped)
+
+
+def usage_summary(state: StreamState) -> dict[str, Any]:
+    """The stream's usage summary as a single engine's: ``state.usage`` (the decoder's, each resumed
+    choice's continuation adding its tokens), less what the decoder generated for choices dropped
+    after contradicting their relayed token (none of it reached the client) plus the relayed tokens
+    the client got for them; when the decoder's own summary never came (every choice was dropped
+    before it), the first continuation's is the base: the prompt is then the client's (the
+    ledger's), not the continuation's longer one."""
+    assert state.usage is not None
+    if not state.dropped_relayed:
+        return state.usage
+    obj = dict(state.usage)
+    u = obj.get("usage")
+    if not isinstance(u, dict):
+        return obj
+    u = dict(u)
+    fix = sum(state.dropped_relayed.values())
+    if state.decoder_usage:
+        fix -= sum(state.decoder_tokens.get(i, 0) for i in state.dropped_relayed)
+    else:
+        prompt = state.ledger.prompt_tokens(next(iter(state.dropped_relayed)))
+        if prompt is not None and isinstance(u.get("prompt_tokens"), int):
+            u["prompt_tokens"] = len(prompt)
+    if isinstance(u.get("completion_tokens"), int) and isinstance(u.get("prompt_tokens"), int):
+        u["completion_tokens"] += fix
+        u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+    obj["usage"] = u
+    return obj
 
 
 class SseRelay:
@@ -158,6 +194,7 @@ class SseRelay:
                     await out.write(first.block)
                     for i, r in first.choices.items():
                         state.ledger.feed(i, r.text, r.token_ids, first.prompt_ids, ids_follow=r.token_ids is None)
+                        state.relayed_tokens[i] = len(r.token_ids) if r.token_ids else 1
                         state.skips[i] = Skip(r.text, r.token_ids, req.chat, r.logprobs,
                                               prompt=token_ids.client_asked(req.body))
                     state.created = first.created
@@ -184,7 +221,7 @@ class SseRelay:
                     self.m.errors.labels(ok.kind).inc()
                     await out.write(b"data: " + ok.body() + b"\n\n")
                 elif state.usage is not None:
-                    await out.write(self._stamped(rc.sse_encode(state.usage), state))
+                    await out.write(self._stamped(rc.sse_encode(usage_summary(state)), state))
                 await out.write(_DONE)
                 await out.write_eof()
         except TimeoutError:
@@ -270,9 +307,10 @@ class SseRelay:
                 state.id = obj.get("id")
             choices = obj.get("choices")
             if not choices:
-                if obj.get("usage") is not None:  # usage summary: sent once, at the end
+                if obj.get("usage") is not None:  # usage summary: sent once, at the end (usage_summary)
                     if state.usage is None:
                         state.usage = obj
+                        state.decoder_usage = rewrite is None
                     else:
                         rc.add_usage(state.usage.get("usage"), obj["usage"])
                 else:  # not a choice event (an error event): as it came
@@ -281,6 +319,8 @@ class SseRelay:
             kept = []
             for ch in choices:
                 idx = ch.get("index", 0)
+                if rewrite is None and isinstance(ch.get("token_ids"), list):
+                    state.decoder_tokens[idx] = state.decoder_tokens.get(idx, 0) + len(ch["token_ids"])
                 if idx in state.dropped:
                     continue
                 skip = state.skips.get(idx)
@@ -338,6 +378,7 @@ class SseRelay:
             if skip.ids is None:  # ids the decoder sent before the mismatch are not ours
                 state.ledger.drop_tokens(idx)
             state.dropped.append(idx)
+            state.dropped_relayed[idx] = state.relayed_tokens.get(idx, 1)
             return True
         if skip.logprobs:
             skip.logprobs = relay_mod.cut_logprobs(ch, skip.logprobs, chat)
@@ -362,6 +403,8 @@ class SseRelay:
                                                         **({"delta": {}} if req.chat else {"text": ""})}]}))
                     break
                 self.m.recomputes.inc()
+                if state.usage is not None or relay_mod.asks_usage(req):
+                    cont.body["stream_options"] = {"include_usage": True}  # its tokens go into the summary
                 call = await self.upstream.decode(cont, path, read=False)
                 if isinstance(call, tuple):
                     return ProxyError(502, f"resubmitting recomputed choice {idx} failed with HTTP {call[0]}")

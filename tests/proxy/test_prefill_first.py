@@ -116,10 +116,10 @@ def _choices(events, chat):
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_each_choice_of_a_sampled_stream_gets_its_own_prefill_token(chat):
-    """``n`` 3, sampled: the prefill keeps ``n`` (and the seed), each choice's engine request on the
-    decoder is answered with its own choice's first token (vLLM names choice ``j``'s request
-    ``j_<id>``), the three first tokens are relayed at once, and every choice continues from its
-    own: the client gets the prefiller's draws, each token once."""
+    """``n`` 3, sampled: the prefill keeps ``n`` (and the seed) and is streamed, each choice's
+    engine request on the decoder is answered with its own choice's first token (vLLM names choice
+    ``j``'s request ``j_<id>``), the three first tokens are relayed as they come, and every choice
+    continues from its own: the client gets the prefiller's draws, each token once."""
     async def body():
         async with harness(prefill_first=True) as h:
             pf, dec = h.prefillers[0], h.decoders[0]
@@ -134,6 +134,7 @@ def test_each_choice_of_a_sampled_stream_gets_its_own_prefill_token(chat):
             firsts = [generate_ids(prompt + [j] if j else prompt, 1)[0] for j in range(3)]
             assert len(set(firsts)) == 3  # the test tells the choices apart
             assert pf.bodies[0]["n"] == 3 and pf.bodies[0]["seed"] == 5 and pf.bodies[0]["max_tokens"] == 1
+            assert pf.bodies[0]["stream"] is True
             got = sorted((dec.metaserver_ids[k].split("_")[0], a["first_token"])
                          for k, (_, a) in enumerate(dec.metaserver_results))
             assert sorted(got) == sorted((str(j), firsts[j]) for j in range(3)), got
@@ -148,6 +149,56 @@ def test_each_choice_of_a_sampled_stream_gets_its_own_prefill_token(chat):
                 roles = [ch["index"] for ev in events for ch in ev["choices"] if "role" in ch["delta"]]
                 assert sorted(roles) == [0, 1, 2]
             assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
+
+    run(body())
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_choice_the_prefiller_finishes_first_is_relayed_without_waiting_for_the_others(chat):
+    """The prefiller streams the prefill of ``n`` 2 and finishes choice 1 a second after choice 0
+    (vLLM runs choices as engine requests of their own): choice 0's first token reaches the client
+    and its decoder request at once, choice 1's when it comes; each choice continues from its own."""
+    async def body():
+        async with harness(prefill_first=True) as h:
+            pf, dec = h.prefillers[0], h.decoders[0]
+            pf.knobs.distinct_choices, pf.knobs.delay, pf.knobs.choice_delay = True, 0.2, 1.0
+            dec.knobs.forces_first = True
+            req = {**(CHAT if chat else GREEDY), "temperature": 0.7, "seed": 5, "n": 2}
+            first, _, errors, events = await _sse(h, req)
+            assert errors == [] and first < 0.8, (first, errors)
+            prompt = tokenize(chat_context(CHAT["messages"]) if chat else "p")
+            firsts = [generate_ids(prompt + [j] if j else prompt, 1)[0] for j in range(2)]
+            texts = _choices(events, chat)
+            for j in range(2):
+                assert texts[j] == [token_text(firsts[j])] + generate(prompt + [firsts[j]], 3), j
+            if chat:  # both choices' role events open the stream, as a single engine's
+                assert [list(ev["choices"][0]["delta"]) for ev in events[:2]] == [["role", "content"]] * 2
+                assert [ch["index"] for ev in events for ch in ev["choices"] if "role" in ch["delta"]] == [0, 1]
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_errors_total", {"kind": "relay_mismatch"}) is None
+
+    run(body())
+
+
+def test_a_prefill_stream_that_breaks_after_one_choice_leaves_the_others_to_their_decoder():
+    """The prefiller dies after choice 0's event: choice 0 was relayed and continues from its token;
+    choice 1's decoder request gets the prefill's failure and computes its own first token, which
+    the client then gets from the decoder. No other prefiller is asked (a sampled choice drawn
+    again could differ from one already out)."""
+    async def body():
+        async with harness(n_prefill=2, prefill_first=True) as h:
+            dec = h.decoders[0]
+            for p in h.prefillers:
+                p.knobs.distinct_choices, p.knobs.delay, p.knobs.die_after = True, 0.2, 1
+            dec.knobs.forces_first = True
+            _, _, errors, events = await _sse(h, {**GREEDY, "temperature": 0.7, "n": 2})
+            assert errors == []
+            prompt = tokenize("p")
+            first0 = generate_ids(prompt, 1)[0]
+            texts = _choices(events, False)
+            assert texts[0] == [token_text(first0)] + generate(prompt + [first0], 3)
+            assert texts[1] == generate(prompt, 4)  # the decoder's own (it is not told choice 1 is distinct)
+            assert len(h.prefillers[0].bodies) + len(h.prefillers[1].bodies) == 1
 
     run(body())
 

@@ -70,7 +70,8 @@ class Knobs:
     status: int | None = None  # answer every generation request with this status (JSON error)
     delay: float = 0.0  # seconds before answering
     token_delay: float = 0.0  # seconds between streamed tokens
-    die_after: int | None = None  # decoder: drop the connection after this many tokens
+    die_after: int | None = None  # streams: drop the connection after this many tokens
+    choice_delay: float = 0.0  # streams: seconds before each choice's event after the first choice's
     empty_200: bool = False
     skip_metaserver: bool = False
     recompute_after: int | None = None  # decoder: end the first answer after k tokens with "recomputed"
@@ -235,6 +236,8 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
         if body.get("stream"):
             return await _stream(request, st, choices, max_tokens, cut, chat, body, n)
         ret_ids = bool(body.get("return_token_ids"))
+        if k.choice_delay and len(choices) > 1:  # a whole answer waits for its last choice
+            await asyncio.sleep(k.choice_delay * (len(choices) - 1))
         out = []
         total = 0
         for idx, pids in choices:
@@ -384,6 +387,8 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
         hold = max(map(len, stops)) - 1 if stops and not body.get("include_stop_str_in_output") else 0
         for t in range(limit):
             for idx, pids in choices:
+                if k.choice_delay and idx != choices[0][0]:
+                    await asyncio.sleep(k.choice_delay)
                 if k.die_after is not None and sent >= k.die_after:
                     if request.transport is not None:
                         request.transport.close()  # the decoder process "dies" mid-stream

@@ -51,7 +51,7 @@ Outcome = tuple[int, bytes]  # HTTP status and JSON body for the held metaserver
 
 class Parent:
     __slots__ = ("id", "token", "children", "request", "ids", "waiters", "result", "task", "attempts", "wanted",
-                 "early", "stalled", "relay", "forcing", "answers")
+                 "early", "stalled", "relay", "forcing", "answers", "choice_waiters", "relay_more")
 
     def __init__(self, children: int, request: Any) -> None:
         self.id = uuid.uuid4().hex
@@ -72,6 +72,18 @@ class Parent:
         # The 200 answer's body per choice when it carries that choice's first token (prefill_dispatch):
         # a choice's engine request gets its own (``relay.choice_index``), others the plain answer.
         self.answers: dict[int, bytes] = {}
+        # A streamed prefill (prefill_stream) answers each choice as its token comes: the held POSTs
+        # of each choice's engine request, and the further choices' relays after the first.
+        self.choice_waiters: dict[int, list[asyncio.Future[Outcome]]] = {}
+        self.relay_more: asyncio.Queue[Any] | None = None
+
+    def answer_choice(self, i: int, answer: bytes) -> None:
+        """Choice ``i``'s token came (a streamed prefill): its held POSTs are answered now with
+        ``answer`` (``ParentRegistry._for`` picks it), and later ones at once."""
+        self.answers[i] = answer
+        for f in self.choice_waiters.pop(i, ()):
+            if not f.done():
+                f.set_result((200, OK_BODY))
 
 
 class ParentRegistry:
@@ -236,6 +248,10 @@ class ParentRegistry:
             if p.result is not None:  # finished before this POST (early dispatch, or a retried decoder)
                 self._observe(p.result, t0)
                 return p.result
+            i = choice_index(request_id, getattr(p.request, "n", 1))
+            if i is not None and i in p.answers:  # a streamed prefill already answered this choice
+                self._wait_ok.observe(0)
+                return 200, OK_BODY
         elif request_id not in p.ids:
             if len(p.ids) >= p.children:
                 return self._too_many(p, request_id)
@@ -249,6 +265,9 @@ class ParentRegistry:
             return p.result
         fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         p.waiters.append(fut)
+        choice = choice_index(request_id, getattr(p.request, "n", 1))
+        if choice is not None:
+            p.choice_waiters.setdefault(choice, []).append(fut)
         if len(p.ids) == p.children and p.task is None:
             self._start(p)
         try:
@@ -263,6 +282,8 @@ class ParentRegistry:
         finally:
             if fut in p.waiters:
                 p.waiters.remove(fut)
+            if choice is not None and fut in p.choice_waiters.get(choice, ()):
+                p.choice_waiters[choice].remove(fut)
         self._observe(out, t0)
         return out
 

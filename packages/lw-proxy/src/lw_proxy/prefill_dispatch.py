@@ -25,6 +25,7 @@ from .config import PREFILL_DISPATCH, ProxyConfig
 from .errors import ProxyError
 from .fanin import OK_BODY, Outcome, Parent, ParentRegistry
 from .metrics import ProxyMetrics
+from .prefill_stream import PrefillStream
 from .relay import Prefilled, continues, first_tokens
 from .relay import request_id as relay_request_id
 from .upstream import CHAT, COMPLETIONS, RETRY_STATUSES, UPSTREAM_ERRORS
@@ -33,14 +34,18 @@ from .validate import ClientRequest
 _encode = msgspec.json.encode
 
 
-def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False) -> dict[str, Any]:
+def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False, stream: bool = False) -> dict[str, Any]:
     """The prefill's request: the client's, one token, not streamed; one choice, or the client's
     ``n`` when the decoder may continue from each choice's first token (``relay.continues``).
-    ``token_ids``: ask for the prompt's and the first tokens' ids (a relayed first token's)."""
+    ``token_ids``: ask for the prompt's and the first tokens' ids (a relayed first token's).
+    ``stream``: streamed, with continuous usage (each event carries the prompt's count), so each
+    choice is known as soon as the prefiller has it (``prefill_stream``)."""
     body = dict(req.body)
     for k in ("stream_options", "min_tokens", "best_of"):
         body.pop(k, None)
-    body.update(max_tokens=1, stream=False, n=req.n if continues(req) else 1)
+    body.update(max_tokens=1, stream=stream, n=req.n if continues(req) else 1)
+    if stream:
+        body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     if req.chat:
         body["max_completion_tokens"] = 1
     if token_ids:
@@ -94,7 +99,10 @@ class PrefillDispatcher:
         (kind ``prefill_failed``) when no prefiller completed it."""
         req: ClientRequest = parent.request
         path = CHAT if req.chat else COMPLETIONS
-        payload = _encode(prefill_body(req, parent.id, token_ids=parent.relay is not None or continues(req)))
+        # A relayed stream of several choices: each choice's token is relayed as it comes.
+        streamed = parent.relay is not None and req.stream and req.n > 1 and continues(req)
+        payload = _encode(prefill_body(req, parent.id, token_ids=parent.relay is not None or continues(req),
+                                       stream=streamed))
         headers = {**self.headers, "X-Request-Id": f"lw-prefill-{parent.id}"}
         # Each prefiller is tried at most once per parent: one that answered 503 is overloaded, and
         # asking it again only adds load; the decoders recompute instead.
@@ -108,7 +116,10 @@ class PrefillDispatcher:
             if pf is None:
                 break
             tried.add(pf)
-            got = await self._send(pf, path, payload, headers, req.prompt_tokens)
+            if streamed:
+                got = await self._send_streamed(pf, path, payload, headers, parent)
+            else:
+                got = await self._send(pf, path, payload, headers, req.prompt_tokens)
             if isinstance(got, str):
                 last = got
                 continue
@@ -136,6 +147,67 @@ class PrefillDispatcher:
             pf.mark_failed(f"HTTP {status}")
             return f"{pf.url}: HTTP {status}"
         return status, data
+
+    async def _send_streamed(self, pf: Backend, path: str, payload: bytes, headers: dict[str, str],
+                             parent: Parent) -> tuple[int, bytes] | str:
+        """``_send`` of a streamed prefill: each choice is handed on as its event comes
+        (``_choice``); the answer is the whole stream's, in the non-streamed answer's shape. Once a
+        choice was handed on, a failure is the parent's (``ProxyError``), not a reason to ask
+        another prefiller: a sampled choice drawn again could differ from the one already out."""
+        req: ClientRequest = parent.request
+        work = req.prompt_tokens
+        pf.acquire(work)
+        t0 = time.perf_counter()
+        ps = PrefillStream(req.chat)
+        out = 0
+        try:
+            async with self.client().post(pf.url + path, data=payload, headers=headers, timeout=self.timeout) as r:
+                status = r.status
+                if status != 200:
+                    data = await r.read()
+                else:
+                    async for chunk in r.content.iter_any():
+                        for i in ps.feed(chunk):
+                            self._choice(parent, ps, i)
+                            out += 1
+                    if not ps.done:
+                        raise aiohttp.ClientPayloadError("the prefiller's stream ended before [DONE]")
+                    data = ps.answer(ps.choices)
+        except (*UPSTREAM_ERRORS, ProxyError) as e:
+            pf.mark_failed(repr(e))
+            if out:
+                raise ProxyError(502, f"prefiller {pf.url} failed after {out} of {req.n} choices were handed on: {e!r}",
+                                 kind="prefill_failed") from None
+            return f"{pf.url}: {e!r}"
+        finally:
+            pf.release(work, t0)
+        if status in RETRY_STATUSES:
+            pf.mark_failed(f"HTTP {status}")
+            return f"{pf.url}: HTTP {status}"
+        return status, data
+
+    def _choice(self, parent: Parent, ps: PrefillStream, i: int) -> None:
+        """Choice ``i`` of a streamed prefill is in: its engine request's held POSTs are answered
+        with its token (``Parent.answer_choice``), and with ``--prefill-first`` it goes to the
+        stream (the first choice through ``parent.relay``, later ones through the queue that one
+        carries), relayed when its decoder request continues from it."""
+        req: ClientRequest = parent.request
+        if i >= req.n:
+            return
+        data = ps.answer([i])
+        firsts = first_tokens(data, req.chat)
+        if firsts is not None and i in firsts[0]:
+            parent.answer_choice(i, _encode(MetaserverResponse(first_token=firsts[0][i],
+                                                               prompt_digest=prompt_digest(firsts[1]))))
+        relay = parent.relay
+        if relay is None:
+            return
+        forced = i in parent.answers and i in parent.forcing and not parent.stalled
+        if not relay.done():
+            parent.relay_more = asyncio.Queue()
+            relay.set_result(Prefilled(parent.id, data, forced, only=(i,), more=parent.relay_more))
+        elif parent.relay_more is not None:
+            parent.relay_more.put_nowait(Prefilled(parent.id, data, forced, only=(i,)))
 
     def _answer(self, parent: Parent, pf: Backend, status: int, data: bytes) -> Outcome:
         """The held POSTs' outcome; each choice of a request the decoder may continue from the

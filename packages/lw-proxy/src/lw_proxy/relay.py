@@ -47,10 +47,12 @@ carry them; the decoder's first event of each relayed choice then gives up its p
 A request of ``n`` choices keeps ``n`` and its seed in the prefill (vLLM seeds choice ``i`` with
 ``seed + i`` on the prefiller, the decoder and a single engine alike), and each choice's engine
 request on the decoder (vLLM names it ``f"{i}_{id}"``: ``choice_index``) is answered with its own
-choice's first token (``fanin.Parent.answers``). Its stream is relayed only when every choice's
-request continues from its token (``forced``; greedy choices are not relayed on their own), and
-only whole: every choice's token, each choice's events as a single engine opens them (chat: every
-choice's role event, then every choice's first content). Log-probs (``logprobs``, 0 included, ``top_logprobs``, and
+choice's first token (``fanin.Parent.answers``). Its prefill is streamed (``prefill_stream``):
+each choice's token is handed to its engine request (``Parent.answer_choice``) and to the stream as
+the prefiller streams it. The stream is relayed when the first choice's request continues from its
+token (``forced``; greedy choices are not relayed on their own), opening as a single engine's does
+(chat: every choice's role event, then the first choice's content); each later choice's first
+event goes out when it comes (``Prefilled.more``), if that choice's request continues from it. Log-probs (``logprobs``, 0 included, ``top_logprobs``, and
 ``return_tokens_as_token_ids``, which only changes how they name tokens) go out with the relayed
 token: the prefill's request is the client's, so its answer holds the first token's
 entry, as a single engine computes it over the whole prompt; an answer without one entry per
@@ -280,11 +282,15 @@ def _given(value: Any) -> bool:
 
 class Prefilled(NamedTuple):
     """The prefill's 200 answer, as handed to the stream: its parent's id, its body, and whether
-    the decoder continues from its first token (``relayable``)."""
+    the decoder continues from its first token (``relayable``). A streamed prefill's
+    (``prefill_stream``) comes choice by choice: ``only`` names the choices ``data`` holds, and
+    ``more`` (the first's) is the queue the later choices' come through."""
 
     parent_id: str
     data: bytes
     forced: bool
+    only: tuple[int, ...] | None = None
+    more: Any = None
 
 
 def request_id(parent_id: str) -> str:
@@ -313,7 +319,8 @@ class First(NamedTuple):
 
 
 def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs: bool = False,
-                n: int = 1, *, ids: bool = False, usage: bool = False, hold: int = 0) -> First | None:
+                n: int = 1, *, ids: bool = False, usage: bool = False, hold: int = 0,
+                only: tuple[int, ...] | None = None, roles: bool = True) -> First | None:
     """The SSE events carrying the prefill answer's first token of each of its ``n`` choices (chat:
     the role events and the first contents) and, with ``logprobs`` (the client asked for them),
     their log-probs, which the answer must hold for each of its tokens; None when they must not be
@@ -321,7 +328,11 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs
     asked for token ids (``return_token_ids``): the events carry the prompt's and the token's, as
     a single engine's first events do; ``usage``: every event carries usage
     (``continuous_usage``), the prompt's count from the prefill's answer; ``hold``: the characters
-    vLLM holds back for stop strings (``held_back``), which the first events do not show yet."""
+    vLLM holds back for stop strings (``held_back``), which the first events do not show yet.
+    ``only``: the answer holds just these choices of the ``n`` (a streamed prefill's, choice by
+    choice: ``prefill_stream``), whose events are built; ``roles`` (chat): the role events go out
+    first, one per choice of the ``n`` as a single engine opens its stream (a streamed prefill's
+    later choices: False, they went out with the first)."""
     if not data:
         return None
     try:
@@ -329,9 +340,10 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs
         chs = obj["choices"]
     except (msgspec.DecodeError, KeyError, TypeError, ValueError):
         return None
-    if not isinstance(obj, dict) or not isinstance(chs, list) or len(chs) != n:
+    want = list(range(n)) if only is None else sorted(only)
+    if not isinstance(obj, dict) or not isinstance(chs, list) or len(chs) != len(want):
         return None
-    if not all(isinstance(ch, dict) for ch in chs) or sorted(ch.get("index", 0) for ch in chs) != list(range(n)):
+    if not all(isinstance(ch, dict) for ch in chs) or sorted(ch.get("index", 0) for ch in chs) != want:
         return None
     got: dict[int, tuple[Relayed, Any, str | None]] = {}
     pids: Any = obj.get("prompt_token_ids") if chat else None
@@ -352,12 +364,14 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs
     if chat:
         head = {"id": f"chatcmpl-{request_id(parent_id)}", "object": "chat.completion.chunk",
                 "created": created, "model": obj.get("model")}
-        block = b"".join(rc.sse_encode({**head, "choices": [{"index": i, "delta": {"role": role or "assistant",
+        opened = {i: role for i, (_, _, role) in got.items()}
+        role0 = next(iter(opened.values()), None)
+        block = b"".join(rc.sse_encode({**head, "choices": [{"index": i, "delta": {"role": opened.get(i, role0) or "assistant",
                                                                                    "content": ""},
                                                             "logprobs": None, "finish_reason": None}],
                                         "prompt_token_ids": pids if ids else None, "prompt_text": None,
                                         **({"usage": u(0)} if u else {})})
-                         for i, (_, _, role) in got.items())
+                         for i in (range(n) if roles else ()))
         block += b"".join(rc.sse_encode({**head, "choices": [{"index": i, "delta": {"content": r.text}, "logprobs": lp,
                                                              "finish_reason": None,
                                                              "token_ids": r.token_ids if ids else None}],

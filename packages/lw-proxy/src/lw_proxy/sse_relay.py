@@ -68,6 +68,8 @@ class StreamState:
     decoder_tokens: dict[int, int] = field(default_factory=dict)
     relayed_tokens: dict[int, int] = field(default_factory=dict)
     dropped_relayed: dict[int, int] = field(default_factory=dict)
+    # A streamed prefill's later choices (the request and their queue: ``_relay_more``).
+    more: tuple[ClientRequest, Any] | None = None
 
     def stop_cutting(self) -> None:
         self.skips.clear()
@@ -181,10 +183,7 @@ class SseRelay:
                 self.m.not_relayed.labels("decoder_first").inc()
             else:
                 pre: relay_mod.Prefilled = relay.result()
-                first = relay_mod.first_event(pre.data, pre.parent_id, req.chat, relay_mod.asks_logprobs(req), req.n,
-                                              ids=token_ids.client_asked(req.body),
-                                              usage=relay_mod.continuous_usage(req) is True,
-                                              hold=relay_mod.held_back(req) or 0)
+                first = self._first(req, pre, roles=True)
                 if first is None:
                     self.m.not_relayed.labels("token").inc()
                 elif not relay_mod.relayable(req, pre.forced):
@@ -192,12 +191,13 @@ class SseRelay:
                 else:
                     await out.prepare(request)
                     await out.write(first.block)
-                    for i, r in first.choices.items():
-                        state.ledger.feed(i, r.text, r.token_ids, first.prompt_ids, ids_follow=r.token_ids is None)
-                        state.relayed_tokens[i] = len(r.token_ids) if r.token_ids else 1
-                        state.skips[i] = Skip(r.text, r.token_ids, req.chat, r.logprobs,
-                                              prompt=token_ids.client_asked(req.body))
+                    if req.chat and pre.only is not None:  # every choice's role event went out
+                        for i in range(req.n):
+                            state.skips[i] = Skip(role=True)
+                    self._relayed(req, first, state)
                     state.created = first.created
+                    if pre.more is not None:
+                        state.more = (req, pre.more)
                     self.m.relayed_first.inc()
             return await task
         except BaseException:
@@ -208,6 +208,37 @@ class SseRelay:
                 if not isinstance(result, tuple):
                     self.upstream.finish(result)
             raise
+
+    @staticmethod
+    def _first(req: ClientRequest, pre: relay_mod.Prefilled, roles: bool) -> relay_mod.First | None:
+        return relay_mod.first_event(pre.data, pre.parent_id, req.chat, relay_mod.asks_logprobs(req), req.n,
+                                     ids=token_ids.client_asked(req.body),
+                                     usage=relay_mod.continuous_usage(req) is True,
+                                     hold=relay_mod.held_back(req) or 0, only=pre.only, roles=roles)
+
+    @staticmethod
+    def _relayed(req: ClientRequest, first: relay_mod.First, state: StreamState) -> None:
+        """What ``first`` relayed is fed to the ledger and cut from the decoder's stream."""
+        for i, r in first.choices.items():
+            state.ledger.feed(i, r.text, r.token_ids, first.prompt_ids, ids_follow=r.token_ids is None)
+            state.relayed_tokens[i] = len(r.token_ids) if r.token_ids else 1
+            had = state.skips.get(i)
+            state.skips[i] = Skip(r.text, r.token_ids, req.chat and (had is None or had.role), r.logprobs,
+                                  prompt=token_ids.client_asked(req.body))
+
+    async def _relay_more(self, out: web.StreamResponse, state: StreamState) -> None:
+        """A streamed prefill's later choices that came in since (``relay.Prefilled.more``): each
+        relayable one's first events go out before the decoder's events, which are cut by them (the
+        decoder cannot send a choice's token before the prefill's came: its request waits for it)."""
+        assert state.more is not None
+        req, more = state.more
+        while not more.empty():
+            pre: relay_mod.Prefilled = more.get_nowait()
+            first = self._first(req, pre, roles=False)
+            if first is None or not relay_mod.relayable(req, pre.forced):
+                continue  # the decoder's own events of that choice go out as they come
+            await out.write(first.block)
+            self._relayed(req, first, state)
 
     async def _end_stream(self, request: web.Request, out: web.StreamResponse, ok: Literal[True] | ProxyError,
                           state: StreamState) -> None:
@@ -245,6 +276,8 @@ class SseRelay:
         idle = self.cfg.stream_idle_timeout
         parse = rewrite is not None
         while True:
+            if state.more is not None and rewrite is None and not state.more[1].empty():
+                await self._relay_more(out, state)
             cut = buf.rfind(b"\n\n")
             if cut >= 0:
                 block, buf = buf[:cut + 2], buf[cut + 2:]

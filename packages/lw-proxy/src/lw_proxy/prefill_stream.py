@@ -1,0 +1,157 @@
+"""A streamed prefill of several choices (``PrefillStream``, fed by ``prefill_dispatch``): the
+prefiller's SSE events assembled, choice by choice, into what its non-streamed answer holds for
+that choice, so each choice's first token can be handed on (to its decoder request and, with
+``--prefill-first``, to the client's stream) as soon as the prefiller has it rather than once
+every choice has one.
+
+vLLM runs a request's choices as engine requests of their own, which the prefiller may finish
+apart (one computes, the next loads what the first saved), and streams each choice's event as it
+finishes. The prefill asks one token per choice, its token ids and continuous usage, so each
+choice's event carries its text (chat: after a role event per choice), token id, log-probs when
+asked, ``finish_reason`` and the prompt's count; completions carry the prompt's ids in each
+choice's first event, chat in the stream's first event. ``answer`` turns what came into the
+non-streamed answer's shape (``text`` or ``message``, merged ``logprobs``, ``token_ids``, the
+usage of those choices), which ``relay.first_tokens`` and ``relay.first_event`` read as they read a
+non-streamed prefill answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from .errors import ProxyError
+
+MAX_PENDING_BYTES = 16 << 20  # the most bytes of one unfinished SSE event held while waiting for its end
+
+
+@dataclass(slots=True)
+class _Choice:
+    text: str = ""
+    role: str | None = None
+    other: dict[str, Any] = field(default_factory=dict)  # chat delta keys but role and content (tool calls, reasoning)
+    token_ids: list[int] | None = None
+    logprobs: Any = None
+    prompt_ids: list[int] | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+
+
+class PrefillStream:
+    """``chat``: a chat completion's events (deltas), else a completion's."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.head: dict[str, Any] = {}  # id, created, model of the first event
+        self.prompt_ids: list[int] | None = None  # chat: the stream's first event's
+        self.usage: dict[str, Any] | None = None  # the last usage seen (continuous: the prompt's count)
+        self.choices: dict[int, _Choice] = {}
+        self.done = False  # [DONE] came
+        self._buf = b""
+
+    def feed(self, data: bytes) -> list[int]:
+        """Take the next bytes of the stream; the indices of the choices it finished (their
+        ``finish_reason`` came). Raises ``ProxyError`` on an error event or a stream that is not SSE."""
+        self._buf += data
+        cut = self._buf.rfind(b"\n\n")
+        if cut < 0:
+            if len(self._buf) > MAX_PENDING_BYTES:
+                raise ProxyError(502, "the prefiller's stream sent an event too large to read", kind="prefill_failed")
+            return []
+        block, self._buf = self._buf[: cut + 2], self._buf[cut + 2 :]
+        finished: list[int] = []
+        for ev in block.split(b"\n\n"):
+            line = ev.strip()
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.done = True
+                continue
+            try:
+                obj = msgspec.json.decode(payload)
+            except msgspec.DecodeError:
+                raise ProxyError(502, "the prefiller's stream sent an event that is not JSON", kind="prefill_failed") from None
+            if not isinstance(obj, dict) or "error" in obj:
+                raise ProxyError(502, f"the prefiller's stream ended with an error: {payload[:300].decode(errors='replace')}",
+                                 kind="prefill_failed")
+            finished += self._event(obj)
+        return finished
+
+    def _event(self, obj: dict[str, Any]) -> list[int]:
+        if not self.head:
+            self.head = {k: obj.get(k) for k in ("id", "created", "model")}
+        if isinstance(obj.get("usage"), dict):
+            self.usage = obj["usage"]
+        if self.chat and self.prompt_ids is None and isinstance(obj.get("prompt_token_ids"), list):
+            self.prompt_ids = obj["prompt_token_ids"]
+        finished = []
+        for ch in obj.get("choices") or ():
+            if not isinstance(ch, dict) or type(ch.get("index", 0)) is not int:
+                continue
+            i = ch.get("index", 0)
+            c = self.choices.setdefault(i, _Choice())
+            if self.chat:
+                d = ch.get("delta")
+                delta: dict[str, Any] = d if isinstance(d, dict) else {}
+                if isinstance(delta.get("role"), str):
+                    c.role = delta["role"]
+                if isinstance(delta.get("content"), str):
+                    c.text += delta["content"]
+                c.other.update({k: v for k, v in delta.items() if k not in ("role", "content") and v})
+            elif isinstance(ch.get("text"), str):
+                c.text += ch["text"]
+            if isinstance(ch.get("token_ids"), list):
+                c.token_ids = (c.token_ids or []) + ch["token_ids"]
+            if isinstance(ch.get("prompt_token_ids"), list) and c.prompt_ids is None:
+                c.prompt_ids = ch["prompt_token_ids"]
+            c.logprobs = _merge_logprobs(c.logprobs, ch.get("logprobs"), self.chat)
+            if ch.get("finish_reason") is not None and c.finish_reason is None:
+                c.finish_reason, c.stop_reason = ch["finish_reason"], ch.get("stop_reason")
+                finished.append(i)
+        return finished
+
+    def answer(self, indices: Iterable[int]) -> bytes:
+        """The non-streamed answer's JSON holding the choices at ``indices`` (finished ones)."""
+        chs = []
+        generated = 0
+        for i in sorted(indices):
+            c = self.choices[i]
+            generated += len(c.token_ids or ()) or 1
+            if self.chat:
+                msg = {"role": c.role or "assistant", "content": c.text, **c.other}
+                chs.append({"index": i, "message": msg, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason, "token_ids": c.token_ids})
+            else:
+                chs.append({"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+                            "stop_reason": c.stop_reason, "prompt_token_ids": c.prompt_ids, "token_ids": c.token_ids})
+        obj: dict[str, Any] = {**self.head, "object": "chat.completion" if self.chat else "text_completion",
+                               "choices": chs}
+        prompt = (self.usage or {}).get("prompt_tokens")
+        if type(prompt) is int:
+            usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + generated,
+                                     "completion_tokens": generated}
+            if self.chat:
+                usage["completion_tokens_details"] = (self.usage or {}).get("completion_tokens_details")
+            obj["usage"] = usage
+        if self.chat:
+            obj["prompt_token_ids"] = self.prompt_ids
+        return msgspec.json.encode(obj)
+
+
+def _merge_logprobs(have: Any, more: Any, chat: bool) -> Any:
+    """One choice's log-probs so far with an event's appended (chat: ``content`` entries; a
+    completion: its parallel lists)."""
+    if not isinstance(more, dict):
+        return have
+    if have is None:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in more.items()}
+    for k, v in more.items():
+        if isinstance(v, list) and isinstance(have.get(k), list):
+            have[k] = have[k] + v
+        elif k not in have:
+            have[k] = v
+    return have

@@ -199,6 +199,7 @@ def test_a_prefill_stream_that_breaks_after_one_choice_leaves_the_others_to_thei
             assert texts[0] == [token_text(first0)] + generate(prompt + [first0], 3)
             assert texts[1] == generate(prompt, 4)  # the decoder's own (it is not told choice 1 is distinct)
             assert len(h.prefillers[0].bodies) + len(h.prefillers[1].bodies) == 1
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_errors_total", {"kind": "prefill_failed"}) == 1
 
     run(body())
 

@@ -176,6 +176,7 @@ class PrefillDispatcher:
         except (*UPSTREAM_ERRORS, ProxyError) as e:
             pf.mark_failed(repr(e))
             if out:
+                self.m.errors.labels("prefill_failed").inc()
                 raise ProxyError(502, f"prefiller {pf.url} failed after {out} of {req.n} choices were handed on: {e!r}",
                                  kind="prefill_failed") from None
             return f"{pf.url}: {e!r}"

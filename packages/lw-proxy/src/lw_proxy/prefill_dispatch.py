@@ -116,10 +116,7 @@ class PrefillDispatcher:
             if pf is None:
                 break
             tried.add(pf)
-            if streamed:
-                got = await self._send_streamed(pf, path, payload, headers, parent)
-            else:
-                got = await self._send(pf, path, payload, headers, req.prompt_tokens)
+            got = await self._send(pf, path, payload, headers, req.prompt_tokens, parent if streamed else None)
             if isinstance(got, str):
                 last = got
                 continue
@@ -130,54 +127,26 @@ class PrefillDispatcher:
                          f"at most once); last error: {last}", kind="prefill_failed")
 
     async def _send(self, pf: Backend, path: str, payload: bytes, headers: dict[str, str],
-                    work: int) -> tuple[int, bytes] | str:
-        """One prefiller's answer (status, body), or why it cannot serve now (it is marked failed)."""
+                    work: int, streamed: Parent | None = None) -> tuple[int, bytes] | str:
+        """One prefiller's answer (status, body), or why it cannot serve now (it is marked failed).
+        ``streamed``: the parent of a streamed prefill, read by ``_read_stream``; once it handed a
+        choice on, a failure is the parent's (``ProxyError``), not a reason to ask another
+        prefiller: a sampled choice drawn again could differ from the one already out."""
         pf.acquire(work)
         t0 = time.perf_counter()
-        try:
-            async with self.client().post(pf.url + path, data=payload, headers=headers, timeout=self.timeout) as r:
-                data = await r.read()
-                status = r.status
-        except UPSTREAM_ERRORS as e:
-            pf.mark_failed(repr(e))
-            return f"{pf.url}: {e!r}"
-        finally:
-            pf.release(work, t0)
-        if status in RETRY_STATUSES:
-            pf.mark_failed(f"HTTP {status}")
-            return f"{pf.url}: HTTP {status}"
-        return status, data
-
-    async def _send_streamed(self, pf: Backend, path: str, payload: bytes, headers: dict[str, str],
-                             parent: Parent) -> tuple[int, bytes] | str:
-        """``_send`` of a streamed prefill: each choice is handed on as its event comes
-        (``_choice``); the answer is the whole stream's, in the non-streamed answer's shape. Once a
-        choice was handed on, a failure is the parent's (``ProxyError``), not a reason to ask
-        another prefiller: a sampled choice drawn again could differ from the one already out."""
-        req: ClientRequest = parent.request
-        work = req.prompt_tokens
-        pf.acquire(work)
-        t0 = time.perf_counter()
-        ps = PrefillStream(req.chat)
-        out = 0
+        handed = [0]  # choices a streamed prefill handed on
         try:
             async with self.client().post(pf.url + path, data=payload, headers=headers, timeout=self.timeout) as r:
                 status = r.status
-                if status != 200:
-                    data = await r.read()
+                if streamed is not None and status == 200:
+                    data = await self._read_stream(r, streamed, handed)
                 else:
-                    async for chunk in r.content.iter_any():
-                        for i in ps.feed(chunk):
-                            self._choice(parent, ps, i)
-                            out += 1
-                    if not ps.done:
-                        raise aiohttp.ClientPayloadError("the prefiller's stream ended before [DONE]")
-                    data = ps.answer(ps.choices)
+                    data = await r.read()
         except (*UPSTREAM_ERRORS, ProxyError) as e:
             pf.mark_failed(repr(e))
-            if out:
+            if handed[0]:
                 self.m.errors.labels("prefill_failed").inc()
-                raise ProxyError(502, f"prefiller {pf.url} failed after {out} of {req.n} choices were handed on: {e!r}",
+                raise ProxyError(502, f"prefiller {pf.url} failed after {handed[0]} choice(s) were handed on: {e!r}",
                                  kind="prefill_failed") from None
             return f"{pf.url}: {e!r}"
         finally:
@@ -186,6 +155,18 @@ class PrefillDispatcher:
             pf.mark_failed(f"HTTP {status}")
             return f"{pf.url}: HTTP {status}"
         return status, data
+
+    async def _read_stream(self, r: aiohttp.ClientResponse, parent: Parent, handed: list[int]) -> bytes:
+        """A streamed prefill's events, each choice handed on as it comes (``_choice``, counted in
+        ``handed[0]``); returns the whole stream's answer in the non-streamed answer's shape."""
+        ps = PrefillStream(parent.request.chat)
+        async for chunk in r.content.iter_any():
+            for i in ps.feed(chunk):
+                self._choice(parent, ps, i)
+                handed[0] += 1
+        if not ps.done:
+            raise aiohttp.ClientPayloadError("the prefiller's stream ended before [DONE]")
+        return ps.answer(ps.choices)
 
     def _choice(self, parent: Parent, ps: PrefillStream, i: int) -> None:
         """Choice ``i`` of a streamed prefill is in: its engine request's held POSTs are answered

@@ -124,18 +124,18 @@ def _loads(acc: Any, backend: Any, copier: Any, layout: Any, keys: list[str], sr
     return pick(times), verified
 
 
-def _case_pool(cfg: dict[str, Any], per_mechanism: int, mechs: int) -> tuple[Any, str | None, bool]:
-    """A pool for one case: room for one mechanism's objects when the backend can purge them
-    (each mechanism's are purged, untimed, before the next: the pool, a tmpfs file whose pages are
-    taken when it is made and registered with the device, stays at about twice a step), room for
-    every mechanism's otherwise. Returns the backend, its temporary directory and whether it purges."""
-    backend, tmp = open_backend(dict(cfg, backend_keys=None), per_mechanism)
+def _case_pool(cfg: dict[str, Any], purging: int, keeping: int) -> tuple[Any, str | None, bool]:
+    """A pool for one case: ``purging`` bytes when the backend can purge objects (the case purges
+    what it no longer needs, untimed, so the pool, a tmpfs file whose pages are taken when it is
+    made and registered with the device, stays small), else ``keeping`` bytes, room for every
+    object the case writes. Returns the backend, its temporary directory and whether it purges."""
+    backend, tmp = open_backend(dict(cfg, backend_keys=None), purging)
     if supports_purge(backend):
         return backend, tmp, True
     backend.close()
     if tmp:
         shutil.rmtree(tmp, ignore_errors=True)
-    backend, tmp = open_backend(dict(cfg, backend_keys=None), per_mechanism * mechs)
+    backend, tmp = open_backend(dict(cfg, backend_keys=None), keeping)
     return backend, tmp, False
 
 
@@ -160,7 +160,8 @@ def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) 
         ceil_load, ceil_save = _ceiling(acc, dst, reps)
         saves = 2 if total * 2 <= SAVE_BYTES else 1
         try:
-            backend, tmp, purges = _case_pool(cfg, total * saves + 4 * layout.nbytes, len(mechs))
+            step = total * saves + 4 * layout.nbytes  # one mechanism's objects (each is purged before the next)
+            backend, tmp, purges = _case_pool(cfg, step, step * len(mechs))
         except (BackendError, OSError) as e:  # e.g. /dev/shm too small for the case: say so, go on
             print(f"lw-bench pipeline --rates: case {name} skipped: no pool of its size here: {e}", file=sys.stderr)
             continue
@@ -202,7 +203,7 @@ def _purge(backend: Any, prefix: str) -> None:
     """Remove the objects under ``prefix`` so the next save has room."""
     left = backend.purge(prefix, 30.0)
     if left.get("leased"):
-        raise SystemExit(f"lw-bench pipeline --host-work: {left['leased']} objects under {prefix!r} are still leased")
+        raise SystemExit(f"lw-bench pipeline: {left['leased']} objects under {prefix!r} are still leased")
 
 
 def measure_host_work(acc: Any, cfg: dict[str, Any]) -> list[HostRow]:
@@ -225,13 +226,7 @@ def measure_host_work(acc: Any, cfg: dict[str, Any]) -> list[HostRow]:
         # (untimed) before the next, so the pool (a tmpfs file, its pages taken when it is made)
         # stays at twice a step whatever the repetitions.
         try:
-            backend, tmp = open_backend(dict(cfg, backend_keys=None), 2 * total + 4 * layout.nbytes)
-            purges = supports_purge(backend)
-            if not purges:  # room for every save then
-                backend.close()
-                if tmp:
-                    shutil.rmtree(tmp, ignore_errors=True)
-                backend, tmp = open_backend(dict(cfg, backend_keys=None), total * reps * len(mechs) + 4 * layout.nbytes)
+            backend, tmp, purges = _case_pool(cfg, 2 * total + 4 * layout.nbytes, total * reps * len(mechs) + 4 * layout.nbytes)
         except (BackendError, OSError) as e:
             print(f"lw-bench pipeline --host-work: case {name} skipped: no pool of its size here: {e}", file=sys.stderr)
             continue

@@ -224,15 +224,14 @@ class ParentRegistry:
         refused = self._refuse_token(p, token)
         if refused is not None:
             return refused
-        if p is not None and forces_first:
-            i = choice_index(request_id, getattr(p.request, "n", 1))
-            if i is not None:
-                p.forcing.add(i)
         if p is None:
             self._m.metaserver_wait.labels("unknown_parent").observe(0)
             e = ProxyError(404, f"unknown lw_parent_id {parent_id!r} (never issued, or already finished)",
                            param="lw_parent_id")
             return e.status, e.body()
+        choice = choice_index(request_id, getattr(p.request, "n", 1))  # which choice's engine request
+        if forces_first and choice is not None:
+            p.forcing.add(choice)
         if p.task is not None or p.result is not None:
             # dispatched: a repeated POST, or a retried decoder's, shares that prefill. Each decoder
             # attempt brings at most ``children`` new ids: past that, refused as before dispatch.
@@ -248,8 +247,7 @@ class ParentRegistry:
             if p.result is not None:  # finished before this POST (early dispatch, or a retried decoder)
                 self._observe(p.result, t0)
                 return p.result
-            i = choice_index(request_id, getattr(p.request, "n", 1))
-            if i is not None and i in p.answers:  # a streamed prefill already answered this choice
+            if choice is not None and choice in p.answers:  # a streamed prefill already answered this choice
                 self._wait_ok.observe(0)
                 return 200, OK_BODY
         elif request_id not in p.ids:
@@ -265,7 +263,6 @@ class ParentRegistry:
             return p.result
         fut: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         p.waiters.append(fut)
-        choice = choice_index(request_id, getattr(p.request, "n", 1))
         if choice is not None:
             p.choice_waiters.setdefault(choice, []).append(fut)
         if len(p.ids) == p.children and p.task is None:

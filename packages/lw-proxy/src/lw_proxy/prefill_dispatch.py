@@ -57,6 +57,16 @@ def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False, st
     return body
 
 
+def metaserver_answers(data: bytes, req: ClientRequest) -> dict[int, bytes]:
+    """The metaserver answer of each choice of prefill answer ``data`` that carries its first token
+    (``relay.first_tokens``) with the prompt's digest; empty when none does."""
+    firsts = first_tokens(data, req.chat)
+    if firsts is None:
+        return {}
+    digest = prompt_digest(firsts[1])
+    return {i: _encode(MetaserverResponse(first_token=t, prompt_digest=digest)) for i, t in firsts[0].items() if i < req.n}
+
+
 class PrefillDispatcher:
     """``cfg``: ``prefill_dispatch``, ``prefill_timeout``, ``connect_timeout``, ``max_retries``,
     ``retry_delay``; ``m``: the proxy's metrics; ``prefillers``: the pool it picks from; ``client``:
@@ -177,10 +187,9 @@ class PrefillDispatcher:
         if i >= req.n:
             return
         data = ps.answer([i])
-        firsts = first_tokens(data, req.chat)
-        if firsts is not None and i in firsts[0]:
-            parent.answer_choice(i, _encode(MetaserverResponse(first_token=firsts[0][i],
-                                                               prompt_digest=prompt_digest(firsts[1]))))
+        answer = metaserver_answers(data, req).get(i)
+        if answer is not None:
+            parent.answer_choice(i, answer)
         relay = parent.relay
         if relay is None:
             return
@@ -203,11 +212,8 @@ class PrefillDispatcher:
             raise ProxyError(502, f"prefiller {pf.url} answered HTTP {status}: {data[:500].decode(errors='replace')}",
                              kind="prefill_failed")
         req: ClientRequest = parent.request
-        firsts = first_tokens(data, req.chat) if continues(req) else None
-        if firsts is not None:
-            digest = prompt_digest(firsts[1])
-            parent.answers = {i: _encode(MetaserverResponse(first_token=t, prompt_digest=digest))
-                              for i, t in firsts[0].items() if i < req.n}
+        if continues(req):
+            parent.answers = metaserver_answers(data, req) or parent.answers
         if parent.relay is not None and not parent.relay.done():
             every = set(range(req.n))
             forced = every <= parent.answers.keys() and every <= parent.forcing and not parent.stalled

@@ -62,12 +62,12 @@ class StreamState:
     dropped: list[int] = field(default_factory=list)
     created: int | None = None  # the relayed event's ``created``: the decoder's events get it too
     # Usage of a stream with resumed choices (``usage_summary``): whether ``usage`` is the decoder's
-    # own summary, the token ids the decoder sent per choice, and per dropped choice how many
-    # relayed tokens the client got for it.
+    # own summary, the token ids the decoder sent per choice, the relayed tokens per choice, and
+    # the choices ever dropped for contradicting theirs.
     decoder_usage: bool = False
     decoder_tokens: dict[int, int] = field(default_factory=dict)
     relayed_tokens: dict[int, int] = field(default_factory=dict)
-    dropped_relayed: dict[int, int] = field(default_factory=dict)
+    contradicted: set[int] = field(default_factory=set)
     # A streamed prefill's later choices (the request and their queue: ``_relay_more``).
     more: tuple[ClientRequest, Any] | None = None
 
@@ -87,18 +87,18 @@ def usage_summary(state: StreamState) -> dict[str, Any]:
     before it), the first continuation's is the base: the prompt is then the client's (the
     ledger's), not the continuation's longer one."""
     assert state.usage is not None
-    if not state.dropped_relayed:
+    if not state.contradicted:
         return state.usage
     obj = dict(state.usage)
     u = obj.get("usage")
     if not isinstance(u, dict):
         return obj
     u = dict(u)
-    fix = sum(state.dropped_relayed.values())
+    fix = sum(state.relayed_tokens.get(i, 1) for i in state.contradicted)
     if state.decoder_usage:
-        fix -= sum(state.decoder_tokens.get(i, 0) for i in state.dropped_relayed)
+        fix -= sum(state.decoder_tokens.get(i, 0) for i in state.contradicted)
     else:
-        prompt = state.ledger.prompt_tokens(next(iter(state.dropped_relayed)))
+        prompt = state.ledger.prompt_tokens(min(state.contradicted))
         if prompt is not None and isinstance(u.get("prompt_tokens"), int):
             u["prompt_tokens"] = len(prompt)
     if isinstance(u.get("completion_tokens"), int) and isinstance(u.get("prompt_tokens"), int):
@@ -411,7 +411,7 @@ class SseRelay:
             if skip.ids is None:  # ids the decoder sent before the mismatch are not ours
                 state.ledger.drop_tokens(idx)
             state.dropped.append(idx)
-            state.dropped_relayed[idx] = state.relayed_tokens.get(idx, 1)
+            state.contradicted.add(idx)
             return True
         if skip.logprobs:
             skip.logprobs = relay_mod.cut_logprobs(ch, skip.logprobs, chat)

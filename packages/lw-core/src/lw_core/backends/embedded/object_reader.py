@@ -53,6 +53,7 @@ KNOWN_MAX = 1 << 16  # keys open() remembers (self._known), about 200 bytes each
 # The object id and the generation slot of a known record (``ObjectReader._lookup_into``).
 _OID, _PAGE = itemgetter(1), itemgetter(5)
 
+
 class ObjectReader:
     """Reads of the pool ``pool``; ``usable`` and ``check_pool`` are the backend's checks (closed or
     forked; the directory replaced), ``local`` its own counters."""

@@ -318,6 +318,50 @@ def test_whole_prompt_travels_and_the_decoder_computes_one_token(meta, pool_dir,
         prod.shutdown()
 
 
+@pytest.mark.parametrize("tail", [0, 5, BLOCK - 1], ids=["aligned", "partial", "block-less-one"])
+def test_a_continued_prefill_loads_the_prefills_prompt_and_calls_no_metaserver(meta, pool_dir, tail: int) -> None:
+    """``lw_prefilled``: the decoder is given the prefill's prompt plus its first token; it loads
+    the prefill's prompt, partial chunk included, at once and without a metaserver call, so only
+    the token is computed; it never counts the prefill's partial chunk as a full chunk of its own."""
+    cfg = parse_config({"embedded_path": pool_dir, "embedded_capacity_bytes": 4 << 20, "use_layerwise": True})
+    vc, kc = _configs()
+    prod = SchedulerSide(vc, kc, cfg, "kv_producer")
+    side = _side(pool_dir, use_layerwise=True, metaserver_timeout_s=30.0)
+    try:
+        n_tok = 3 * BLOCK + tail
+        meta.mode, meta.bodies = "silent", []
+        preq = _prefill_req("p-c", list(range(3, 3 + n_tok)), "par-c")
+        prod.get_num_new_matched_tokens(preq, 0)
+        blocks = [20, 21, 22, 23][: -(-n_tok // BLOCK)]
+        plan = prod.build_connector_meta(_step("p-c", blocks, n_tok))
+        saved = [h for x in plan.saves for h in x.hashes]
+        _publish_keys(prod, saved)
+        dreq = _req("d-c", n_tok + 1, meta.url, "par-c")  # the prompt and the prefill's first token
+        dreq.all_token_ids[-1] = dreq.prompt_token_ids[-1] = 99_999
+        dreq.kv_transfer_params["lw_prefilled"] = 1
+        t = time.perf_counter()
+        assert side.get_num_new_matched_tokens(dreq, 0) == (n_tok, False)  # no "not ready yet"
+        assert time.perf_counter() - t < 1.0
+        st = side.reqs["d-c"]
+        assert st.remote.phase is RemotePhase.PREFILLED and st.load_hashes == saved
+        assert st.pool_chunks == n_tok // BLOCK  # the partial chunk is the prefill's, not a chunk of its own
+        side.update_state_after_alloc(dreq, None, n_tok)
+        plan = side.build_connector_meta(_step("d-c", [5, 6, 7, 8][: -(-(n_tok + 1) // BLOCK)], 1))
+        (x,) = plan.loads
+        assert x.hashes == saved and x.block_ids == [5, 6, 7, 8][: len(blocks)]
+        time.sleep(0.2)
+        assert meta.bodies == []  # nothing asked of the metaserver
+        # Without the prefill in the pool (another parent: its partial chunk's key differs) the
+        # lookup finds the full chunks only, and the rest is computed.
+        other = _req("d-o", n_tok + 1, meta.url, "par-none")
+        other.all_token_ids[-1] = other.prompt_token_ids[-1] = 99_999
+        other.kv_transfer_params["lw_prefilled"] = 1
+        assert side.get_num_new_matched_tokens(other, 0) == (n_tok - tail if tail else n_tok, False)
+    finally:
+        side.shutdown()
+        prod.shutdown()
+
+
 def test_discard_partial_chunks_keeps_the_partial_chunk_home(meta, pool_dir) -> None:
     cfg = parse_config({"embedded_path": pool_dir, "embedded_capacity_bytes": 4 << 20, "use_layerwise": True,
                         "discard_partial_chunks": True})

@@ -24,6 +24,9 @@ Id = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 MAX_CHILDREN = 4096
 Children = Annotated[int, msgspec.Meta(ge=1, le=MAX_CHILDREN)]
 
+# Generated tokens a continued prefill's prompt may end with (``DecodeTransferParams.lw_prefilled``).
+MAX_PREFILLED = 1
+
 METASERVER_PATH = "/v1/metaserver"
 
 
@@ -42,6 +45,11 @@ class DecodeTransferParams(msgspec.Struct, kw_only=True):
     # (``MetaserverResponse.first_token``) when the prefill's answer allows, so this decoder waits
     # for that answer rather than starting when the pool holds the prompt.
     lw_first_token: bool = False
+    # The prefill has answered and the proxy continues it: the prompt's last ``lw_prefilled`` tokens
+    # are the tokens the prefill generated, and the pool holds the prompt before them (its partial
+    # chunk under ``lw_parent_id``). The decoder loads that without calling the metaserver and
+    # computes only what follows. 0: an ordinary remote prefill.
+    lw_prefilled: Annotated[int, msgspec.Meta(ge=0, le=MAX_PREFILLED)] = 0
 
 
 class PrefillTransferParams(msgspec.Struct, kw_only=True):

@@ -11,6 +11,11 @@ recurrent-state model (``states``) that is what its hit can load: the chunks up 
 boundary before the prompt's last token (``state_plan.last_boundary``) and the state there; chunks
 without that state are no hit (the proxy would skip the prefill and the decoder recompute the prompt).
 
+A request whose params carry ``lw_prefilled`` (lw-proxy: a non-streamed answer continued after
+its prefill answered) has the prefill's generated tokens at the end of its prompt: it calls no
+metaserver and loads the prefill's prompt, partial chunk included, so it computes only those tokens
+and what follows them.
+
 A request whose params carry ``lw_first_token`` (lw-proxy: one prompt; each choice's engine request
 is answered with its own choice's token) says ``forces_first`` in its
 POST when this engine runs ``first_token.FirstTokenProcessor``, waits for the answer even when the
@@ -228,9 +233,13 @@ class PdCoordinator:
                     REFUSED_LOG_S, f" ({more} more refused since the last message)" if more else "")
 
     def prompt_hashes(self, st: ReqState) -> list[bytes]:
-        """Full chunks of the prompt, then (PD, ``discard_partial_chunks`` false) the partial one."""
+        """Full chunks of the prompt, then (PD, ``discard_partial_chunks`` false) the partial one. A
+        request continuing an answered prefill (``prefilled_tail``): those of the prefill's prompt,
+        its own but for the tokens the prefill generated."""
         if st.pd_hashes is None:
             toks = prompt_tokens(st.req)
+            if st.prefilled_tail:
+                toks = toks[:len(toks) - st.prefilled_tail]
             digests = st.input_digests(self.block_size)
             full = chunk_hashes(toks, self.block_size, st.extra, digests)
             out = list(full)
@@ -388,6 +397,11 @@ class PdCoordinator:
             if isinstance(params, str):
                 self._log_refused(req.request_id, params)
                 st.remote = RemotePrefill(RemotePhase.BAD_PARAMS, error=params)
+                return True
+            if params.lw_prefilled:
+                # The proxy continues a prefill that answered: nothing to wait for or to tell it.
+                st.prefilled_tail = min(params.lw_prefilled, st.prompt_len - 1)
+                st.remote = RemotePrefill(RemotePhase.PREFILLED)
                 return True
             skip = getattr(req, "skip_reading_prefix_cache", False)
             # Nothing to wait for: no full chunk, or (a state model) no boundary before the last token.

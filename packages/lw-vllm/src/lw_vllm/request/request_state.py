@@ -45,6 +45,7 @@ class RemotePhase(enum.Enum):
     BAD_PARAMS = "bad params"
     NOTHING_TO_LOAD = "nothing to load"
     POOL_HOLDS_PROMPT = "pool holds the prompt"
+    PREFILLED = "continues an answered prefill"
     STREAMING = "streaming"
     WAITING = "waiting"
     ANSWERED = "answered"
@@ -123,6 +124,9 @@ class ReqState:
     t: dict[str, float] = field(default_factory=dict)
     parent: str | None = None  # PD: scopes the trailing partial chunk's key
     pd_hashes: list[bytes] | None = None  # prompt's full chunks (+ partial), see PdCoordinator.prompt_hashes
+    # PD: the prompt's last tokens that the prefill generated (``DecodeTransferParams.lw_prefilled``);
+    # the prefill saved the prompt before them, which is what ``pd_hashes`` name.
+    prefilled_tail: int = 0
     load_hashes: list[bytes] = field(default_factory=list)  # the hash list the last lookup used
     partial_saved: bool = False
     next_pool_check: float = 0.0

@@ -246,7 +246,8 @@ class SchedulerSide:
             self.pd.check_prefill_visible(st, hashes, local, limit, hit)
         st.load_hashes = hashes
         st.load_src_tp = src_tp
-        full = min(attn_hit, st.prompt_len // self.block_size)
+        # A continued prefill's partial chunk is not the full chunk its own prompt may end with.
+        full = min(attn_hit, (st.prompt_len - st.prefilled_tail) // self.block_size)
         st.pool_chunks = max(st.pool_chunks, full)
         st.saved_upto = max(st.saved_upto, full)
         tokens = min(hit * self.block_size, n_tokens - 1)

@@ -267,17 +267,19 @@ def test_a_resumed_choice_counts_its_continuations_tokens_in_the_usage_summary()
     run(body())
 
 
+@pytest.mark.parametrize("seed", [None, 5], ids=["continued", "decoder-path"])
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
-def test_a_non_streamed_answer_of_several_choices_continues_each_from_its_prefill_token(chat):
+def test_a_non_streamed_answer_of_several_choices_continues_each_from_its_prefill_token(chat, seed):
     """Not streamed, ``n`` 2, log-probs asked: each choice continues from its own prefill token and
-    its first log-prob entry is the prefiller's."""
+    its first log-prob entry is the prefiller's, whether the proxy continues the prefill
+    (lw_proxy.prefill_continue) or, seeded, the decoder takes the token with its metaserver answer."""
     async def body():
         async with harness() as h:
             pf, dec = h.prefillers[0], h.decoders[0]
             pf.knobs.distinct_choices, pf.knobs.delay, pf.knobs.logprob = True, 0.3, -0.25
             dec.knobs.forces_first = True
             path = "/v1/chat/completions" if chat else "/v1/completions"
-            req = {**(CHAT if chat else GREEDY), "stream": False, "temperature": 0.7, "n": 2,
+            req = {**(CHAT if chat else GREEDY), "stream": False, "temperature": 0.7, "n": 2, "seed": seed,
                    **({"logprobs": True} if chat else {"logprobs": 0})}
             async with h.session.post(h.url + path, json=req) as r:
                 assert r.status == 200, await r.text()
@@ -702,7 +704,8 @@ def test_a_non_streamed_answer_takes_the_first_log_prob_entry_from_the_prefill(c
             h.prefillers[0].knobs.logprob = -0.25
             h.prefillers[0].knobs.delay = 0.3  # the decoder's POST is in before the prefill answers
             path = "/v1/chat/completions" if chat else "/v1/completions"
-            req = {**(CHAT if chat else GREEDY), "stream": False, "temperature": 0.7,
+            # Seeded and sampled: the decoder's path (lw_proxy.prefill_continue keeps it).
+            req = {**(CHAT if chat else GREEDY), "stream": False, "temperature": 0.7, "seed": 5,
                    **({"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2})}
             for forces, want in ((True, [-0.25, -0.5, -0.5, -0.5]), (None, [-0.5] * 4)):
                 h.decoders[0].knobs.forces_first = forces

@@ -209,7 +209,8 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
         prompts = [None] if chat else _choice_prompts(body)
         fail_status = k.status_after_metaserver if k.fail_times is None or st.failed < k.fail_times else None
         failing = fail_status is not None
-        if role == "decoder" and params.get("do_remote_prefill") and not k.skip_metaserver:
+        # A continued prefill (lw_prefilled) calls no metaserver, as lw-vllm's decoder.
+        if role == "decoder" and params.get("do_remote_prefill") and not params.get("lw_prefilled") and not k.skip_metaserver:
             st.answered_first.clear()
             calls = _call_metaserver(request.app[SESSION], st, params, len(prompts), n)
             if k.wait_metaserver or not failing:

@@ -17,15 +17,16 @@ from aiohttp import web
 
 from lw_core.wire import DecodeTransferParams
 
+from . import prefill_continue, token_ids
 from . import recompute as rc
 from . import relay as relay_mod
-from . import token_ids
 from .backends import BackendPool
 from .config import ProxyConfig
 from .errors import ProxyError
 from .fanin import Parent, ParentRegistry
 from .metrics import ProxyMetrics
 from .prefill_dispatch import PrefillDispatcher
+from .relay import Prefilled
 from .sse_relay import SseRelay, deadline_error
 from .upstream import RETRY_STATUSES, UPSTREAM_ERRORS, DecoderCall
 from .validate import ClientRequest
@@ -75,7 +76,8 @@ class Proxy:
         itself, ``return_token_ids: true`` (see lw_proxy.token_ids)."""
         params = _encode(DecodeTransferParams(metaserver=self._metaserver, lw_parent_id=parent.id,
                                               lw_children=req.children, lw_token=parent.token,
-                                              lw_first_token=relay_mod.offers_first(req, self.cfg.prefill_first)))
+                                              lw_first_token=relay_mod.offers_first(req, self.cfg.prefill_first),
+                                              lw_prefilled=req.prefilled))
         ids = token_ids.asks(req.body)
         if req.raw is not None and req.prompt_ids is None and not (ids and "return_token_ids" in req.body):
             # Splice our fields into the client's own bytes: a validated JSON object without
@@ -94,14 +96,15 @@ class Proxy:
     # ---------------------------------------------------------------- decoder calls
     @overload
     async def decode(self, req: ClientRequest, path: str, read: Literal[True],
-                     relay: asyncio.Future | None = None) -> tuple[int, bytes, str]: ...
+                     relay: asyncio.Future | None = None, parent: Parent | None = None) -> tuple[int, bytes, str]: ...
 
     @overload
     async def decode(self, req: ClientRequest, path: str, read: bool,
-                     relay: asyncio.Future | None = None) -> tuple[int, bytes, str] | DecoderCall: ...
+                     relay: asyncio.Future | None = None,
+                     parent: Parent | None = None) -> tuple[int, bytes, str] | DecoderCall: ...
 
-    async def decode(self, req: ClientRequest, path: str, read: bool,
-                     relay: asyncio.Future | None = None) -> tuple[int, bytes, str] | DecoderCall:
+    async def decode(self, req: ClientRequest, path: str, read: bool, relay: asyncio.Future | None = None,
+                     parent: Parent | None = None) -> tuple[int, bytes, str] | DecoderCall:
         """Send ``req`` to a decoder, retrying other decoders on connect errors and 502/503/504.
 
         ``read``: read the whole body inside the retry loop (a decoder dying mid-body is retried)
@@ -110,11 +113,14 @@ class Proxy:
         hung); a non-200 is read and returned as a tuple.
 
         One parent serves every attempt: a retried decoder's metaserver calls are answered from the
-        prefill the first attempt started, never by a second prefill.
+        prefill the first attempt started, never by a second prefill. ``parent``: one the caller
+        opened (and closes), whose prefill it started (``read`` only).
         """
         last, exclude, timed_out = "no decoder configured", None, False
         work = req.decode_tokens
-        parent = self.registry.open(req.children, req)
+        owns = parent is None
+        if parent is None:
+            parent = self.registry.open(req.children, req)
         headers = self.headers
         if relay is not None:
             headers = self.prefill.relay(parent, relay, headers)
@@ -170,7 +176,7 @@ class Proxy:
                 answered = status == 200
                 return status, data, resp.headers.get("Content-Type", "application/json")
         finally:
-            if not handed_over:
+            if not handed_over and owns:
                 self.registry.close(parent, answered=answered)
         raise ProxyError(504 if timed_out else 502,
                          f"no decoder completed the request after {self.cfg.max_retries + 1} attempts; "
@@ -193,15 +199,66 @@ class Proxy:
         return await self.sse.stream(request, req, path, deadline)
 
     async def complete(self, req: ClientRequest, path: str) -> web.Response:
+        # Early dispatch only: with on-metaserver the decoders decide whether a prefill is needed at all.
+        if prefill_continue.applies(req, self.cfg.prefill_first and self.prefill.early):
+            return await self._complete_after_prefill(req, path)
         pre = asyncio.get_running_loop().create_future() if relay_mod.assembles(req) else None
         status, data, ctype = await self.decode(req, path, read=True, relay=pre)
-        if status == 200 and pre is not None and pre.done():
-            data = relay_mod.with_prefill_logprobs(data, pre.result(), req.chat)
+        return await self._respond(req, path, status, data, ctype, pre.result() if pre is not None and pre.done() else None)
+
+    async def _respond(self, req: ClientRequest, path: str, status: int, data: bytes, ctype: str,
+                       pre: Prefilled | None) -> web.Response:
+        """The decoder's non-streamed answer as the client gets it: the first log-prob entry the
+        prefill's (``pre``, when log-probs were asked), recomputed choices resumed, token ids the
+        client did not ask for stripped."""
+        if status == 200 and pre is not None:
+            data = relay_mod.with_prefill_logprobs(data, pre, req.chat)
         if status == 200 and b'"recomputed"' in data:
             data = await self._resume(req, path, data)
         if status == 200 and token_ids.asks(req.body):
             data = token_ids.strip(data)
         return web.Response(status=status, body=data, headers={"Content-Type": ctype})
+
+    async def _complete_after_prefill(self, req: ClientRequest, path: str) -> web.Response:
+        """A non-streamed answer continued after its prefill (``lw_proxy.prefill_continue``): the
+        prefill goes out alone; once it answered, each choice it did not end goes to a decoder as the
+        prompt plus its first token. A request it cannot continue (or whose prefill failed) goes to
+        the decoder's path with this parent, whose metaserver calls are answered from that prefill."""
+        parent = self.registry.open(req.children, req)
+        pre: asyncio.Future[Prefilled] = asyncio.get_running_loop().create_future()
+        parent.relay = pre  # given the prefill's 200 answer (prefill_dispatch)
+        answered = False
+        try:
+            self.registry.dispatch(parent)
+            assert parent.task is not None
+            await asyncio.shield(parent.task)  # bounded by --prefill-timeout; a client gone closes the parent
+            got = prefill_continue.plan(req, pre.result().data) if pre.done() else None
+            if got is None:
+                self.m.not_relayed.labels("token" if pre.done() else "decoder_first").inc()
+                status, data, ctype = await self.decode(req, path, read=True, parent=parent)
+                answered = status == 200
+                every = set(range(req.n))
+                forced = every <= parent.answers.keys() and every <= parent.forcing
+                prefilled = (pre.result()._replace(forced=forced)
+                             if pre.done() and relay_mod.assembles(req) else None)
+                return await self._respond(req, path, status, data, ctype, prefilled)
+            self.m.relayed_first.inc()
+            subs = await asyncio.gather(*(self.decode(c, path, read=True, parent=parent)
+                                          for c in got.continuations.values()))
+            answers = {}
+            for (i, cont), (status, sub, ctype) in zip(got.continuations.items(), subs):
+                if status != 200:  # the decoder refused the rest (e.g. max_tokens past the context): as it said
+                    return web.Response(status=status, body=sub, headers={"Content-Type": ctype})
+                if b'"recomputed"' in sub:
+                    sub = await self._resume(cont, path, sub)
+                answers[i] = msgspec.json.decode(sub)
+            answered = True
+            data = _encode(prefill_continue.assemble(got, parent.id, req.chat, answers))
+            if token_ids.asks(req.body):
+                data = token_ids.strip(data)
+            return web.Response(status=200, body=data, headers={"Content-Type": "application/json"})
+        finally:
+            self.registry.close(parent, answered=answered)
 
     async def _resume(self, req: ClientRequest, path: str, data: bytes) -> bytes:
         try:

@@ -135,8 +135,34 @@ def splice(choice: dict[str, Any], cont: dict[str, Any], chat: bool) -> None:
         choice["text"] = (choice.get("text") or "") + choice_text(cont, False)
     if cont.get("token_ids") is not None:
         choice["token_ids"] = (choice.get("token_ids") or []) + cont["token_ids"]
+    splice_logprobs(choice, cont, chat)
     choice["finish_reason"] = cont.get("finish_reason")
     choice["stop_reason"] = cont.get("stop_reason")
+
+
+def splice_logprobs(choice: dict[str, Any], cont: dict[str, Any], chat: bool) -> None:
+    """Append ``cont``'s log-prob entries to ``choice``'s when both have them: chat's ``content``
+    list; completions' parallel lists, ``text_offset`` continuing from the last entry's token as
+    vLLM counts it (each offset is the one before plus that token's length)."""
+    lp, more = choice.get("logprobs"), cont.get("logprobs")
+    if not isinstance(lp, dict) or not isinstance(more, dict):
+        return
+    if chat:
+        if isinstance(lp.get("content"), list) and isinstance(more.get("content"), list):
+            lp["content"] = lp["content"] + more["content"]
+        return
+    offsets, toks = lp.get("text_offset"), lp.get("tokens")
+    shift = (offsets[-1] + len(toks[-1]) if isinstance(offsets, list) and offsets and isinstance(toks, list)
+             and len(toks) == len(offsets) and isinstance(toks[-1], str) and isinstance(offsets[-1], int) else None)
+    for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        a, b = lp.get(k), more.get(k)
+        if not isinstance(a, list) or not isinstance(b, list):
+            continue
+        if k == "text_offset":
+            if shift is None or not all(isinstance(o, int) for o in b):
+                continue
+            b = [o + shift for o in b]
+        lp[k] = a + b
 
 
 def add_usage(usage: dict[str, Any] | None, more: dict[str, Any] | None) -> None:

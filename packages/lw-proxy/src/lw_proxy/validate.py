@@ -57,6 +57,9 @@ class ClientRequest:
     # A resumed chat choice's prompt as token ids (prompt + generated so far), sent to the backends as
     # kv_transfer_params.prompt_token_ids (see lw_proxy.recompute); None otherwise.
     prompt_ids: list[int] | None = None
+    # A continuation of an answered prefill (lw_proxy.prefill_continue): the prompt ends with this many
+    # tokens the prefill generated (DecodeTransferParams.lw_prefilled); 0 otherwise.
+    prefilled: int = 0
 
 
 def _token_estimate(s: str) -> int:

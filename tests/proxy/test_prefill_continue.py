@@ -1,0 +1,196 @@
+"""``--prefill-first`` for answers that are not streamed (lw_proxy.prefill_continue): the prefill
+goes out alone, and the decoder continues each choice from the prefill's first token, given as
+token ids (``lw_prefilled``), without a metaserver call; the client gets a single engine's answer."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from lw_dev.proxy_mocks import chat_context, generate, generate_ids, harness, run, token_text, tokenize
+from lw_proxy import prefill_continue
+from lw_proxy.validate import parse_chat, parse_completion
+
+GREEDY = {"prompt": "p", "max_tokens": 4, "temperature": 0}
+CHAT = {"messages": [{"role": "user", "content": "p"}], "max_tokens": 4, "temperature": 0}
+
+
+def _path(chat: bool) -> str:
+    return "/v1/chat/completions" if chat else "/v1/completions"
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_the_decoder_continues_from_the_prefills_token_without_a_metaserver_call(chat):
+    async def body():
+        async with harness() as h:
+            pf, dec = h.prefillers[0], h.decoders[0]
+            pf.knobs.logprob = -0.25  # tell the prefiller's entries from the decoder's
+            req = {**(CHAT if chat else GREEDY), **({"logprobs": True} if chat else {"logprobs": 1})}
+            status, out = await h.post(_path(chat), req)
+            assert status == 200, out
+            prompt = tokenize(chat_context(CHAT["messages"]) if chat else "p")
+            want = generate(prompt, 4)
+            (ch,) = out["choices"]
+            if chat:
+                assert ch["message"]["content"] == "".join(want)
+                entries = [(e["token"], e["logprob"]) for e in ch["logprobs"]["content"]]
+            else:
+                assert ch["text"] == "".join(want)
+                lp = ch["logprobs"]
+                entries = list(zip(lp["tokens"], lp["token_logprobs"]))
+                # offsets continue across the seam as vLLM counts them: each the last plus its token's length
+                assert lp["text_offset"][:2] == [0, len(want[0])]
+            assert entries == list(zip(want, [-0.25, -0.5, -0.5, -0.5]))
+            assert ch["finish_reason"] == "length" and ch["token_ids"] is None  # ids the client did not ask for
+            assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+            assert out["id"].startswith("chatcmpl-lw-" if chat else "cmpl-lw-") and out.get("kv_transfer_params") is None
+            # The decoder got the prompt's ids plus the first token, one request, and called no metaserver.
+            (sent,) = dec.bodies
+            first = generate_ids(prompt, 1)
+            kv = sent["kv_transfer_params"]
+            assert kv["lw_prefilled"] == 1 and dec.metaserver_ids == []
+            assert (kv["prompt_token_ids"] if chat else sent["prompt"]) == prompt + first
+            assert sent["max_completion_tokens" if chat and "max_completion_tokens" in sent else "max_tokens"] == 3
+            assert len(pf.bodies) == 1 and pf.bodies[0]["max_tokens"] == 1
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
+
+    run(body())
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+def test_a_sampled_answer_of_several_choices_continues_each_choice_from_its_own_token(chat):
+    async def body():
+        async with harness() as h:
+            pf, dec = h.prefillers[0], h.decoders[0]
+            pf.knobs.distinct_choices = True
+            req = {**(CHAT if chat else GREEDY), "temperature": 0.7, "n": 3}
+            status, out = await h.post(_path(chat), req)
+            assert status == 200, out
+            prompt = tokenize(chat_context(CHAT["messages"]) if chat else "p")
+            for ch in out["choices"]:
+                j = ch["index"]
+                first = generate_ids(prompt + [j] if j else prompt, 1)[0]
+                text = ch["message"]["content"] if chat else ch["text"]
+                assert text == token_text(first) + "".join(generate(prompt + [first], 3)), j
+            assert sorted(ch["index"] for ch in out["choices"]) == [0, 1, 2]
+            assert len(dec.bodies) == 3 and all(b["n"] == 1 for b in dec.bodies) and dec.metaserver_ids == []
+            assert out["usage"]["completion_tokens"] == 12
+
+    run(body())
+
+
+def test_an_answer_the_prefill_completes_needs_no_decoder():
+    async def body():
+        async with harness() as h:
+            status, out = await h.post("/v1/completions", {**GREEDY, "max_tokens": 1})
+            assert status == 200 and out["choices"][0]["text"] == generate("p", 1)[0]
+            assert h.decoders[0].bodies == [] and len(h.prefillers[0].bodies) == 1
+
+    run(body())
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 0.7, "seed": 3}, {"stop": ["x"]}, {"presence_penalty": 0.5},
+                                   {"response_format": {"type": "json_object"}}, {"bad_words": ["x"]}],
+                         ids=["seeded", "stop", "penalty", "json", "bad_words"])
+def test_requests_a_continuation_would_change_keep_the_decoders_path(extra):
+    async def body():
+        async with harness() as h:
+            h.decoders[0].knobs.forces_first = True
+            status, out = await h.post("/v1/completions", {**GREEDY, **extra})
+            assert status == 200, out
+            (sent,) = h.decoders[0].bodies
+            kv = sent["kv_transfer_params"]
+            assert kv["lw_prefilled"] == 0 and kv["lw_first_token"] is True and sent["prompt"] == "p"
+            assert len(h.decoders[0].metaserver_ids) == 1 and len(h.prefillers[0].bodies) == 1
+
+    run(body())
+
+
+def test_with_on_metaserver_dispatch_the_decoders_decide_whether_to_prefill():
+    async def body():
+        async with harness(prefill_dispatch="on-metaserver") as h:
+            h.decoders[0].knobs.needs_prefill = False  # it holds the prompt: no prefill at all
+            status, out = await h.post("/v1/completions", GREEDY)
+            assert status == 200 and out["choices"][0]["text"] == "".join(generate("p", 4))
+            assert h.prefillers[0].bodies == [] and h.decoders[0].bodies[0]["prompt"] == "p"
+
+    run(body())
+
+
+def test_a_chat_whose_first_token_is_reasoning_goes_to_the_decoder_with_the_answered_prefill():
+    async def body():
+        async with harness() as h:
+            pf, dec = h.prefillers[0], h.decoders[0]
+            pf.knobs.reasoning = dec.knobs.reasoning = True
+            dec.knobs.forces_first = True
+            status, out = await h.post("/v1/chat/completions", CHAT)
+            assert status == 200, out
+            prompt = tokenize(chat_context(CHAT["messages"]))
+            assert out["choices"][0]["message"]["reasoning_content"] == "".join(generate(prompt, 4))
+            (sent,) = dec.bodies
+            assert sent["kv_transfer_params"]["lw_prefilled"] == 0
+            assert len(pf.bodies) == 1  # one prefill: the decoder's metaserver call was answered from it
+            assert dec.answered_first == {0: generate_ids(prompt, 1)[0]}
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_not_relayed_total",
+                                                       {"reason": "token"}) == 1
+
+    run(body())
+
+
+def test_a_failed_prefill_leaves_the_request_to_the_decoder():
+    async def body():
+        async with harness() as h:
+            h.prefillers[0].knobs.status = 500
+            status, out = await h.post("/v1/completions", GREEDY)
+            assert status == 200 and out["choices"][0]["text"] == "".join(generate("p", 4))
+            (sent,) = h.decoders[0].bodies
+            assert sent["prompt"] == "p" and sent["kv_transfer_params"]["lw_prefilled"] == 0
+            assert [s for s, _ in h.decoders[0].metaserver_results] == [502]  # told to compute it all
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_not_relayed_total",
+                                                       {"reason": "decoder_first"}) == 1
+
+    run(body())
+
+
+def test_a_decoder_refusing_the_continuation_is_answered_as_it_said():
+    async def body():
+        async with harness() as h:
+            h.decoders[0].knobs.status = 400
+            status, out = await h.post("/v1/completions", GREEDY)
+            assert status == 400 and out["error"]["message"] == "mock failure"
+
+    run(body())
+
+
+def test_a_continuation_the_decoder_recomputes_is_resumed_after_what_it_generated():
+    async def body():
+        async with harness() as h:
+            h.decoders[0].knobs.recompute_after = 1  # the continuation loses its KV after one token
+            status, out = await h.post("/v1/completions", {**GREEDY, "max_tokens": 5})
+            assert status == 200 and out["choices"][0]["text"] == "".join(generate("p", 5))
+            assert out["usage"]["completion_tokens"] == 5
+            first = generate_ids(tokenize("p"), 2)
+            assert h.decoders[0].bodies[-1]["prompt"] == tokenize("p") + first  # resumed by ids after both
+
+    run(body())
+
+
+def test_which_requests_are_continued():
+    def parse(body):
+        return (parse_chat if "messages" in body else parse_completion)(msgspec.json.encode(body))
+
+    def applies(body):
+        return prefill_continue.applies(parse(body), True)
+
+    assert applies(GREEDY) and applies(CHAT) and applies({**GREEDY, "temperature": 0.7, "n": 2})
+    assert applies({**GREEDY, "seed": 3})  # greedy: the seed draws nothing
+    assert applies({**GREEDY, "stop": []}) and applies({**GREEDY, "response_format": {"type": "text"}})
+    assert applies({**GREEDY, "presence_penalty": 0, "frequency_penalty": 0.0})
+    for kw in ({"stream": True}, {"prompt": ["a", "b"]}, {"echo": True}, {"suffix": "s"}, {"min_tokens": 2},
+               {"temperature": 0.7, "seed": 3}, {"stop": "x"}, {"frequency_penalty": 0.1}, {"best_of": 2, "n": 1},
+               {"structured_outputs": {"regex": "a"}}, {"logits_processors": ["m.P"]}, {"vllm_xargs": {"a": 1}}):
+        assert not applies({**GREEDY, **kw}), kw
+    for kw in ({"tools": [{"type": "function", "function": {"name": "f"}}]}, {"continue_final_message": True},
+               {"messages": [{"role": "user", "content": [{"type": "text", "text": "p"}]}]}):
+        assert not applies({**CHAT, **kw}), kw
+    assert not prefill_continue.applies(parse(GREEDY), False)  # --no-prefill-first

@@ -20,7 +20,7 @@ from mc_cluster import start_cluster
 
 from lw_bench.pd.stack import SERVER_START_TIMEOUT_S, Stack, metric_sum, post_json, start_proxy, start_vllm, wait_ready
 from lw_dev.netns import Hosts
-from lw_dev.pd_flow import assert_remote_prefill_used, baseline, settle, text, through
+from lw_dev.pd_flow import CONTINUED, assert_remote_prefill_used, baseline, settle, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, completion_choice
 from lw_dev.pd_streaming_flow import streams_in_decoder_first
 from lw_mooncake.local import LocalMooncake
@@ -59,7 +59,9 @@ def _start(hosts: Hosts, pool, log_dir: Path, model_name: str, layerwise: bool, 
         for s in (prefill, decode):
             status, out = post_json(s.url + "/v1/completions", {"model": "tiny", "max_tokens": 2, "prompt": "warm up"})
             assert status == 200, f"warm-up on {s.proc.name}: {status} {out}"
-        proxy = start_proxy("proxy", prefill.url, decode.url, log_dir, "--metaserver-timeout", "24", host=a,
+        # A streaming decoder's non-streamed answers take the streaming receive, not a continuation.
+        flags = ("--no-continue-after-prefill",) if streaming else ()
+        proxy = start_proxy("proxy", prefill.url, decode.url, log_dir, "--metaserver-timeout", "24", *flags, host=a,
                             port=PROXY_PORT, launcher=hosts.argv("a", []))
         status, out = post_json(proxy.url + "/v1/completions", {"model": "tiny", "prompt": "ka lo mi ne ru " * 30,
                                                                  "max_tokens": 2})
@@ -112,13 +114,14 @@ def _loaded_every_chunk(stack: Stack, ex, layerwise: bool, streaming: bool) -> N
         assert_remote_prefill_used(stack, ex, 1)  # promised == loaded == prompt - 1, nothing failed
         return
     # Bulk mode discards partial chunks (discard_partial_chunks defaults to true there): the
-    # prefiller saves the full chunks, the decoder loads all of them and computes the rest.
+    # prefiller saves the full chunks, the decoder loads all of them and computes the rest. Continued
+    # after its prefill (the proxy's default), the decoder's prompt is the prefill's plus its token.
     bs = stack.block_size
     assert len(ex.decode_stats) == 1 and len(ex.prefill_stats) == 1, (ex.decode_stats, ex.prefill_stats)
     (d,), (p,) = ex.decode_stats, ex.prefill_stats
     n = d["prompt_tokens"]
-    assert p["prompt_tokens"] == n and p["saved_chunks"] + p["loaded_tokens"] // bs == n // bs, p
-    assert d["remote_prefill"] in ("ok", "pool holds the prompt"), d
+    assert d["remote_prefill"] == CONTINUED, d
+    assert p["prompt_tokens"] == n - 1 and p["saved_chunks"] + p["loaded_tokens"] // bs == (n - 1) // bs, p
     assert d["promised_tokens"] == d["loaded_tokens"] == (n - 1) // bs * bs > 0 and d["failed_blocks"] == 0, d
 
 
@@ -130,9 +133,9 @@ def test_pd_across_hosts_matches_single_engine_and_loads_every_chunk(stack: Stac
         settle(stack)  # the stack's warm-up prefill may still be reporting its saves
         rx0, _ = hosts.link_bytes("b")
         saved0 = metric_sum(stack.prefill.url, "vllm:lw_pool_saved_bytes_total")
-        # The stacks share one pool, and the streaming stack's keys are the GQA layerwise stack's
-        # (same model and layout): a prompt of its own, or the pool already holds its full chunks.
-        ex = _pd(stack, 71 if streaming else 31)
+        # The stacks share one pool, and the GQA stacks' keys are the same (same model and layout):
+        # each a prompt of its own, or the pool already holds its full chunks and nothing is saved.
+        ex = _pd(stack, 71 if streaming else 31 if layerwise else 33)
         _loaded_every_chunk(stack, ex, layerwise, streaming)
         saved = metric_sum(stack.prefill.url, "vllm:lw_pool_saved_bytes_total") - saved0
     rx1, _ = hosts.link_bytes("b")

@@ -12,6 +12,11 @@ through the proxy:
 * it loads ``k - 1`` blocks and the state there, never the state at ``k`` blocks, which would run
   the last token through the recurrent layers twice;
 * its greedy output and log-probs equal the decoder's alone (to 1e-4).
+
+That is the decoder's path (``decoder_path_proxy``). Continued after its prefill (lw-proxy's
+default for a non-streamed answer) the decoder's prompt is the short prompt plus the prefill's first
+token, so the state after the short prompt's last token is exactly the one its hit needs: it loads
+``k`` blocks and that state and computes the one token, with the same output.
 """
 
 from __future__ import annotations
@@ -20,13 +25,13 @@ import time
 
 from lw_bench.pd.stack import Stack, post_json
 from lw_dev.harness import assert_same_greedy, random_tokens
-from lw_dev.pd_flow import baseline, settle, through
+from lw_dev.pd_flow import CONTINUED, baseline, decoder_path_proxy, settle, through
 from lw_dev.pd_oracle import SAMPLING, completion_choice
 
 BLOCKS = 2
 
 
-def check_prompt_ending_on_a_block(stack: Stack, seed: int, max_tokens: int = 8) -> None:
+def check_prompt_ending_on_a_block(stack: Stack, seed: int, max_tokens: int = 8, continued: bool = False) -> None:
     bs = stack.block_size
     prompt = random_tokens(seed, BLOCKS * bs)
     longer = prompt + random_tokens(seed + 1, bs // 2)
@@ -42,10 +47,14 @@ def check_prompt_ending_on_a_block(stack: Stack, seed: int, max_tokens: int = 8)
 
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "logprobs": 2, **SAMPLING}
     ref = completion_choice(baseline(stack, "/v1/completions", {**body, "cache_salt": "single-engine"})["choices"][0])
-    ex = through(stack, "/v1/completions", body)
+    ex = through(stack, "/v1/completions", body, proxy_url=None if continued else decoder_path_proxy(stack).url)
     assert ex.status == 200, ex.out
     assert_same_greedy(ref, completion_choice(ex.out["choices"][0]), lp_tol=1e-4)
     (r,) = ex.decode_stats
+    if continued:
+        assert r["prompt_tokens"] == BLOCKS * bs + 1 and r["remote_prefill"] == CONTINUED, r
+        assert r["promised_tokens"] == r["loaded_tokens"] == BLOCKS * bs and r["failed_blocks"] == 0, r
+        return
     assert r["prompt_tokens"] == BLOCKS * bs, r
     # Waited for the prefill (answered, or its objects seen in the pool), then loaded up to its state;
     # or, lw-proxy dispatching the prefill with the client request (``--prefill-dispatch early``), the

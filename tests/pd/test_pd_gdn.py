@@ -72,3 +72,5 @@ def test_gdn_prompt_ending_on_a_block_waits_for_its_state_and_never_loads_the_on
     """The pool holds the prompt's chunks and the state after its last token (a longer prompt's):
     tests/pd/pd_state_flow.py."""
     check_prompt_ending_on_a_block(gdn_stack, seed=81)
+    # Continued after its prefill: the decoder's prompt ends with the prefill's token, after the state.
+    check_prompt_ending_on_a_block(gdn_stack, seed=181, continued=True)

@@ -16,7 +16,7 @@ from pd_faults_flow import decoder_looks_first, freeze, signal_group
 
 from lw_bench.pd.stack import Stack, free_port, http, metric_sum, post_json, post_sse
 from lw_dev.fake_metaserver import FakeMetaserver
-from lw_dev.pd_flow import assert_remote_prefill_used, baseline, settle, text, through
+from lw_dev.pd_flow import CONTINUED, assert_remote_prefill_used, baseline, decoder_path_proxy, settle, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, by_index, chat_choice, completion_choice, completion_stream
 from lw_proxy import relay
 
@@ -35,23 +35,36 @@ def _chat(content: str, **kw):
             "logprobs": True, "top_logprobs": 2, **SAMPLING, **kw}
 
 
-def test_completion_matches_single_engine_and_loads_the_prefill(gqa_stack: Stack) -> None:
-    body = _completion(text(1, 110))
+@pytest.mark.parametrize("continued", [True, False], ids=["continued", "decoder-path"])
+def test_completion_matches_single_engine_and_loads_the_prefill(gqa_stack: Stack, continued: bool) -> None:
+    """Not streamed: continued after the prefill (the decoder given the prompt plus the prefill's
+    first token: it loads the prefill's whole prompt and computes that token only), or on the
+    decoder's path; the single engine's answer, log-probs included, either way."""
+    body = _completion(text(1 + 60 * (not continued), 110))
     ref = completion_choice(baseline(gqa_stack, "/v1/completions", body)["choices"][0])
-    ex = through(gqa_stack, "/v1/completions", body)
+    url = None if continued else decoder_path_proxy(gqa_stack).url
+    ex = through(gqa_stack, "/v1/completions", body, proxy_url=url)
     assert ex.status == 200, ex.out
     assert_same(ref, completion_choice(ex.out["choices"][0]), "completion")
     assert_remote_prefill_used(gqa_stack, ex, 1)
-    assert ex.decode_stats[0]["prompt_tokens"] > 3 * gqa_stack.block_size  # several chunks really moved
+    (rec,) = ex.decode_stats
+    assert rec["prompt_tokens"] > 3 * gqa_stack.block_size  # several chunks really moved
+    assert (rec["remote_prefill"] == CONTINUED) == continued, rec
+    if continued:
+        (p,) = ex.prefill_stats
+        assert rec["prompt_tokens"] == p["prompt_tokens"] + 1 and rec["metaserver_wait_s"] is None, rec
 
 
-def test_chat_matches_single_engine(gqa_stack: Stack) -> None:
-    body = _chat(text(2, 100))
+@pytest.mark.parametrize("continued", [True, False], ids=["continued", "decoder-path"])
+def test_chat_matches_single_engine(gqa_stack: Stack, continued: bool) -> None:
+    body = _chat(text(2 + 60 * (not continued), 100))
     ref = chat_choice(baseline(gqa_stack, "/v1/chat/completions", body)["choices"][0])
-    ex = through(gqa_stack, "/v1/chat/completions", body)
+    url = None if continued else decoder_path_proxy(gqa_stack).url
+    ex = through(gqa_stack, "/v1/chat/completions", body, proxy_url=url)
     assert ex.status == 200, ex.out
     assert_same(ref, chat_choice(ex.out["choices"][0]), "chat")
     assert_remote_prefill_used(gqa_stack, ex, 1)
+    assert (ex.decode_stats[0]["remote_prefill"] == CONTINUED) == continued, ex.decode_stats
 
 
 def test_streaming_matches_single_engine(gqa_stack: Stack) -> None:
@@ -217,15 +230,17 @@ def test_second_turn_prefill_loads_the_first_turn(gqa_stack: Stack) -> None:
 
 
 def test_decoder_that_holds_the_prompt_does_not_wait(gqa_stack: Stack) -> None:
-    """The same prompt again: every full chunk is in the pool, so the decoder's metaserver POST says
-    needs_prefill=false and it decodes without waiting; output unchanged."""
+    """The same prompt again, on the decoder's path: every full chunk is in the pool, so the
+    decoder's metaserver POST says needs_prefill=false and it decodes without waiting; output
+    unchanged."""
     body = _completion(text(33, 110))
     ref = completion_choice(baseline(gqa_stack, "/v1/completions", body)["choices"][0])
-    first = through(gqa_stack, "/v1/completions", body)
+    url = decoder_path_proxy(gqa_stack).url
+    first = through(gqa_stack, "/v1/completions", body, proxy_url=url)
     # "pool holds the prompt" too when the early-dispatched prefill saved it before the decoder looked
     assert first.status == 200 and first.decode_stats[0]["remote_prefill"] in ("ok", "pool holds the prompt"), \
         first.decode_stats
-    again = through(gqa_stack, "/v1/completions", body)
+    again = through(gqa_stack, "/v1/completions", body, proxy_url=url)
     assert again.status == 200, again.out
     assert_same(ref, completion_choice(again.out["choices"][0]), "held prompt")
     (rec,) = again.decode_stats

@@ -68,3 +68,5 @@ def test_mamba2_prompt_ending_on_a_block_waits_for_its_state_and_never_loads_the
     """The pool holds the prompt's chunks and the state after its last token (a longer prompt's):
     tests/pd/pd_state_flow.py."""
     check_prompt_ending_on_a_block(mamba2_stack, seed=91)
+    # Continued after its prefill: the decoder's prompt ends with the prefill's token, after the state.
+    check_prompt_ending_on_a_block(mamba2_stack, seed=191, continued=True)

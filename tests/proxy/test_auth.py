@@ -54,7 +54,7 @@ def test_bearer_scheme_is_case_insensitive_and_the_key_is_not():
 @pytest.mark.parametrize("mode", ["early", "on-metaserver"])
 def test_metaserver_needs_the_parents_token_when_a_key_is_set(mode):
     async def body():
-        async with harness(prefill_first=False, api_key="k", prefill_dispatch=mode) as h:
+        async with harness(continue_after_prefill=False, api_key="k", prefill_dispatch=mode) as h:
             auth = {"Authorization": "Bearer k"}
             s, _ = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 1}, headers=auth)
             assert s == 200 and h.decoders[0].metaserver_results == [OK]
@@ -83,7 +83,7 @@ def test_metaserver_needs_the_parents_token_when_a_key_is_set(mode):
 
 def test_metaserver_stays_open_without_a_key_but_refuses_a_wrong_token():
     async def body():
-        async with harness(prefill_first=False) as h:
+        async with harness(continue_after_prefill=False) as h:
             h.decoders[0].knobs.send_token = False
             s, _ = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 1})
             assert s == 200 and h.decoders[0].metaserver_results == [OK]
@@ -123,7 +123,7 @@ def test_the_decoders_metaserver_client_sends_the_token():
 
 def test_no_credential_leaks_into_metrics_healthcheck_or_repr():
     async def body():
-        async with harness(prefill_first=False, api_key="client-key-123", backend_api_key="backend-key-456") as h:
+        async with harness(continue_after_prefill=False, api_key="client-key-123", backend_api_key="backend-key-456") as h:
             auth = {"Authorization": "Bearer client-key-123"}
             s, _ = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 1}, headers=auth)
             assert s == 200

@@ -21,7 +21,7 @@ def _body(prompt_len: int) -> bytes:
 @pytest.mark.parametrize("size", [1 << 20, 16 << 20])
 def test_large_bodies_are_read_whole(size):
     async def body():
-        async with harness(prefill_first=False) as h:
+        async with harness(continue_after_prefill=False) as h:
             raw = _body(size)
             async with h.session.post(h.url + "/v1/completions", data=raw,
                                       headers={"Content-Type": "application/json"}) as r:

@@ -139,7 +139,7 @@ def test_client_disconnect_aborts_non_streaming_upstream():
 @pytest.mark.parametrize("mode", ["early", "on-metaserver"])
 def test_metaserver_never_called_leaves_nothing_behind(mode):
     async def body():
-        async with harness(prefill_first=False, prefill_dispatch=mode) as h:
+        async with harness(continue_after_prefill=False, prefill_dispatch=mode) as h:
             h.decoders[0].knobs.skip_metaserver = True
             status, out = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 2})
             assert status == 200
@@ -152,7 +152,7 @@ def test_metaserver_never_called_leaves_nothing_behind(mode):
 
 def test_metaserver_wait_is_bounded_when_prefill_stalls():
     async def body():
-        async with harness(prefill_first=False, metaserver_timeout=0.3) as h:
+        async with harness(continue_after_prefill=False, metaserver_timeout=0.3) as h:
             h.prefillers[0].knobs.delay = 3
             t0 = time.monotonic()
             status, out = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 2})

@@ -29,7 +29,7 @@ async def _sse(h, path, body):
 
 def test_completion_goes_decoder_first_then_one_prefill():
     async def body():
-        async with harness(prefill_first=False) as h:
+        async with harness(continue_after_prefill=False) as h:
             status, out = await h.post("/v1/completions", {"model": "m", "prompt": "hello world", "max_tokens": 4})
             assert status == 200, out
             assert out["choices"][0]["text"] == _text(generate("hello world", 4))
@@ -120,7 +120,7 @@ def test_streaming_completion_and_chat():
 
 def test_recomputed_choice_is_resumed_non_streaming():
     async def body():
-        async with harness(prefill_first=False) as h:
+        async with harness(continue_after_prefill=False) as h:
             h.decoders[0].knobs.recompute_after = 3
             status, out = await h.post("/v1/completions", {"prompt": "the prompt", "max_tokens": 8})
             assert status == 200, out
@@ -142,7 +142,7 @@ def test_recomputed_choice_is_resumed_non_streaming():
 
 def test_recomputed_choice_is_resumed_streaming_and_chat():
     async def body():
-        async with harness(prefill_first=False) as h:
+        async with harness(continue_after_prefill=False) as h:
             h.decoders[0].knobs.recompute_after = 2
             status, events, _ = await _sse(h, "/v1/completions", {"prompt": "xy", "max_tokens": 5, "stream": True})
             assert status == 200 and events[-1] == "[DONE]"

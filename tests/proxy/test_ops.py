@@ -85,7 +85,7 @@ def test_reset_prefix_cache_reports_unreachable_backend():
 
 def test_metrics_cover_requests_backends_and_metaserver():
     async def body():
-        async with harness(prefill_first=False) as h:
+        async with harness(continue_after_prefill=False) as h:
             s, _ = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 2})
             assert s == 200
             s, _ = await h.post("/v1/completions", {"prompt": 3})
@@ -114,7 +114,7 @@ def test_metrics_cover_requests_backends_and_metaserver():
 
 def test_client_and_backend_bearer_tokens():
     async def body():
-        async with harness(prefill_first=False, api_key="sekret", backend_api_key="inner") as h:
+        async with harness(continue_after_prefill=False, api_key="sekret", backend_api_key="inner") as h:
             s, out = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 1})
             assert s == 401 and out["error"]["type"] == "authentication_error"
             s, _ = await h.post("/v1/completions", {"prompt": "p"}, headers={"Authorization": "Bearer wrong"})

@@ -22,7 +22,7 @@ def _metric(outcome: str) -> str:
 
 def test_early_prefill_starts_before_any_metaserver_post():
     async def body():
-        async with harness(prefill_first=False) as h:
+        async with harness(continue_after_prefill=False) as h:
             h.decoders[0].knobs.delay = 0.5  # the decoder is slow to schedule and POST its callback
             req = asyncio.ensure_future(h.post("/v1/completions", {"prompt": "p", "max_tokens": 2}))
             await wait_until(lambda: h.prefillers[0].bodies, timeout=0.4, what="the prefill, before the POST")
@@ -119,7 +119,7 @@ def test_prefill_is_left_to_finish_once_the_decoder_answered():
 
 def test_prefill_is_cancelled_when_no_decoder_answers():
     async def body():
-        async with harness(prefill_first=False, max_retries=0) as h:
+        async with harness(continue_after_prefill=False, max_retries=0) as h:
             h.decoders[0].knobs.status = 503
             h.prefillers[0].knobs.delay = 2.0
             status, _ = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 2})
@@ -133,7 +133,7 @@ def test_prefill_is_cancelled_when_no_decoder_answers():
 def test_shutdown_cancels_a_prefill_left_running():
     async def body():
         t0 = None
-        async with harness(prefill_first=False) as h:
+        async with harness(continue_after_prefill=False) as h:
             h.decoders[0].knobs.skip_metaserver = True
             h.prefillers[0].knobs.delay = 10.0
             status, _ = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 2})

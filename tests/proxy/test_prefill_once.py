@@ -18,7 +18,7 @@ OK = METASERVER_OK  # a 200 answer (it may carry the prefill's first token)
 @pytest.mark.parametrize("mode", ["early", "on-metaserver"])
 def test_retried_decoder_reuses_the_finished_prefill(mode):
     async def body():
-        async with harness(prefill_first=False, prefill_dispatch=mode, n_decode=2, max_retries=3) as h:
+        async with harness(continue_after_prefill=False, prefill_dispatch=mode, n_decode=2, max_retries=3) as h:
             h.decoders[0].knobs.status_after_metaserver = 503
             h.decoders[1].knobs.status_after_metaserver = 503
             h.decoders[0].knobs.health_status = h.decoders[1].knobs.health_status = 503
@@ -38,7 +38,7 @@ def test_retried_decoder_reuses_the_finished_prefill(mode):
 @pytest.mark.parametrize("mode", ["early", "on-metaserver"])
 def test_retried_decoder_waits_for_the_running_prefill(mode):
     async def body():
-        async with harness(prefill_first=False, prefill_dispatch=mode, n_decode=2) as h:
+        async with harness(continue_after_prefill=False, prefill_dispatch=mode, n_decode=2) as h:
             for d in h.decoders:  # whichever is picked first fails while the prefill still runs
                 d.knobs.status_after_metaserver = 503
                 d.knobs.fail_times = 1

@@ -97,7 +97,7 @@ def test_token_id_and_logprob_only_events_survive_a_continuation():
 @pytest.mark.parametrize("reasoning", [False, True])
 def test_a_resumed_non_streaming_chat_is_the_single_engines(reasoning):
     async def body():
-        async with harness(prefill_first=False) as h:
+        async with harness(continue_after_prefill=False) as h:
             h.decoders[0].knobs.reasoning = reasoning  # the answer in reasoning_content, content null
             msgs = [{"role": "user", "content": "chat prompt"}]
             req = {"messages": msgs, "max_tokens": 6}

@@ -47,7 +47,7 @@ def test_client_dribbling_its_headers_is_cut_off():
 
 def test_connection_cap_refuses_quickly_and_metaserver_listener_keeps_serving():
     async def body():
-        async with harness(prefill_first=False, max_client_connections=2, client_header_timeout=10, dedicated_metaserver=True) as h:
+        async with harness(continue_after_prefill=False, max_client_connections=2, client_header_timeout=10, dedicated_metaserver=True) as h:
             assert h.metaserver_url != h.url + "/v1/metaserver"
             idle = [await _connect(h.url) for _ in range(2)]  # two clients sit on the cap, sending nothing
             await asyncio.sleep(0.05)
@@ -79,7 +79,7 @@ def test_shared_port_keeps_a_reserve_for_metaserver_callbacks():
     # No --metaserver-port: past --max-client-connections the client port still admits
     # --metaserver-reserved-connections, for callbacks only; clients there get a quick 503.
     async def body():
-        async with harness(prefill_first=False, max_client_connections=1, metaserver_reserved_connections=4,
+        async with harness(continue_after_prefill=False, max_client_connections=1, metaserver_reserved_connections=4,
                            client_header_timeout=10) as h:
             h.decoders[0].knobs.delay = 0.3
             conn = aiohttp.TCPConnector(force_close=True)  # one connection per request, none idle in a pool
@@ -97,7 +97,7 @@ def test_shared_port_keeps_a_reserve_for_metaserver_callbacks():
             assert h.decoders[0].metaserver_results == [METASERVER_OK]  # served from the reserve
             assert len(h.decoders[0].bodies) == 1
 
-        async with harness(prefill_first=False, max_client_connections=1, metaserver_reserved_connections=0,
+        async with harness(continue_after_prefill=False, max_client_connections=1, metaserver_reserved_connections=0,
                            client_header_timeout=10) as h:  # no reserve: the callback is refused
             status, _ = await h.post("/v1/completions", {"prompt": "p", "max_tokens": 2})
             assert status == 200  # the decoder recomputed
@@ -134,7 +134,7 @@ def test_unauthenticated_metaserver_dribblers_cannot_hold_the_slots():
     # on a client port with one client slot and a reserve of five.
     async def body():
         auth = {"Authorization": "Bearer k"}
-        async with harness(prefill_first=False, api_key="k", max_client_connections=1, metaserver_reserved_connections=5,
+        async with harness(continue_after_prefill=False, api_key="k", max_client_connections=1, metaserver_reserved_connections=5,
                            client_header_timeout=10) as h:
             dribblers = [asyncio.ensure_future(_dribble(h.url, "/v1/metaserver")) for _ in range(6)]
             # Refused on the header (401: no token; 503: no token, so no reserve), before the body:
@@ -146,7 +146,7 @@ def test_unauthenticated_metaserver_dribblers_cannot_hold_the_slots():
             assert status == 200 and out["choices"][0]["text"] == "".join(generate("p", 2))
             assert h.decoders[0].metaserver_results == [METASERVER_OK]
 
-        async with harness(prefill_first=False, max_client_connections=1, metaserver_reserved_connections=5, client_header_timeout=10,
+        async with harness(continue_after_prefill=False, max_client_connections=1, metaserver_reserved_connections=5, client_header_timeout=10,
                            client_body_timeout=1.0) as h:
             dribblers = [asyncio.ensure_future(_dribble(h.url, "/v1/metaserver"))]
             await asyncio.sleep(0.1)  # the first one is in, within the client cap

@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from lw_bench.pd.stack import Stack, http, metric_sum, post_json, post_sse
+from lw_bench.pd.stack import Proc, Stack, http, metric_sum, post_json, post_sse
 
 _SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "ze", "pa", "qu", "dr", "st", "en", "or"]
 REQUESTS_DONE = "vllm:request_success_total"
@@ -88,6 +88,19 @@ def settle(stack: Stack, proxy_url: str | None = None, timeout_s: float = 15.0) 
         time.sleep(0.05)
 
 
+def decoder_path_proxy(stack: Stack) -> Proc:
+    """A proxy of ``stack`` with ``--no-continue-after-prefill``: a non-streamed answer takes the
+    decoder's path (its metaserver call, the prefill's first token forced), started once per stack."""
+    for p in stack.extra_procs:
+        if p.name == "proxy-decoder-path":
+            return p
+    return stack.add_proxy("proxy-decoder-path", stack.prefill.url, stack.decode.url, "--metaserver-timeout",
+                           str(stack.metaserver_timeout_s * 2), "--no-continue-after-prefill")
+
+
+CONTINUED = "continues an answered prefill"  # lw_vllm's RemotePhase.PREFILLED, as the stats record names it
+
+
 def assert_remote_prefill_used(stack: Stack, ex: Exchange, n_prompts: int) -> None:
     """The decoder loaded the whole prompt the prefiller committed (its partial chunk too: the stacks
     run layerwise, where discard_partial_chunks defaults to false) and computed the last token only;
@@ -98,7 +111,10 @@ def assert_remote_prefill_used(stack: Stack, ex: Exchange, n_prompts: int) -> No
     # decoder had answered is left to finish by the proxy, but one cancelled (e.g. a stalled prefill)
     # is counted as aborted by vLLM.
     assert len(ex.prefill_stats) == n_prompts, f"prefiller ran {ex.prefill_stats}, expected {n_prompts} requests"
-    assert sorted(r["prompt_tokens"] for r in ex.prefill_stats) == sorted(r["prompt_tokens"] for r in ex.decode_stats)
+    # A non-streamed answer continued after its prefill (lw_proxy.prefill_continue): the decoder's
+    # prompt is the prefill's plus the prefill's first token.
+    assert sorted(r["prompt_tokens"] for r in ex.prefill_stats) == sorted(
+        r["prompt_tokens"] - (r["remote_prefill"] == CONTINUED) for r in ex.decode_stats)
     for r in ex.prefill_stats:
         # Counted from the worker reports that arrived with the max_tokens=1 step's output, i.e.
         # committed before vLLM produced the prefill's answer. Chunks it loaded need no saving.
@@ -110,12 +126,13 @@ def assert_remote_prefill_used(stack: Stack, ex: Exchange, n_prompts: int) -> No
             # Shorter than a block: the decoder does not wait for the prefill, but loads whatever
             # the pool holds; with early dispatch the prefiller may already have committed this
             # parent's partial chunk (the prompt less its last token), or not yet.
-            assert r["remote_prefill"] == "nothing to load", r
+            assert r["remote_prefill"] in ("nothing to load", CONTINUED), r
             assert r["loaded_tokens"] in (0, n - 1) and r["failed_blocks"] == 0, r
             assert r["promised_tokens"] == r["loaded_tokens"], r
             continue
         # "pool holds the prompt": the prefill (dispatched with the client request, lw-proxy's
         # --prefill-dispatch early) had saved the whole prompt before the decoder looked it up; the
         # prompts are fresh, so what it loaded is this prefill's (checked above), with no wait.
-        assert r["remote_prefill"] in ("ok", "pool holds the prompt"), r
+        # "continues an answered prefill": the proxy sent it once the prefill had answered.
+        assert r["remote_prefill"] in ("ok", "pool holds the prompt", CONTINUED), r
         assert r["promised_tokens"] == r["loaded_tokens"] == n - 1 and r["failed_blocks"] == 0, r

@@ -29,7 +29,9 @@ def streaming_stack(model: str, timeout_s: float, tmp_path_factory: pytest.TempP
     log_dir = tmp_path_factory.mktemp(f"pd-streaming-{model}")
     base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else log_dir
     pool = base / f"lw-pd-stream-pool-{uuid.uuid4().hex[:8]}"
-    stack = start_stack(model, log_dir, str(pool), metaserver_timeout_s=timeout_s, extra={"pd_streaming": True})
+    # Non-streamed answers too take the streaming receive (not a continuation after the prefill).
+    stack = start_stack(model, log_dir, str(pool), metaserver_timeout_s=timeout_s, extra={"pd_streaming": True},
+                        proxy_flags=("--no-continue-after-prefill",))
     try:
         yield stack
     finally:

@@ -114,6 +114,7 @@ class ProxyConfig:
     prefill_dispatch: str = "early"
     # Streamed greedy completions: relay the prefiller's first token while the decoder loads (lw_proxy.relay).
     prefill_first: bool = True
+    continue_after_prefill: bool = True  # with prefill_first: non-streamed answers (lw_proxy.prefill_continue)
 
     def __post_init__(self) -> None:
         for name in ("api_key", "backend_api_key"):
@@ -187,9 +188,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="streamed greedy completions and chat completions (temperature 0, n 1, one prompt, no "
                         "stop/echo; chat without tools; log-probs of the first token from the prefill): "
                         "send the prefiller's own first token to the client as soon as the prefill answers, "
-                        "then the decoder's stream without its (identical) first token; other requests are "
-                        "unchanged (see lw_proxy.relay). On by default; --no-prefill-first sends every first "
-                        "token from the decoder")
+                        "then the decoder's stream without its (identical) first token (see lw_proxy.relay); "
+                        "with --continue-after-prefill also non-streamed answers (below). On by default; "
+                        "--no-prefill-first sends every first token from the decoder")
+    p.add_argument("--continue-after-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --prefill-first and early dispatch, a non-streamed answer (one prompt; no seeded "
+                        "sampling, stop strings, penalties or structured outputs) is continued after its prefill: "
+                        "the decoder gets the prompt plus the prefill's first token, loads the prompt and calls no "
+                        "metaserver (see lw_proxy.prefill_continue). On by default; turn it off for decoders "
+                        "running pd_streaming over a slow store, whose layer-by-layer pull hides the transfer "
+                        "behind the prefill where a continuation loads after it")
     p.add_argument("--api-key", default=None,
                    help="bearer token clients must send (not empty, no surrounding whitespace: both are refused); "
                         "prefer env LW_PROXY_API_KEY or --api-key-file: a command-line value shows in the process "
@@ -301,6 +309,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProxyConfig, argparse.Nam
         log_repeat_window=a.log_repeat_window,
         prefill_dispatch=a.prefill_dispatch,
         prefill_first=a.prefill_first,
+        continue_after_prefill=a.continue_after_prefill,
     )
     return cfg, a
 

@@ -69,15 +69,18 @@ class ProxyMetrics:
         )
         self.relayed_first = Counter(
             "lw_proxy_prefill_first_relayed_total",
-            "Streamed completions and chat completions whose first token the client got from the prefill's answer "
-            "(--prefill-first, the default), while the decoder still loaded",
+            "Completions and chat completions whose first token the client got from the prefill's answer "
+            "(--prefill-first, the default): streams relayed it while the decoder still loaded; non-streamed "
+            "answers were continued after it by the decoder (or ended with it)",
             registry=r,
         )
         self.not_relayed = Counter(
             "lw_proxy_prefill_first_not_relayed_total",
             "Streamed completions and chat completions whose first token came from the decoder although "
-            "--prefill-first is on, by reason (request: a kind the relay does not apply to, e.g. n > 1, stop, echo, "
-            "tools; decoder_first: the decoder's answer started, or the prefill failed, before the prefill answered; "
+            "--prefill-first is on (and non-streamed answers the proxy meant to continue after their prefill "
+            "but could not: decoder_first, token), by reason (request: a kind the relay does not apply to, "
+            "e.g. echo, tools; decoder_first: the decoder's answer started, or the prefill failed, before the "
+            "prefill answered; "
             "token: the prefill's first token cannot be relayed: EOS or a stop token, empty or partial UTF-8 text, "
             "a tool call or reasoning, the asked log-probs missing; not_forced: sampled, and the decoder does not "
             "continue from the prefill's token)", ["reason"],

@@ -1,4 +1,5 @@
-"""``--prefill-first`` for answers that are not streamed: the decoder continues after the prefill.
+"""``--continue-after-prefill`` (with ``--prefill-first`` and early dispatch, all defaults): an
+answer that is not streamed is continued by the decoder after its prefill answered.
 
 A non-streamed client waits for the whole answer, so relaying the prefill's first token gains it
 nothing; what costs time is the decoder reaching that token itself. On the decoder's path it waits
@@ -94,7 +95,8 @@ def plan(req: ClientRequest, data: bytes) -> Plan | None:
     except msgspec.DecodeError:
         return None
     chs = obj.get("choices") if isinstance(obj, dict) else None
-    if not isinstance(chs, list) or sorted(ch.get("index", -1) for ch in chs if isinstance(ch, dict)) != list(range(req.n)):
+    if (not isinstance(chs, list) or not all(isinstance(ch, dict) for ch in chs)
+            or sorted(ch.get("index", -1) for ch in chs) != list(range(req.n))):
         return None
     conts: dict[int, ClientRequest] = {}
     for ch in chs:

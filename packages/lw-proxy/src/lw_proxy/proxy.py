@@ -200,7 +200,7 @@ class Proxy:
 
     async def complete(self, req: ClientRequest, path: str) -> web.Response:
         # Early dispatch only: with on-metaserver the decoders decide whether a prefill is needed at all.
-        if prefill_continue.applies(req, self.cfg.prefill_first and self.prefill.early):
+        if prefill_continue.applies(req, self.cfg.prefill_first and self.cfg.continue_after_prefill and self.prefill.early):
             return await self._complete_after_prefill(req, path)
         pre = asyncio.get_running_loop().create_future() if relay_mod.assembles(req) else None
         status, data, ctype = await self.decode(req, path, read=True, relay=pre)

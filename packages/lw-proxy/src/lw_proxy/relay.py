@@ -67,7 +67,9 @@ prefiller computed the whole prompt, as a single engine does, so its token is th
 and the rest follows from it (``lw_proxy_errors_total{kind="relay_mismatch"}`` counts these, and
 ``lw_proxy_recompute_resubmissions_total`` the resubmissions).
 
-A non-streamed answer is the decoder's, assembled with the prefill's part where the two differ:
+A non-streamed answer is, with ``--prefill-first`` and early dispatch, continued after its prefill
+(``lw_proxy.prefill_continue``: the decoder is given the prompt plus the prefill's token). The others
+(that module says which) are the decoder's, assembled with the prefill's part where the two differ:
 when the client asked for log-probs and the decoder continued from the prefill's token, the first
 token's entry is the prefiller's (``with_prefill_logprobs``), as in a relayed stream: the prefiller
 computed it over the whole prompt as a single engine does, the decoder over loaded KV.

@@ -268,9 +268,10 @@ class Stack:
 
 def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout_s: float,
                 extra: dict[str, Any] | None = None, max_model_len: int = 1024,
-                kv_cache_bytes: int = 32 << 20, block_size: int | None = None) -> Stack:
+                kv_cache_bytes: int = 32 << 20, block_size: int | None = None,
+                proxy_flags: Sequence[str] = ()) -> Stack:
     """Start prefiller and decoder at once (start-up is mostly imports), warm both up with a chat
-    and a completion straight at them, then the proxy. First uses are slow (lazy imports; the
+    and a completion straight at them, then the proxy (given ``proxy_flags`` too). First uses are slow (lazy imports; the
     first request asking for log-probs took ~5 s on the CPU build), so warm-ups use every feature
     the tests use."""
     from lw_bench import models
@@ -312,7 +313,7 @@ def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout
                 status, out = post_json(s.url + path, {"model": "tiny", "max_tokens": 2, **body})
                 assert status == 200, f"warm-up {path} on {s.proc.name}: {status} {out}"
         proxy = start_proxy("proxy", prefill.url, decode.url, log_dir,
-                            "--metaserver-timeout", str(metaserver_timeout_s * 2))
+                            "--metaserver-timeout", str(metaserver_timeout_s * 2), *proxy_flags)
         # One PD round trip of several chunks: the first save, load and metaserver call pay
         # one-time costs (threads, imports, connections) that tests should not time.
         status, out = post_json(proxy.url + "/v1/completions",

@@ -278,14 +278,18 @@ def _prefill_req(rid: str, toks: list[int], parent: str) -> SimpleNamespace:
                            lora_request=None, cache_salt=None, mm_features=None, skip_reading_prefix_cache=False)
 
 
+def _pd_sides(pool_dir: str) -> tuple[SchedulerSide, SchedulerSide]:
+    """A layerwise prefiller's and decoder's scheduler sides over one pool."""
+    cfg = parse_config({"embedded_path": pool_dir, "embedded_capacity_bytes": 4 << 20, "use_layerwise": True})
+    vc, kc = _configs()
+    return SchedulerSide(vc, kc, cfg, "kv_producer"), _side(pool_dir, use_layerwise=True, metaserver_timeout_s=30.0)
+
+
 @pytest.mark.parametrize("tail", [0, 5], ids=["aligned", "partial"])
 def test_whole_prompt_travels_and_the_decoder_computes_one_token(meta, pool_dir, tail: int) -> None:
     """The prefiller saves the partial chunk under a parent-scoped key; the decoder, seeing the whole
     prompt in the pool, proceeds without the metaserver's answer and loads all of it but the last token."""
-    cfg = parse_config({"embedded_path": pool_dir, "embedded_capacity_bytes": 4 << 20, "use_layerwise": True})
-    vc, kc = _configs()
-    prod = SchedulerSide(vc, kc, cfg, "kv_producer")
-    side = _side(pool_dir, use_layerwise=True, metaserver_timeout_s=30.0)
+    prod, side = _pd_sides(pool_dir)
     try:
         n_tok = 3 * BLOCK + tail
         meta.mode, meta.bodies = "silent", []
@@ -323,18 +327,13 @@ def test_a_continued_prefill_loads_the_prefills_prompt_and_calls_no_metaserver(m
     """``lw_prefilled``: the decoder is given the prefill's prompt plus its first token; it loads
     the prefill's prompt, partial chunk included, at once and without a metaserver call, so only
     the token is computed; it never counts the prefill's partial chunk as a full chunk of its own."""
-    cfg = parse_config({"embedded_path": pool_dir, "embedded_capacity_bytes": 4 << 20, "use_layerwise": True})
-    vc, kc = _configs()
-    prod = SchedulerSide(vc, kc, cfg, "kv_producer")
-    side = _side(pool_dir, use_layerwise=True, metaserver_timeout_s=30.0)
+    prod, side = _pd_sides(pool_dir)
     try:
         n_tok = 3 * BLOCK + tail
         meta.mode, meta.bodies = "silent", []
-        preq = _prefill_req("p-c", list(range(3, 3 + n_tok)), "par-c")
-        prod.get_num_new_matched_tokens(preq, 0)
+        prod.get_num_new_matched_tokens(_prefill_req("p-c", list(range(3, 3 + n_tok)), "par-c"), 0)
         blocks = [20, 21, 22, 23][: -(-n_tok // BLOCK)]
-        plan = prod.build_connector_meta(_step("p-c", blocks, n_tok))
-        saved = [h for x in plan.saves for h in x.hashes]
+        saved = [h for x in prod.build_connector_meta(_step("p-c", blocks, n_tok)).saves for h in x.hashes]
         _publish_keys(prod, saved)
         dreq = _req("d-c", n_tok + 1, meta.url, "par-c")  # the prompt and the prefill's first token
         dreq.all_token_ids[-1] = dreq.prompt_token_ids[-1] = 99_999

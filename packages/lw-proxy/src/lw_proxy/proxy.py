@@ -251,7 +251,11 @@ class Proxy:
                     return web.Response(status=status, body=sub, headers={"Content-Type": ctype})
                 if b'"recomputed"' in sub:
                     sub = await self._resume(cont, path, sub)
-                answers[i] = msgspec.json.decode(sub)
+                try:
+                    answers[i] = msgspec.json.decode(sub)
+                except msgspec.DecodeError:
+                    raise ProxyError(502, f"the decoder answered choice {i}'s continuation with a body that is not "
+                                     f"JSON: {sub[:200].decode(errors='replace')!r}", kind="upstream") from None
             answered = True
             data = _encode(prefill_continue.assemble(got, parent.id, req.chat, answers))
             if token_ids.asks(req.body):

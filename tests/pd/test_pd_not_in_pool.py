@@ -93,3 +93,21 @@ def test_visible_prefill_or_a_failed_one_is_not_counted(meta, pool_dir, caplog) 
 
 def test_the_counter_reaches_vllm_metrics() -> None:
     assert COUNTERS["pd_prefill_not_in_pool"][0] == "vllm:lw_pool_pd_prefill_not_in_pool_total"
+
+
+def test_a_continued_prefill_not_in_this_pool_is_counted(meta, pool_dir) -> None:
+    """``lw_prefilled``: the proxy continues a prefill that answered, so its chunks were committed;
+    a decoder whose pool holds none of them says so, as for a metaserver's "committed"."""
+    prefiller = _side(pool_dir)
+    decoder = _decoder(pool_dir + "-host-b")
+    try:
+        req = _req("r-cont", 3 * BLOCK + 4, meta.url, "par-cont")
+        _publish(prefiller, req, 3)  # committed on host A
+        req.all_token_ids = req.prompt_token_ids = [*req.prompt_token_ids, 7]  # plus the prefill's first token
+        req.kv_transfer_params["lw_prefilled"] = 1
+        assert decoder.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert _count(decoder) == 1
+    finally:
+        decoder.shutdown()
+        prefiller.shutdown()
+        shutil.rmtree(pool_dir + "-host-b", ignore_errors=True)

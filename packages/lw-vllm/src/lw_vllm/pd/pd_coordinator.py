@@ -184,11 +184,13 @@ class PdCoordinator:
         return None
 
     def check_prefill_visible(self, st: ReqState, hashes: list[bytes], local: int, limit: int, hit: int) -> None:
-        """Decoder: the metaserver said the prefill is committed, yet the pool holds none of the
-        chunks this engine lacks. Nothing is wrong with the answer (vLLM computes the prompt), but
-        every such request pays a full prefill twice and the operator must hear why: counted in
+        """Decoder: the metaserver said the prefill is committed (or the proxy continues a prefill
+        that answered, ``PREFILLED``: committed too), yet the pool holds none of the chunks this
+        engine lacks. Nothing is wrong with the answer (vLLM computes the prompt), but every such
+        request pays a full prefill twice and the operator must hear why: counted in
         ``pd_prefill_not_in_pool``, logged once per ``NOT_IN_POOL_LOG_S`` with the likely causes."""
-        if st.remote is None or not st.remote.answered_ok or st.pool_seen or hit > local or limit <= local:
+        committed = st.remote is not None and (st.remote.answered_ok or st.remote.phase is RemotePhase.PREFILLED)
+        if not committed or st.pool_seen or hit > local or limit <= local:
             return
         self.metrics.add(pd_prefill_not_in_pool=1)
         now = time.monotonic()
@@ -205,7 +207,7 @@ class PdCoordinator:
         more = self._not_in_pool_unlogged
         self._not_in_pool_logged_at, self._not_in_pool_unlogged = now, 0
         log.warning(
-            "lw-vllm: %s: the metaserver says its prefill is committed, but this decoder's pool holds none of "
+            "lw-vllm: %s: its prefill answered (so it committed), but this decoder's pool holds none of "
             "its %d chunk(s) (first key %s). Likely causes: the prefiller writes to another pool (e.g. each host "
             "on its own embedded pool: use a pool both reach, such as backend memcache); a different model "
             "identity (the key's model part is the model's config and weights, or model_id: check both "

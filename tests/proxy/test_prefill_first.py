@@ -470,7 +470,7 @@ def test_eligible_only_for_plain_greedy_single_prompt_streams():
     assert relay.eligible(req(stream_options={"include_usage": True}))
 
 
-@pytest.mark.parametrize("key", relay._OFF)
+@pytest.mark.parametrize("key", relay.EXCLUDED)
 def test_an_excluded_key_with_any_value_but_null_or_false_makes_a_request_ineligible(key):
     def req(value):
         kw = {"stream_options": {key: value}} if key == "continuous_usage_stats" else {key: value}

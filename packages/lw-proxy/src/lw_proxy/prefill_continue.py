@@ -44,12 +44,12 @@ from typing import Any
 import msgspec
 
 from . import recompute as rc
-from .relay import _OFF, _OFF_CHAT, _given, continues, first_tokens, greedy, request_id
+from .relay import EXCLUDED, EXCLUDED_CHAT, continues, first_tokens, given, greedy, request_id
 from .validate import ClientRequest
 
 # Fields whose effect depends on what the request generated so far, or that change how the prompt
 # is built: with any of them given (not null or false) the answer keeps the decoder's path.
-_OFF_CONTINUED = ("bad_words", "logits_processors", "vllm_xargs", "guided_json", "guided_regex", "guided_choice",
+EXCLUDED_CONTINUED = ("bad_words", "logits_processors", "vllm_xargs", "guided_json", "guided_regex", "guided_choice",
                   "guided_grammar", "structural_tag", "structured_outputs", "use_beam_search",
                   "continue_final_message", "prompt_embeds")
 _PENALTIES = ("presence_penalty", "frequency_penalty")
@@ -60,7 +60,7 @@ def applies(req: ClientRequest, prefill_first: bool) -> bool:
     b = req.body
     if req.stream or not prefill_first or req.prompt_ids is not None or not continues(req):
         return False
-    if any(_given(b.get(k)) for k in (*(_OFF_CHAT if req.chat else _OFF), *_OFF_CONTINUED)):
+    if any(given(b.get(k)) for k in (*(EXCLUDED_CHAT if req.chat else EXCLUDED), *EXCLUDED_CONTINUED)):
         return False
     stop = b.get("stop")
     if stop is not None and stop != [] and stop != "":

@@ -86,8 +86,10 @@ import msgspec
 from . import recompute as rc
 from .validate import ClientRequest
 
-_OFF = ("echo", "suffix", "prompt_logprobs")
-_OFF_CHAT = ("echo", "prompt_logprobs", "return_prompt_text", "tools", "functions")
+# Keys that change a stream's first events: given (``given``), a request is not relayed, nor continued
+# after its prefill (lw_proxy.prefill_continue). Completions, then chat.
+EXCLUDED = ("echo", "suffix", "prompt_logprobs")
+EXCLUDED_CHAT = ("echo", "prompt_logprobs", "return_prompt_text", "tools", "functions")
 
 
 def asks_usage(req: ClientRequest) -> bool:
@@ -101,7 +103,7 @@ def asks_logprobs(req: ClientRequest) -> bool:
     """The client asked for the sampled tokens' log-probs (completions: ``logprobs`` given, 0
     included; chat: ``logprobs: true``)."""
     lp = req.body.get("logprobs")
-    return lp is True if req.chat else _given(lp)
+    return lp is True if req.chat else given(lp)
 
 
 def continues(req: ClientRequest) -> bool:
@@ -190,7 +192,7 @@ def eligible(req: ClientRequest) -> bool:
     b = req.body
     if not req.stream or not continues(req):
         return False
-    if any(_given(b.get(k)) for k in (_OFF_CHAT if req.chat else _OFF)):
+    if any(given(b.get(k)) for k in (EXCLUDED_CHAT if req.chat else EXCLUDED)):
         return False
     return continuous_usage(req) is not None and held_back(req) is not None
 
@@ -220,7 +222,7 @@ def continuous_usage(req: ClientRequest) -> bool | None:
     if not isinstance(so, dict):
         return False
     inc, cont = so.get("include_usage"), so.get("continuous_usage_stats")
-    if not _given(cont):
+    if not given(cont):
         return False
     if cont is not True or not (inc is None or inc is False or inc is True):
         return None
@@ -276,7 +278,7 @@ def choice_index(request_id: str, n: int) -> int | None:
     return i if i < n else None
 
 
-def _given(value: Any) -> bool:
+def given(value: Any) -> bool:
     """A field counts as set unless it is null or false: 0, "" and [] are values (``logprobs: 0``
     asks for the sampled token's logprob)."""
     return value is not None and value is not False

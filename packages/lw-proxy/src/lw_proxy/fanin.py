@@ -77,6 +77,12 @@ class Parent:
         self.choice_waiters: dict[int, list[asyncio.Future[Outcome]]] = {}
         self.relay_more: asyncio.Queue[Any] | None = None
 
+    def forced(self, choices: set[int]) -> bool:
+        """Every one of ``choices`` continues on the decoder from the first token its answer
+        carries: its engine request said ``forces_first`` and its answer has the token, and no held
+        POST timed out waiting for the prefill."""
+        return choices <= self.answers.keys() and choices <= self.forcing and not self.stalled
+
     def answer_choice(self, i: int, answer: bytes) -> None:
         """Choice ``i``'s token came (a streamed prefill): its held POSTs are answered now with
         ``answer`` (``ParentRegistry._for`` picks it), and later ones at once."""

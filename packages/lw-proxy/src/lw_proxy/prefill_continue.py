@@ -44,7 +44,7 @@ from typing import Any
 import msgspec
 
 from . import recompute as rc
-from .relay import EXCLUDED, EXCLUDED_CHAT, continues, first_tokens, given, greedy, request_id
+from .relay import EXCLUDED, EXCLUDED_CHAT, continues, first_tokens_of, given, greedy, request_id
 from .validate import ClientRequest
 
 # Fields whose effect depends on what the request generated so far, or that change how the prompt
@@ -89,11 +89,11 @@ def plan(req: ClientRequest, data: bytes) -> Plan | None:
     """How to finish ``req`` from its prefill's 200 answer ``data``; None when it cannot be
     continued (the decoder's path then): a choice without its first token's and the prompt's ids, a
     chat whose first token went to reasoning or a tool call."""
-    firsts = first_tokens(data, req.chat)
     try:
         obj = msgspec.json.decode(data)
     except msgspec.DecodeError:
         return None
+    firsts = first_tokens_of(obj, req.chat)
     chs = obj.get("choices") if isinstance(obj, dict) else None
     if (not isinstance(chs, list) or not all(isinstance(ch, dict) for ch in chs)
             or sorted(ch.get("index", -1) for ch in chs) != list(range(req.n))):

@@ -193,7 +193,7 @@ class PrefillDispatcher:
         relay = parent.relay
         if relay is None:
             return
-        forced = i in parent.answers and i in parent.forcing and not parent.stalled
+        forced = parent.forced({i})
         if not relay.done():
             parent.relay_more = asyncio.Queue()
             relay.set_result(Prefilled(parent.id, data, forced, only=(i,), more=parent.relay_more))
@@ -215,7 +215,5 @@ class PrefillDispatcher:
         if continues(req):
             parent.answers = metaserver_answers(data, req) or parent.answers
         if parent.relay is not None and not parent.relay.done():
-            every = set(range(req.n))
-            forced = every <= parent.answers.keys() and every <= parent.forcing and not parent.stalled
-            parent.relay.set_result(Prefilled(parent.id, data, forced))
+            parent.relay.set_result(Prefilled(parent.id, data, parent.forced(set(range(req.n)))))
         return 200, OK_BODY

@@ -237,9 +237,7 @@ class Proxy:
                 self.m.not_relayed.labels("token" if pre.done() else "decoder_first").inc()
                 status, data, ctype = await self.decode(req, path, read=True, parent=parent)
                 answered = status == 200
-                every = set(range(req.n))
-                forced = every <= parent.answers.keys() and every <= parent.forcing
-                prefilled = (pre.result()._replace(forced=forced)
+                prefilled = (pre.result()._replace(forced=parent.forced(set(range(req.n))))
                              if pre.done() and relay_mod.assembles(req) else None)
                 return await self._respond(req, path, status, data, ctype, prefilled)
             self.m.relayed_first.inc()

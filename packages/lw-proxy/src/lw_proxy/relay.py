@@ -242,10 +242,15 @@ def first_tokens(data: bytes, chat: bool) -> tuple[dict[int, int], list[int]] | 
     ids; None when no choice did or the prompt's ids are missing."""
     try:
         obj = msgspec.json.decode(data)
-        chs = obj["choices"]
-    except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+    except msgspec.DecodeError:
         return None
-    if not isinstance(obj, dict) or not isinstance(chs, list):
+    return first_tokens_of(obj, chat)
+
+
+def first_tokens_of(obj: Any, chat: bool) -> tuple[dict[int, int], list[int]] | None:
+    """``first_tokens`` of an answer already decoded."""
+    chs = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(chs, list):
         return None
     firsts: dict[int, int] = {}
     pids: Any = obj.get("prompt_token_ids") if chat else None

@@ -18,7 +18,7 @@ from lw_bench.pd.stack import Stack, free_port, http, metric_sum, post_json, pos
 from lw_dev.fake_metaserver import FakeMetaserver
 from lw_dev.pd_flow import CONTINUED, assert_remote_prefill_used, baseline, decoder_path_proxy, settle, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, by_index, chat_choice, completion_choice, completion_stream
-from lw_proxy import relay
+from lw_proxy import prefill_continue, relay
 
 pytestmark = pytest.mark.slow
 
@@ -65,6 +65,46 @@ def test_chat_matches_single_engine(gqa_stack: Stack, continued: bool) -> None:
     assert_same(ref, chat_choice(ex.out["choices"][0]), "chat")
     assert_remote_prefill_used(gqa_stack, ex, 1)
     assert (ex.decode_stats[0]["remote_prefill"] == CONTINUED) == continued, ex.decode_stats
+
+
+def _stop_body(stack: Stack, seed: int, across: bool) -> tuple[dict, str] | None:
+    """A greedy completion with a stop string cut from the single engine's answer: one that begins
+    in the first token's text and ends in the next (``across``), or one wholly after the first
+    token's text that it does not begin; None when this prompt's answer offers none."""
+    body = {"model": "tiny", "prompt": text(seed, 110), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+    first = baseline(stack, "/v1/completions", {**body, "max_tokens": 1})["choices"][0]["text"]
+    whole = baseline(stack, "/v1/completions", body)["choices"][0]["text"]
+    n = len(first)
+    if not whole.startswith(first) or not first.strip() or len(whole) < n + 4 or "\ufffd" in whole:
+        return None
+    stop = first[-1] + whole[n] if across else whole[n + 1 : n + 3]
+    if stop in first or len(stop) < 2:
+        return None
+    if prefill_continue.could_cross(first, [stop]) != across:
+        return None
+    return {**body, "stop": [stop], "logprobs": 2, "return_tokens_as_token_ids": True}, stop
+
+
+@pytest.mark.parametrize("across", [False, True], ids=["after-the-first-token", "across-the-first-token"])
+def test_stop_strings_end_the_answer_where_a_single_engine_ends_it(gqa_stack: Stack, across: bool) -> None:
+    """Not streamed, with a stop string: continued when no stop string can begin in the first token's
+    text (the decoder finds it in its own output where a single engine finds it), the decoder's path
+    when one could (its output holds the first token: it finds the stop across it)."""
+    for seed in range(400 + 20 * across, 420 + 20 * across):
+        got = _stop_body(gqa_stack, seed, across)
+        if got is not None:
+            break
+    else:
+        pytest.fail("no prompt's answer offers a stop string of this kind")
+    body, stop = got
+    ref = baseline(gqa_stack, "/v1/completions", body)["choices"][0]
+    assert ref["finish_reason"] == "stop" and ref["stop_reason"] == stop, ref  # it does stop there
+    ex = through(gqa_stack, "/v1/completions", body)
+    assert ex.status == 200, ex.out
+    (ch,) = ex.out["choices"]
+    assert_same(completion_choice(ref), completion_choice(ch), "completion with a stop string")
+    assert (ch["text"], ch["finish_reason"], ch["stop_reason"]) == (ref["text"], "stop", stop)
+    assert (ex.decode_stats[0]["remote_prefill"] == CONTINUED) != across, ex.decode_stats
 
 
 def test_streaming_matches_single_engine(gqa_stack: Stack) -> None:

@@ -89,9 +89,10 @@ def test_an_answer_the_prefill_completes_needs_no_decoder():
     run(body())
 
 
-@pytest.mark.parametrize("extra", [{"temperature": 0.7, "seed": 3}, {"stop": ["x"]}, {"presence_penalty": 0.5},
-                                   {"response_format": {"type": "json_object"}}, {"bad_words": ["x"]}],
-                         ids=["seeded", "stop", "penalty", "json", "bad_words"])
+@pytest.mark.parametrize("extra", [{"temperature": 0.7, "seed": 3}, {"presence_penalty": 0.5},
+                                   {"response_format": {"type": "json_object"}}, {"bad_words": ["x"]},
+                                   {"stop": "x", "include_stop_str_in_output": "yes"}],
+                         ids=["seeded", "penalty", "json", "bad_words", "stop-unread"])
 def test_requests_a_continuation_would_change_keep_the_decoders_path(extra):
     async def body():
         async with harness() as h:
@@ -102,6 +103,34 @@ def test_requests_a_continuation_would_change_keep_the_decoders_path(extra):
             kv = sent["kv_transfer_params"]
             assert kv["lw_prefilled"] == 0 and kv["lw_first_token"] is True and sent["prompt"] == "p"
             assert len(h.decoders[0].metaserver_ids) == 1 and len(h.prefillers[0].bodies) == 1
+
+    run(body())
+
+
+# The mock's answer to "p": " w80", " w96", " w22", " w36", ... (one token each).
+@pytest.mark.parametrize(("stop", "include", "want", "tokens", "path"), [
+    (["w22"], False, " w80 w96 ", 3, "continued"),  # the stop lies after the first token: the decoder finds it
+    (["zz", "w22"], True, " w80 w96 w22", 3, "continued"),
+    (["w9"], False, " w80 ", 2, "continued"),  # its prefix "w" does not end " w80"
+    ("0 w9", False, " w8", 2, "decoder"),  # it would begin in the first token (" w80") and end in the next
+    ([" w80 w"], False, "", 2, "decoder"),  # the whole first token begins it
+    (["80"], False, " w", 1, "prefill"),  # wholly in the first token: the prefill ended the answer
+], ids=["after", "after-included", "after-prefix-elsewhere", "across", "across-whole-first", "in-first"])
+def test_stop_strings_are_found_where_a_single_engine_finds_them(stop, include, want, tokens, path):
+    async def body():
+        async with harness() as h:
+            pf, dec = h.prefillers[0], h.decoders[0]
+            dec.knobs.forces_first = True
+            status, out = await h.post("/v1/completions", {**GREEDY, "max_tokens": 6, "stop": stop,
+                                                           "include_stop_str_in_output": include})
+            assert status == 200, out
+            (ch,) = out["choices"]
+            assert ch["text"] == want and ch["finish_reason"] == "stop", ch
+            assert ch["stop_reason"] in ([stop] if isinstance(stop, str) else stop), ch
+            assert len(pf.bodies) == 1 and pf.bodies[0]["stop"] == stop
+            kinds = [b["kv_transfer_params"]["lw_prefilled"] for b in dec.bodies]
+            assert kinds == {"continued": [1], "decoder": [0], "prefill": []}[path], dec.bodies
+            assert out["usage"]["completion_tokens"] == tokens
 
     run(body())
 
@@ -185,12 +214,39 @@ def test_which_requests_are_continued():
     assert applies(GREEDY) and applies(CHAT) and applies({**GREEDY, "temperature": 0.7, "n": 2})
     assert applies({**GREEDY, "seed": 3})  # greedy: the seed draws nothing
     assert applies({**GREEDY, "stop": []}) and applies({**GREEDY, "response_format": {"type": "text"}})
+    assert applies({**GREEDY, "stop": "x"}) and applies({**CHAT, "stop": ["x", "yz"], "include_stop_str_in_output": True})
     assert applies({**GREEDY, "presence_penalty": 0, "frequency_penalty": 0.0})
     for kw in ({"stream": True}, {"prompt": ["a", "b"]}, {"echo": True}, {"suffix": "s"}, {"min_tokens": 2},
-               {"temperature": 0.7, "seed": 3}, {"stop": "x"}, {"frequency_penalty": 0.1}, {"best_of": 2, "n": 1},
+               {"temperature": 0.7, "seed": 3}, {"stop": 3}, {"frequency_penalty": 0.1}, {"best_of": 2, "n": 1},
                {"structured_outputs": {"regex": "a"}}, {"logits_processors": ["m.P"]}, {"vllm_xargs": {"a": 1}}):
         assert not applies({**GREEDY, **kw}), kw
     for kw in ({"tools": [{"type": "function", "function": {"name": "f"}}]}, {"continue_final_message": True},
                {"messages": [{"role": "user", "content": [{"type": "text", "text": "p"}]}]}):
         assert not applies({**CHAT, **kw}), kw
     assert not prefill_continue.applies(parse(GREEDY), False)  # --no-prefill-first
+
+
+@pytest.mark.parametrize(("message", "continued"), [
+    ({"content": "a", "reasoning": None}, True),
+    ({"content": "", "reasoning": None}, True),  # a first token whose text vLLM holds back
+    ({"content": None, "reasoning": ""}, False),  # a reasoning parser saw a block open ("<think>")
+    ({"content": None, "reasoning_content": "a"}, False),
+    ({"content": None}, False),
+    ({"content": "a", "tool_calls": [{"id": "t"}]}, False),
+], ids=["content", "held-back", "block-opened", "reasoning", "no-content", "tool-call"])
+def test_a_chat_continues_only_from_a_first_token_in_plain_content(message, continued):
+    req = parse_chat(msgspec.json.encode(CHAT))
+    answer = {"choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": "length",
+                           "token_ids": [7]}], "prompt_token_ids": [1, 2]}
+    got = prefill_continue.plan(req, msgspec.json.encode(answer))
+    assert (got is not None) == continued
+    if continued:
+        assert got.continuations[0].prompt_ids == [1, 2, 7] and got.continuations[0].prefilled == 1
+
+
+def test_could_cross():
+    cross = prefill_continue.could_cross
+    assert cross(" ab", ["bc"]) and cross(" ab", ["abc"]) and cross("ab", ["abcd"]) and cross("x\n", ["\n\n"])
+    assert not cross(" ab", ["b"])  # a one-character stop lies wholly in one token's text
+    assert not cross(" ab", ["ab"])  # wholly in the first token: the prefill would have stopped
+    assert not cross("", ["ab"]) and not cross(" ab", []) and not cross(" ab", ["ca", "xa"]) and cross(" ab", ["ca", "ba"])

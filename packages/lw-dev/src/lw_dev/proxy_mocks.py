@@ -61,6 +61,24 @@ def generate(context: str | list[int], n_tokens: int) -> list[str]:
     return [token_text(t) for t in generate_ids(ids, n_tokens)]
 
 
+def _stop_strings(toks: list[int], body: dict[str, Any]) -> tuple[list[int], str, str | None]:
+    """A whole answer's tokens and text cut at its first stop string, as vLLM finds them (in the
+    output text only, at each token in the text just added plus a stop string's length less one;
+    the first stop string of the list that matches wins), and the stop string that ended it."""
+    stop = body.get("stop") or []
+    stops = [stop] if isinstance(stop, str) else stop
+    text = ""
+    for j, t in enumerate(toks):
+        new = token_text(t)
+        text += new
+        for s in stops:
+            at = text.find(s, max(0, len(text) - len(new) - len(s) + 1))
+            if at >= 0:
+                end = at + len(s) if body.get("include_stop_str_in_output") else at
+                return toks[: j + 1], text[:end], s
+    return toks, text, None
+
+
 def chat_context(messages: list[dict[str, Any]]) -> str:
     return "".join(str(m.get("content") or "") for m in messages)
 
@@ -243,8 +261,10 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
         total = 0
         for idx, pids in choices:
             toks = choice_tokens(st, idx, pids, n, max_tokens if cut is None else min(cut, max_tokens))
+            toks, text, stopped = _stop_strings(toks, body)
             total += len(toks)
-            text = "".join(map(token_text, toks)) if not (k.hold_first and len(toks) == 1) else ""
+            if k.hold_first and len(toks) == 1:
+                text = ""
             c: dict[str, Any] = {"index": idx}
             if chat:
                 c["message"] = {"role": "assistant", "content": None if k.reasoning else text}
@@ -253,8 +273,8 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
             else:
                 c["text"] = text
             c.update(logprobs=_logprobs(toks, chat, k.logprob) if _wants_logprobs(body, chat) else None,
-                     finish_reason="length" if cut is None else "stop", stop_reason=None if cut is None else "recomputed",
-                     token_ids=toks if ret_ids else None)
+                     finish_reason="length" if cut is None and stopped is None else "stop",
+                     stop_reason=stopped if cut is None else "recomputed", token_ids=toks if ret_ids else None)
             if not chat:
                 c["prompt_token_ids"] = pids if ret_ids else None
             out.append(c)

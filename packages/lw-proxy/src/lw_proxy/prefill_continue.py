@@ -23,18 +23,23 @@ What a single engine would answer, for the requests this applies to (``applies``
   single engine appends after the first token's (a first token that is part of a UTF-8 character
   included: the continuation's prompt holds its bytes).
 
+Stop strings: vLLM looks for them in the output text only, so a stop string that begins in the
+first token's text and ends after it would be missed by the continuation; ``plan`` keeps on the
+decoder's path each answer whose first token's text ends with a proper prefix of one of them
+(``could_cross``), and continues the rest, whose stops the decoder finds where a single engine does.
+
 Kept on the decoder's path, because the continuation would see the first token as part of its
-prompt where a single engine sees it as output: stop strings (one could begin in the first token's
-text and end in the next), ``presence_penalty`` and ``frequency_penalty`` (they count output tokens),
-``bad_words``, structured outputs and ``response_format`` other than text (the grammar would start
+prompt where a single engine sees it as output: ``presence_penalty`` and ``frequency_penalty``
+(they count output tokens), ``bad_words``, structured outputs and ``response_format`` other than text (the grammar would start
 again after the first token), custom logits processors (``logits_processors``, ``vllm_xargs``),
 ``min_tokens``, beam search, and whatever the streamed relay leaves out (several prompts, ``echo``,
 ``suffix``, prompt log-probs; chat: ``tools``, ``functions``, ``return_prompt_text``,
 ``continue_final_message``, messages with anything but text, whose token ids vLLM does not take).
-A chat whose first token the prefiller put into ``reasoning_content`` or ``tool_calls`` also keeps
-it (``plan``: the continuation's parsers would not see the block open), as does any answer without
-the first tokens' and the prompt's ids. Those requests go to the decoder with the parent whose
-prefill already answered, so nothing is computed twice.
+A chat whose first token a reasoning parser saw (``reasoning`` or ``reasoning_content`` not null,
+an empty one included: a block opened) or that went to ``tool_calls`` also keeps it (``plan``: the
+continuation's parsers would not see the block open), as does any answer without the first tokens'
+and the prompt's ids. Those requests go to the decoder with the parent whose prefill already
+answered, so nothing is computed twice.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from typing import Any
 import msgspec
 
 from . import recompute as rc
-from .relay import EXCLUDED, EXCLUDED_CHAT, continues, first_tokens_of, given, greedy, request_id
+from .relay import EXCLUDED, EXCLUDED_CHAT, continues, first_tokens_of, given, greedy, request_id, stop_strings
 from .validate import ClientRequest
 
 # Fields whose effect depends on what the request generated so far, or that change how the prompt
@@ -62,8 +67,7 @@ def applies(req: ClientRequest, prefill_first: bool) -> bool:
         return False
     if any(given(b.get(k)) for k in (*(EXCLUDED_CHAT if req.chat else EXCLUDED), *EXCLUDED_CONTINUED)):
         return False
-    stop = b.get("stop")
-    if stop is not None and stop != [] and stop != "":
+    if stop_strings(req) is None:
         return False
     rf = b.get("response_format")
     if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
@@ -88,12 +92,14 @@ class Plan(msgspec.Struct):
 def plan(req: ClientRequest, data: bytes) -> Plan | None:
     """How to finish ``req`` from its prefill's 200 answer ``data``; None when it cannot be
     continued (the decoder's path then): a choice without its first token's and the prompt's ids, a
-    chat whose first token went to reasoning or a tool call."""
+    chat whose first token went to reasoning or a tool call, a first token's text a stop string
+    could begin in (``could_cross``)."""
     try:
         obj = msgspec.json.decode(data)
     except msgspec.DecodeError:
         return None
     firsts = first_tokens_of(obj, req.chat)
+    stops = stop_strings(req) or []
     chs = obj.get("choices") if isinstance(obj, dict) else None
     if (not isinstance(chs, list) or not all(isinstance(ch, dict) for ch in chs)
             or sorted(ch.get("index", -1) for ch in chs) != list(range(req.n))):
@@ -107,13 +113,26 @@ def plan(req: ClientRequest, data: bytes) -> Plan | None:
             return None
         if req.chat:
             msg = ch.get("message")
-            if not isinstance(msg, dict) or msg.get("tool_calls") or msg.get("reasoning_content") or msg.get("reasoning"):
-                return None
-        cont = rc.continuation(req, i, rc.choice_text(ch, req.chat), [firsts[0][i]], 1, firsts[1])
+            if (not isinstance(msg, dict) or not isinstance(msg.get("content"), str) or msg.get("tool_calls")
+                    or msg.get("reasoning_content") is not None or msg.get("reasoning") is not None):
+                return None  # a reasoning parser saw it (an empty reasoning too: a block opened), or a tool call
+        first = rc.choice_text(ch, req.chat)
+        if could_cross(first, stops):
+            return None
+        cont = rc.continuation(req, i, first, [firsts[0][i]], 1, firsts[1])
         if cont is not None:
             cont.prefilled = 1
             conts[i] = cont
     return Plan(obj, conts)
+
+
+def could_cross(first: str, stops: list[str]) -> bool:
+    """Whether a stop string could begin in the first token's text ``first`` and end after it: some
+    non-empty proper prefix of it ends ``first``. vLLM looks for stop strings in a request's output
+    text only, each time at the text just added (``vllm.v1.engine.detokenizer.check_stop_strings``),
+    so the continuation, whose output starts after ``first``, finds every stop a single engine
+    finds after the first token except those; a stop wholly inside ``first`` ended the prefill."""
+    return any(first.endswith(s[:k]) for s in stops for k in range(1, min(len(s) - 1, len(first)) + 1))
 
 
 def assemble(p: Plan, parent_id: str, chat: bool, answers: dict[int, dict[str, Any]]) -> dict[str, Any]:

@@ -197,21 +197,29 @@ def eligible(req: ClientRequest) -> bool:
     return continuous_usage(req) is not None and held_back(req) is not None
 
 
-def held_back(req: ClientRequest) -> int | None:
-    """How many characters of a stream's text vLLM holds back while it looks for the request's
-    stop strings (``stop``; none with ``include_stop_str_in_output``): the longest one's length
-    less one (``vllm.v1.engine.detokenizer``), so a single engine's first event shows the first
-    token's text but for its last that many characters. None for a ``stop`` this proxy does not
-    read (not a non-empty string or a list of them), which is not relayed."""
+def stop_strings(req: ClientRequest) -> list[str] | None:
+    """The request's stop strings (``stop``: none, a non-empty string or a list of them; with
+    ``include_stop_str_in_output`` absent or a JSON boolean where stop strings are given), or None for a ``stop`` this proxy does
+    not read (such a request is neither relayed nor continued)."""
     stop, incl = req.body.get("stop"), req.body.get("include_stop_str_in_output")
     if stop is None or stop is False:
-        return 0
+        return []
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(x, str) and x for x in stops):
         return None
-    if not (incl is None or incl is False or incl is True):
+    return stops if incl is None or incl is False or incl is True else None
+
+
+def held_back(req: ClientRequest) -> int | None:
+    """How many characters of a stream's text vLLM holds back while it looks for the request's
+    stop strings (``stop_strings``; none with ``include_stop_str_in_output``): the longest one's
+    length less one (``vllm.v1.engine.detokenizer``), so a single engine's first event shows the
+    first token's text but for its last that many characters. None for a ``stop`` this proxy does
+    not read, which is not relayed."""
+    stops = stop_strings(req)
+    if stops is None:
         return None
-    return 0 if incl is True or not stops else max(map(len, stops)) - 1
+    return 0 if req.body.get("include_stop_str_in_output") is True or not stops else max(map(len, stops)) - 1
 
 
 def continuous_usage(req: ClientRequest) -> bool | None:

@@ -67,6 +67,25 @@ def test_chat_matches_single_engine(gqa_stack: Stack, continued: bool) -> None:
     assert (ex.decode_stats[0]["remote_prefill"] == CONTINUED) == continued, ex.decode_stats
 
 
+@pytest.mark.parametrize(("chat", "n"), [(False, 1), (True, 1), (False, 2)], ids=["completion", "chat", "completion-n2"])
+def test_a_seeded_sampled_answer_continued_after_its_prefill_is_the_single_engines(gqa_stack: Stack, chat: bool,
+                                                                                     n: int) -> None:
+    """Not streamed, temperature 1 with a seed: the prefiller draws each choice's first token with
+    the seed (choice i: seed + i), its continuation's generator is set one draw ahead
+    (lw_vllm.pd.seeded_continuation), so every token is the single engine's; a random-weight model's
+    near-uniform tokens would differ almost always otherwise."""
+    content = text(500 + 2 * chat + n, 100)
+    kw = {"temperature": 1.0, "seed": 5, "n": n, "return_token_ids": True}
+    body = _chat(content, **kw) if chat else _completion(content, **kw)
+    ref = baseline(gqa_stack, _path(chat), body)
+    ex = through(gqa_stack, _path(chat), body)
+    assert ex.status == 200, ex.out
+    tokens = {ch["index"]: ch["token_ids"] for ch in ex.out["choices"]}
+    assert tokens == {ch["index"]: ch["token_ids"] for ch in ref["choices"]}
+    assert len({tuple(t) for t in tokens.values()}) == n  # the choices differ: each had its own seed
+    assert [r["remote_prefill"] for r in ex.decode_stats] == [CONTINUED] * n, ex.decode_stats
+
+
 def _stop_body(stack: Stack, seed: int, across: bool) -> tuple[dict, str] | None:
     """A greedy completion with a stop string cut from the single engine's answer: one that begins
     in the first token's text and ends in the next (``across``), or one wholly after the first
@@ -446,13 +465,14 @@ def test_a_sampled_stream_is_relayed_and_its_decoder_continues_from_the_relayed_
     assert relayed >= 1, "no sampled first token was relayed"
     assert metric_sum(gqa_stack.proxy.url, mismatch) == before[1], "a decoder did not continue from the relayed token"
 
-    # A seeded request: the decoder takes the prefill's token and still draws once for it, so its
-    # later tokens are the ones a single engine draws with that seed.
+    # A seeded request on the decoder's path: the decoder takes the prefill's token and still draws
+    # once for it, so its later tokens are the ones a single engine draws with that seed.
     body = _completion(text(310, 150), temperature=1.0, seed=7)
     ref = completion_choice(baseline(gqa_stack, "/v1/completions", body)["choices"][0])
-    settle(gqa_stack)
+    url = decoder_path_proxy(gqa_stack).url
+    settle(gqa_stack, url)
     gqa_stack.decode.mark()
-    status, out = decoder_looks_first(gqa_stack.prefill, gqa_stack.proxy.url + "/v1/completions", body)
+    status, out = decoder_looks_first(gqa_stack.prefill, url + "/v1/completions", body)
     assert status == 200, out
     assert completion_choice(out["choices"][0])["tokens"] == ref["tokens"]
     (rec,) = gqa_stack.decode.new_stats()

@@ -79,6 +79,28 @@ def test_a_sampled_answer_of_several_choices_continues_each_choice_from_its_own_
     run(body())
 
 
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_seeded_answer_continues_each_choice_with_its_own_seed(n):
+    """vLLM seeds choice i of n with seed + i on every engine: the prefill keeps n and the seed, and
+    choice i's continuation (one choice) is sent with seed + i (lw-vllm sets its generator one draw
+    ahead, lw_vllm.pd.seeded_continuation)."""
+    async def body():
+        async with harness() as h:
+            h.prefillers[0].knobs.distinct_choices = True
+            status, out = await h.post("/v1/completions", {**GREEDY, "temperature": 0.7, "seed": 11, "n": n})
+            assert status == 200, out
+            (pre,) = h.prefillers[0].bodies
+            assert (pre["seed"], pre["n"]) == (11, n)
+            prompt = tokenize("p")
+            firsts = {generate_ids(prompt + [j] if j else prompt, 1)[0]: j for j in range(n)}
+            # each choice's continuation (its prompt ends with that choice's first token) has its seed
+            sent = {firsts[b["prompt"][-1]]: b["seed"] for b in h.decoders[0].bodies}
+            assert sent == {j: 11 + j for j in range(n)} and all(b["n"] == 1 for b in h.decoders[0].bodies)
+            assert all(b["kv_transfer_params"]["lw_prefilled"] == 1 for b in h.decoders[0].bodies)
+
+    run(body())
+
+
 def test_an_answer_the_prefill_completes_needs_no_decoder():
     async def body():
         async with harness() as h:
@@ -89,10 +111,10 @@ def test_an_answer_the_prefill_completes_needs_no_decoder():
     run(body())
 
 
-@pytest.mark.parametrize("extra", [{"temperature": 0.7, "seed": 3}, {"presence_penalty": 0.5},
+@pytest.mark.parametrize("extra", [{"presence_penalty": 0.5},
                                    {"response_format": {"type": "json_object"}}, {"bad_words": ["x"]},
                                    {"stop": "x", "include_stop_str_in_output": "yes"}],
-                         ids=["seeded", "penalty", "json", "bad_words", "stop-unread"])
+                         ids=["penalty", "json", "bad_words", "stop-unread"])
 def test_requests_a_continuation_would_change_keep_the_decoders_path(extra):
     async def body():
         async with harness() as h:
@@ -212,12 +234,12 @@ def test_which_requests_are_continued():
         return prefill_continue.applies(parse(body), True)
 
     assert applies(GREEDY) and applies(CHAT) and applies({**GREEDY, "temperature": 0.7, "n": 2})
-    assert applies({**GREEDY, "seed": 3})  # greedy: the seed draws nothing
+    assert applies({**GREEDY, "seed": 3}) and applies({**GREEDY, "temperature": 0.7, "seed": 3})
     assert applies({**GREEDY, "stop": []}) and applies({**GREEDY, "response_format": {"type": "text"}})
     assert applies({**GREEDY, "stop": "x"}) and applies({**CHAT, "stop": ["x", "yz"], "include_stop_str_in_output": True})
     assert applies({**GREEDY, "presence_penalty": 0, "frequency_penalty": 0.0})
     for kw in ({"stream": True}, {"prompt": ["a", "b"]}, {"echo": True}, {"suffix": "s"}, {"min_tokens": 2},
-               {"temperature": 0.7, "seed": 3}, {"stop": 3}, {"frequency_penalty": 0.1}, {"best_of": 2, "n": 1},
+               {"stop": 3}, {"frequency_penalty": 0.1}, {"best_of": 2, "n": 1},
                {"structured_outputs": {"regex": "a"}}, {"logits_processors": ["m.P"]}, {"vllm_xargs": {"a": 1}}):
         assert not applies({**GREEDY, **kw}), kw
     for kw in ({"tools": [{"type": "function", "function": {"name": "f"}}]}, {"continue_final_message": True},

@@ -700,11 +700,10 @@ def test_a_non_streamed_answer_takes_the_first_log_prob_entry_from_the_prefill(c
     the decoder's with the first token's entry the prefiller's (computed over the whole prompt, as
     a single engine does); a decoder that does not continue from it keeps its own entries."""
     async def body():
-        async with harness() as h:
+        async with harness(continue_after_prefill=False) as h:  # the decoder's path
             h.prefillers[0].knobs.logprob = -0.25
             h.prefillers[0].knobs.delay = 0.3  # the decoder's POST is in before the prefill answers
             path = "/v1/chat/completions" if chat else "/v1/completions"
-            # Seeded and sampled: the decoder's path (lw_proxy.prefill_continue keeps it).
             req = {**(CHAT if chat else GREEDY), "stream": False, "temperature": 0.7, "seed": 5,
                    **({"logprobs": True, "top_logprobs": 2} if chat else {"logprobs": 2})}
             for forces, want in ((True, [-0.25, -0.5, -0.5, -0.5]), (None, [-0.5] * 4)):

@@ -15,10 +15,11 @@ continuations' generated tokens to the prefill's.
 What a single engine would answer, for the requests this applies to (``applies``):
 
 - greedy requests token for token, the first token's log-prob entry the prefiller's (computed over
-  the whole prompt, as a single engine does); sampled requests without a ``seed`` with the same
-  distribution (the first token drawn by the prefiller, the rest by the decoder given it). A seeded
-  sampled request keeps the decoder's path, where the decoder draws the first token again from the
-  same generator state and so reproduces a single engine's seeded answer exactly;
+  the whole prompt, as a single engine does); sampled requests with the same distribution, and a
+  seeded one token for token too: the prefiller draws the first token with the request's seed (choice
+  ``i`` of ``n`` with ``seed + i``, as vLLM seeds it on every engine, and so does its continuation
+  here), and lw-vllm sets a continuation's generator one draw ahead, where a single engine's is
+  after the first token (``lw_vllm.pd.seeded_continuation``);
 - the text: vLLM's detokenizer primes itself with the prompt, so the continuation's text is what a
   single engine appends after the first token's (a first token that is part of a UTF-8 character
   included: the continuation's prompt holds its bytes).
@@ -49,7 +50,7 @@ from typing import Any
 import msgspec
 
 from . import recompute as rc
-from .relay import EXCLUDED, EXCLUDED_CHAT, continues, first_tokens_of, given, greedy, request_id, stop_strings
+from .relay import EXCLUDED, EXCLUDED_CHAT, continues, first_tokens_of, given, request_id, stop_strings
 from .validate import ClientRequest
 
 # Fields whose effect depends on what the request generated so far, or that change how the prompt
@@ -76,8 +77,6 @@ def applies(req: ClientRequest, prefill_first: bool) -> bool:
         v = b.get(k)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v != 0):
             return False
-    if b.get("seed") is not None and not greedy(req):
-        return False
     return not req.chat or all(isinstance(m.get("content"), str) for m in b["messages"])
 
 
@@ -100,6 +99,7 @@ def plan(req: ClientRequest, data: bytes) -> Plan | None:
         return None
     firsts = first_tokens_of(obj, req.chat)
     stops = stop_strings(req) or []
+    seed = req.body.get("seed")
     chs = obj.get("choices") if isinstance(obj, dict) else None
     if (not isinstance(chs, list) or not all(isinstance(ch, dict) for ch in chs)
             or sorted(ch.get("index", -1) for ch in chs) != list(range(req.n))):
@@ -122,6 +122,8 @@ def plan(req: ClientRequest, data: bytes) -> Plan | None:
         cont = rc.continuation(req, i, first, [firsts[0][i]], 1, firsts[1])
         if cont is not None:
             cont.prefilled = 1
+            if type(seed) is int and req.n > 1:  # vLLM seeds choice i with seed + i
+                cont.body["seed"] = seed + i
             conts[i] = cont
     return Plan(obj, conts)
 

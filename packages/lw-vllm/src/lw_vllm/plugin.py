@@ -5,7 +5,9 @@ call, or another package that registered the same name, is fine), the seed's nam
 ``AscendStoreConnector`` as an alias only when nothing else registered it (vllm-ascend does, and
 then its connector wins), and applies the CPU RoPE fix for MLA models (see ``rope_fix``) and the
 CPU fix for seeded requests with chunked prefills (see ``seed_fix``) and the CPU fix for Mamba2
-prefills with prefix caching (see ``mamba2_fix``).
+prefills with prefix caching (see ``mamba2_fix``), and sets the generator of a seeded request that
+continues an answered prefill one draw ahead, as a single engine's is (see
+``pd.seeded_continuation``).
 """
 
 from __future__ import annotations
@@ -43,3 +45,7 @@ def register() -> None:
     rope_fix.apply()
     seed_fix.apply()
     mamba2_fix.apply()
+
+    from lw_vllm.pd import seeded_continuation
+
+    seeded_continuation.apply()

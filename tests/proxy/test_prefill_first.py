@@ -342,17 +342,23 @@ def test_decoder_failing_after_the_relay_ends_the_stream_with_an_error():
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
-def test_a_decoder_that_picks_another_first_token_is_resumed_after_the_relayed_one(chat):
+@pytest.mark.parametrize("stop", [None, ["zzz"]], ids=["", "stop"])
+def test_a_decoder_that_picks_another_first_token_is_resumed_after_the_relayed_one(chat, stop):
     """A near-tie decided the other way by the decoder: none of its answer reaches the client, the
-    choice continues from the prefiller's token (a single engine's), and the output is whole."""
+    choice continues from the prefiller's token (a single engine's), and the output is whole. With
+    stop strings the relayed event held back the token's last characters (as vLLM does); the
+    contradicting decoder never sends them, so the resumed choice's text begins with them."""
     async def body():
         async with harness(prefill_first=True) as h:
             dec = h.decoders[0]
             dec.knobs.delay = 1.0
             dec.knobs.first_word = " w999"
-            first, texts, errors, events = await _sse(h, {**(CHAT if chat else GREEDY), "max_tokens": 5})
+            extra = {"stop": stop} if stop else {}
+            first, texts, errors, events = await _sse(h, {**(CHAT if chat else GREEDY), "max_tokens": 5, **extra})
             assert errors == [] and first < 0.7
             assert "".join(texts) == "".join(generate("p", 5)) and " w999" not in "".join(texts)
+            if stop:
+                assert texts[0] == generate("p", 1)[0][:-2]  # the relayed event held two characters back
             assert dec.knobs.first_word is None  # the decoder did pick the other token
             # by token ids: the prompt's and the relayed token's, both from the prefill's answer
             prompt = tokenize("p")
@@ -535,9 +541,9 @@ def test_first_event_only_for_a_whole_token_that_hit_the_length():
                                     "choices": [{"index": 0, "text": text, "finish_reason": finish, **ids}]})
 
     block, choices, pids, created = relay.first_event(answer(" w5"), "abc")
-    ((text, toks, n_logprobs),) = choices.values()
+    ((text, toks, n_logprobs, held),) = choices.values()
     ev = json.loads(block[len(b"data: "):])
-    assert text == " w5" and ev["id"] == "cmpl-lw-abc" and ev["choices"][0]["text"] == " w5"
+    assert text == " w5" and held == "" and ev["id"] == "cmpl-lw-abc" and ev["choices"][0]["text"] == " w5"
     assert ev["choices"][0]["finish_reason"] is None and toks is None and pids is None and n_logprobs == 0
     assert created == ev["created"] == 1
     first = relay.first_event(answer(" w5", token_ids=[7], prompt_token_ids=[1, 2]), "abc")

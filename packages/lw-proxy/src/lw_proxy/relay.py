@@ -322,6 +322,7 @@ class Relayed(NamedTuple):
     text: str
     token_ids: list[int] | None
     logprobs: int = 0
+    held: str = ""  # the token's text held back for stop strings (``held_back``), not in ``text``
 
 
 class First(NamedTuple):
@@ -433,8 +434,9 @@ def _relayed(ch: dict[str, Any], chat: bool, logprobs: bool, hold: int = 0) -> t
     if any(msg.get(k) for k in ("tool_calls", "reasoning_content", "reasoning")):
         return None
     toks = ch.get("token_ids")
+    held = ""
     if hold:
-        text = text[:max(len(text) - hold, 0)]
+        text, held = text[:max(len(text) - hold, 0)], text[max(len(text) - hold, 0):]
     if not text and not (_ids(toks) and len(toks) == 1):
         return None  # an empty text is relayed by its token id, which the decoder's stream is cut by
     lp = ch.get("logprobs") if logprobs else None
@@ -442,7 +444,7 @@ def _relayed(ch: dict[str, Any], chat: bool, logprobs: bool, hold: int = 0) -> t
     if logprobs and (n_lp < 1 or (_ids(toks) and n_lp != len(toks))):
         return None  # asked for, but not one entry per relayed token
     role = msg.get("role") if chat and isinstance(msg.get("role"), str) else None
-    return Relayed(text, toks if _ids(toks) else None, n_lp), lp, role
+    return Relayed(text, toks if _ids(toks) else None, n_lp, held), lp, role
 
 
 _CREATED = re.compile(rb'"created":\s*\d+')

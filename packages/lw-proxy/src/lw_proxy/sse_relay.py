@@ -68,6 +68,11 @@ class StreamState:
     decoder_tokens: dict[int, int] = field(default_factory=dict)
     relayed_tokens: dict[int, int] = field(default_factory=dict)
     contradicted: set[int] = field(default_factory=set)
+    # The relayed first token's text held back for stop strings, per choice (``relay.Relayed.held``):
+    # a decoder that continues from the token sends it later; one that contradicted the token never
+    # does, so its choice's resume (``prefix``) begins with it.
+    held_text: dict[int, str] = field(default_factory=dict)
+    prefix: dict[int, str] = field(default_factory=dict)  # text a resumed choice's next text begins with
     # A streamed prefill's later choices (the request and their queue: ``_relay_more``).
     more: tuple[ClientRequest, Any] | None = None
 
@@ -222,6 +227,8 @@ class SseRelay:
         for i, r in first.choices.items():
             state.ledger.feed(i, r.text, r.token_ids, first.prompt_ids, ids_follow=r.token_ids is None)
             state.relayed_tokens[i] = len(r.token_ids) if r.token_ids else 1
+            if r.held:
+                state.held_text[i] = r.held
             had = state.skips.get(i)
             state.skips[i] = Skip(r.text, r.token_ids, req.chat and (had is None or had.role), r.logprobs,
                                   prompt=token_ids.client_asked(req.body))
@@ -366,6 +373,8 @@ class SseRelay:
                     delta = ch.get("delta")
                     if isinstance(delta, dict):
                         delta.pop("role", None)  # the continuation's opening event repeats the stream's
+                    if rewrite in state.prefix:
+                        _prepend(ch, state.prefix, rewrite, state.ledger.chat)
                     if ch.get("prompt_token_ids") is not None:  # the continuation's prompt: not the client's
                         ch["prompt_token_ids"] = None
                 if rc.is_recomputed(ch):
@@ -421,19 +430,23 @@ class SseRelay:
                              state: StreamState) -> Literal[True] | ProxyError:
         while held:
             idx = held.pop(0)
+            if idx in state.contradicted and idx in state.held_text:
+                state.prefix[idx] = state.held_text.pop(idx)
             for _ in range(self.cfg.max_retries + 1):
                 if state.ledger.overflowed:
                     return ProxyError(502, f"choice {idx} was recomputed after the stream passed "
                                       f"{self.cfg.max_resume_bytes} bytes of output (--max-resume-bytes); "
                                       "it cannot be resumed", kind="recompute_exhausted")
                 ledger = state.ledger
-                cont = rc.continuation(req, idx, ledger.text(idx), ledger.tokens(idx), ledger.generated(idx),
-                                       ledger.prompt_tokens(idx))
+                cont = rc.continuation(req, idx, ledger.text(idx) + state.prefix.get(idx, ""), ledger.tokens(idx),
+                                       ledger.generated(idx), ledger.prompt_tokens(idx))
                 if cont is None:
+                    rest = state.prefix.pop(idx, "")
                     await out.write(rc.sse_encode({"id": state.id, "object": "chat.completion.chunk" if req.chat
                                                    else "text_completion", "choices": [
                                                        {"index": idx, "finish_reason": "length", "stop_reason": None,
-                                                        **({"delta": {}} if req.chat else {"text": ""})}]}))
+                                                        **({"delta": {"content": rest} if rest else {}} if req.chat
+                                                           else {"text": rest})}]}))
                     break
                 self.m.recomputes.inc()
                 if state.usage is not None or relay_mod.asks_usage(req):
@@ -454,3 +467,13 @@ class SseRelay:
                 return ProxyError(502, f"choice {idx} was recomputed {self.cfg.max_retries + 1} times; giving up",
                                   kind="recompute_exhausted")
         return True
+
+
+def _prepend(ch: dict[str, Any], prefix: dict[int, str], idx: int, chat: bool) -> None:
+    """Begin choice ``ch``'s text with ``prefix[idx]`` (taken out) when this event carries text."""
+    if chat:
+        delta = ch.get("delta")
+        if isinstance(delta, dict) and isinstance(delta.get("content"), str):
+            delta["content"] = prefix.pop(idx) + delta["content"]
+    elif isinstance(ch.get("text"), str):
+        ch["text"] = prefix.pop(idx) + ch["text"]

@@ -32,6 +32,7 @@ from lw_bench.pd.request import first_content
 from lw_bench.pd.stack import metric_sums
 
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
+STOP = ["\n\n\n", "###"]  # stop strings the random prompts' answers hardly ever reach: the path, not a stop
 # Why lw-proxy did not relay a stream's first token (``lw_proxy_prefill_first_not_relayed_total``).
 NOT_RELAYED = ("request", "decoder_first", "token", "not_forced")
 _NOT_RELAYED = {f'lw_proxy_prefill_first_not_relayed_total{{reason="{r}"}}': r for r in NOT_RELAYED}
@@ -55,6 +56,9 @@ REQUEST_KINDS: dict[str, RequestKind] = {k.name: k for k in (
     RequestKind(name="chat_logprobs", chat=True, stream=True, fields={"logprobs": True, "top_logprobs": 2}),
     RequestKind(name="completion_n", chat=False, stream=True, fields={**SAMPLING, "n": 2}),
     RequestKind(name="chat_n", chat=True, stream=True, fields={**SAMPLING, "n": 2}),
+    RequestKind(name="completion_full_sampled", chat=False, stream=False, fields=SAMPLING),
+    RequestKind(name="chat_full_sampled", chat=True, stream=False, fields=SAMPLING),
+    RequestKind(name="completion_full_stop", chat=False, stream=False, fields={"stop": STOP}),
 )}
 
 

@@ -59,3 +59,10 @@ def test_backend_bench_without_the_backend_plugin_names_the_package(monkeypatch)
         main(["backend", "--quick", "--backend", "memcache"])
     msg = str(ei.value.code)
     assert "pip install 'lw-memcache[store]'" in msg and "'embedded'" in msg, msg
+
+
+def test_backend_bench_refuses_a_batch_past_the_embedded_pools_leases(tmp_path):
+    """Every case's last set stays leased for the reads: past the pool's leases per process an open
+    answers misses, which used to fail late as "layer objects vanished (pool too small?)"."""
+    with pytest.raises(SystemExit, match=r"--batch=2048: the embedded pool holds at most 2048 leases .* --batch <= 1980"):
+        main(["backend", "--quick", "--batch", "2048", "--path", str(tmp_path / "pool")])

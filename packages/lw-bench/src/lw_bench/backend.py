@@ -36,6 +36,7 @@ from tqdm import tqdm
 from lw_bench import bench_store, netns
 from lw_bench.backend_result import BackendBenchResult, BackendRow, Case, GetBreakdown, MetadataRow
 from lw_core.backend import Backend, Handle
+from lw_core.backends.embedded.leases import ENTRIES as LEASES_PER_PROCESS
 from lw_core.backends.registry import backend_names, open_backend
 from lw_core.config import parse_config
 
@@ -341,6 +342,12 @@ def run(args: argparse.Namespace) -> dict:
     n64, n4m = (64, 4) if quick else (256, 8)
     # Each repetition writes fresh keys (write-once), so later ones evict earlier ones: puts are
     # measured on a full pool, as in steady state. Each case's last set stays leased for the reads.
+    if args.backend == "embedded" and n64 + n4m + batch > LEASES_PER_PROCESS:
+        # Each case's last set stays leased for the reads: past the pool's leases per process an
+        # open answers misses, which would read as objects evicted.
+        raise SystemExit(f"lw-bench backend: --batch={batch}: the embedded pool holds at most {LEASES_PER_PROCESS} "
+                         f"leases per process and this bench holds {n64 + n4m} + the batch at once; "
+                         f"use --batch <= {LEASES_PER_PROCESS - n64 - n4m}")
     data = n64 * 64 * KiB + n4m * 4 * MiB + batch * layers * LAYER_BYTES
     capacity = max(8 * MiB, 3 * data)
 

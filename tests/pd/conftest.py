@@ -28,12 +28,12 @@ GQA_METASERVER_TIMEOUT_S = 12.0
 MLA_METASERVER_TIMEOUT_S = 30.0
 
 
-def _stack(model: str, timeout_s: float, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def _stack(model: str, timeout_s: float, tmp_path_factory: pytest.TempPathFactory, tools: bool = False) -> Iterator[Stack]:
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
     log_dir = tmp_path_factory.mktemp(f"pd-{model}")
     base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else log_dir
     pool = base / f"lw-pd-pool-{uuid.uuid4().hex[:8]}"
-    stack = start_stack(model, log_dir, str(pool), metaserver_timeout_s=timeout_s)
+    stack = start_stack(model, log_dir, str(pool), metaserver_timeout_s=timeout_s, tools=tools)
     try:
         yield stack
     finally:
@@ -55,8 +55,10 @@ def pytest_sessionfinish() -> None:
         next(_KEPT.popitem()[1][0], None)
 
 
-def _module_stack(model: str, timeout_s: float, *, streaming: bool = False, name: str | None = None) -> Any:
-    """A module-scoped fixture of ``model``'s stack (``pd_streaming`` on when ``streaming``). With
+def _module_stack(model: str, timeout_s: float, *, streaming: bool = False, name: str | None = None,
+                  tools: bool = False) -> Any:
+    """A module-scoped fixture of ``model``'s stack (``pd_streaming`` on when ``streaming``; tool
+    calling on when ``tools``, ``lw_bench.pd.stack.start_vllm``). With
     ``name``, the fixture of that name hands its stack on to the next module when that module asks
     for the same fixture, instead of stopping it."""
 
@@ -64,7 +66,8 @@ def _module_stack(model: str, timeout_s: float, *, streaming: bool = False, name
     def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         gen, s = _KEPT.pop(name, (None, None)) if name else (None, None)
         if gen is None or s is None:
-            gen = (streaming_stack if streaming else _stack)(model, timeout_s, tmp_path_factory)
+            gen = (streaming_stack(model, timeout_s, tmp_path_factory) if streaming
+                   else _stack(model, timeout_s, tmp_path_factory, tools))
             s = next(gen)
         yield s
         nxt = _NEXT[0]
@@ -78,7 +81,7 @@ def _module_stack(model: str, timeout_s: float, *, streaming: bool = False, name
 
 gqa_stack = _module_stack("gqa", GQA_METASERVER_TIMEOUT_S)
 mla_stack = _module_stack("mla", MLA_METASERVER_TIMEOUT_S)
-swa_stack = _module_stack("swa", GQA_METASERVER_TIMEOUT_S)
+swa_stack = _module_stack("swa", GQA_METASERVER_TIMEOUT_S, tools=True)  # test_pd_swa calls tools too
 gdn_stack = _module_stack("gdn", GQA_METASERVER_TIMEOUT_S)
 mamba2_stack = _module_stack("mamba2", GQA_METASERVER_TIMEOUT_S)
 # The hybrids' streaming stacks; their modules time the receive against STREAM_TIMEOUT_S.

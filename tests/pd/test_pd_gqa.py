@@ -494,3 +494,4 @@ def test_killed_decoder_behind_the_proxy_is_a_clear_error(gqa_stack: Stack) -> N
     status, health = http("GET", gqa_stack.proxy.url + "/healthcheck", timeout=30)
     body = json.loads(health)
     assert status == 503 and body["healthy_decode_instances"] == 0, body
+

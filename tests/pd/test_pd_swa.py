@@ -1,7 +1,8 @@
 """1P1D on real vLLM (CPU) with the tiny sliding-window hybrid (Gemma 3 style: layers 0 and 2 see a
 48-token window, 1 and 3 are full attention; vLLM's hybrid KV cache manager on, block 32): through
 lw-proxy the decoder loads the prefiller's prompt, computes its last token only and gives the single
-engine's greedy output; its windowed layers read only the chunks inside the window."""
+engine's greedy output; its windowed layers read only the chunks inside the window. Its engines run
+tool calling: a tool call that begins at the first token is the single engine's through PD."""
 
 from __future__ import annotations
 
@@ -46,3 +47,38 @@ def test_swa_prompts_match_single_engine_and_decoder_computes_one_token(swa_stac
         hit = r["loaded_tokens"]
         assert r["loaded_bytes"] == (2 * -(-hit // bs) + 2 * _window_blocks(hit, bs)) * page, r
     assert _window_blocks(recs[0]["loaded_tokens"], bs) < -(-recs[0]["loaded_tokens"] // bs)
+
+
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string"}, "count": {"type": "integer"}}, "required": ["word"]}}}]
+
+
+def _tool_calls(answer: dict, stream: bool) -> list[tuple[str, str]]:
+    """(name, arguments) of each tool call of a chat answer, a stream's deltas joined (ids are random)."""
+    if not stream:
+        return [(c["function"]["name"], c["function"]["arguments"]) for c in answer["choices"][0]["message"]["tool_calls"]]
+    assert answer and answer[-1] == "[DONE]", answer[-3:]
+    calls: dict[int, list[str]] = {}
+    for ev in answer[:-1]:
+        for ch in ev["choices"]:
+            for c in (ch.get("delta") or {}).get("tool_calls") or ():
+                got = calls.setdefault(c.get("index", 0), ["", ""])
+                got[0] += (c.get("function") or {}).get("name") or ""
+                got[1] += (c.get("function") or {}).get("arguments") or ""
+    return [tuple(v) for _, v in sorted(calls.items())]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_tool_call_that_begins_at_the_first_token_is_the_single_engines(swa_stack: Stack, stream: bool) -> None:
+    """A chat that names the tool to call (vLLM's named tool choice: its arguments' JSON is the
+    whole output, from the first token on, under a grammar): the tool call through PD, streamed or
+    not, is the single engine's. Requests with tools keep the decoder's path (the prefill's token is
+    forced on the decoder where the grammar allows it), so nothing splits the call."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text(600 + stream, 100)}], "max_tokens": 24,
+            "temperature": 0, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}}
+    ref = _tool_calls(baseline(swa_stack, "/v1/chat/completions", body), False)
+    assert ref and ref[0][0] == "lookup" and ref[0][1].startswith("{"), ref
+    ex = through(swa_stack, "/v1/chat/completions", {**body, "stream": stream})
+    assert ex.status == 200, ex.out
+    assert _tool_calls(ex.out, stream) == ref
+    assert_remote_prefill_used(swa_stack, ex, 1)

@@ -36,7 +36,7 @@ from tqdm import tqdm
 from lw_bench import bench_store, netns
 from lw_bench.backend_result import BackendBenchResult, BackendRow, Case, GetBreakdown, MetadataRow
 from lw_core.backend import Backend, Handle
-from lw_core.backends.embedded.leases import ENTRIES as LEASES_PER_PROCESS
+from lw_core.backends.embedded_defaults import LEASES_PER_PROCESS
 from lw_core.backends.registry import backend_names, open_backend
 from lw_core.config import parse_config
 

@@ -16,6 +16,7 @@ from msgspec import Meta
 
 MIB = 1 << 20
 MAX_CAPACITY_BYTES = 16 << 40  # 16 TiB (also checked against the filesystem's free space at creation)
+LEASES_PER_PROCESS = 2048  # leases one attached backend holds at once; more opens answer misses
 
 
 SHM_DIR = "/dev/shm"

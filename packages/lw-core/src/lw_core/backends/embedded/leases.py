@@ -44,10 +44,11 @@ import numpy as np
 from lw_core.backend import BackendError
 from lw_core.backends.embedded import fences
 from lw_core.backends.embedded.files import open_file, reserve_space
+from lw_core.backends.embedded_defaults import LEASES_PER_PROCESS
 from lw_core.procs import Owner, owner_alive
 
 ROWS = 128  # attached backends at once
-ENTRIES = 2048  # leases one backend holds at once; more opens return None (a miss)
+ENTRIES = LEASES_PER_PROCESS  # leases one backend holds at once; more opens return None (a miss)
 FREE, REFERENCED, LEASED = 0, 1, 2
 ALIVE_CACHE_S = 1.0  # a dead reader's leases count at most this long after it died
 

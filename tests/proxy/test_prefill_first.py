@@ -641,7 +641,8 @@ def test_chat_eligibility_and_first_events():
     for msg in ({"role": "assistant", "content": None, "reasoning_content": " w5"},
                 {"role": "assistant", "content": " w5", "reasoning": "r"},
                 {"role": "assistant", "content": "", "tool_calls": [{"id": "t"}]},
-                {"role": "assistant", "content": " w5", "tool_calls": [{"id": "t"}]}, {"role": "assistant"}):
+                {"role": "assistant", "content": " w5", "tool_calls": [{"id": "t"}]}, {"role": "assistant"},
+                {"role": "assistant", "content": "", "reasoning": ""}):  # a reasoning block opened
         assert relay.first_event(answer(msg), "abc", True) is None, msg
     assert relay.first_event(answer({"content": " w5"}, "stop"), "abc", True) is None
     ch = {"index": 0, "delta": {"content": " w5 w6"}}

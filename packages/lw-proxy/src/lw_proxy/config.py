@@ -112,7 +112,7 @@ class ProxyConfig:
     # "early": a parent's prefill is dispatched with the client request, in parallel with the decoder;
     # "on-metaserver": once all its decoder children POSTed /v1/metaserver (skipped when none needs it).
     prefill_dispatch: str = "early"
-    # Streamed greedy completions: relay the prefiller's first token while the decoder loads (lw_proxy.relay).
+    # Streamed completions and chat: relay the prefiller's first token while the decoder loads (lw_proxy.relay).
     prefill_first: bool = True
     continue_after_prefill: bool = True  # with prefill_first: non-streamed answers (lw_proxy.prefill_continue)
 
@@ -185,15 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
                         "which dispatches none when they all say needs_prefill: false (saves prefills where "
                         "decoders usually hold the prompt already)")
     p.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=True,
-                   help="streamed greedy completions and chat completions (temperature 0, n 1, one prompt, no "
-                        "stop/echo; chat without tools; log-probs of the first token from the prefill): "
+                   help="streamed completions and chat completions (one prompt, no echo or min_tokens; chat "
+                        "without tools; sampled ones when the decoder continues from the prefill's token; "
+                        "log-probs of the first token from the prefill): "
                         "send the prefiller's own first token to the client as soon as the prefill answers, "
                         "then the decoder's stream without its (identical) first token (see lw_proxy.relay); "
                         "with --continue-after-prefill also non-streamed answers (below). On by default; "
                         "--no-prefill-first sends every first token from the decoder")
     p.add_argument("--continue-after-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="with --prefill-first and early dispatch, a non-streamed answer (one prompt; no seeded "
-                        "sampling, stop strings, penalties or structured outputs) is continued after its prefill: "
+                   help="with --prefill-first and early dispatch, a non-streamed answer (one prompt; no penalties, "
+                        "bad_words or structured outputs; not when a stop string could begin in the first token) "
+                        "is continued after its prefill: "
                         "the decoder gets the prompt plus the prefill's first token, loads the prompt and calls no "
                         "metaserver (see lw_proxy.prefill_continue). On by default; turn it off for decoders "
                         "running pd_streaming over a slow store, whose layer-by-layer pull hides the transfer "

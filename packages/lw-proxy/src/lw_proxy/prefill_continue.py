@@ -50,7 +50,7 @@ from typing import Any
 import msgspec
 
 from . import recompute as rc
-from .relay import EXCLUDED, EXCLUDED_CHAT, continues, first_tokens_of, given, request_id, stop_strings
+from .relay import EXCLUDED, EXCLUDED_CHAT, continues, first_tokens_of, given, plain_content, request_id, stop_strings
 from .validate import ClientRequest
 
 # Fields whose effect depends on what the request generated so far, or that change how the prompt
@@ -111,12 +111,9 @@ def plan(req: ClientRequest, data: bytes) -> Plan | None:
             continue  # the prefill ended this choice (EOS, a stop token): it is whole
         if firsts is None or i not in firsts[0]:
             return None
-        if req.chat:
-            msg = ch.get("message")
-            if (not isinstance(msg, dict) or not isinstance(msg.get("content"), str) or msg.get("tool_calls")
-                    or msg.get("reasoning_content") is not None or msg.get("reasoning") is not None):
-                return None  # a reasoning parser saw it (an empty reasoning too: a block opened), or a tool call
-        first = rc.choice_text(ch, req.chat)
+        first = plain_content(ch.get("message")) if req.chat else rc.choice_text(ch, False)
+        if first is None:
+            return None  # a reasoning parser saw it (an empty reasoning too: a block opened), or a tool call
         if could_cross(first, stops):
             return None
         cont = rc.continuation(req, i, first, [firsts[0][i]], 1, firsts[1])

@@ -199,8 +199,8 @@ def eligible(req: ClientRequest) -> bool:
 
 def stop_strings(req: ClientRequest) -> list[str] | None:
     """The request's stop strings (``stop``: none, a non-empty string or a list of them; with
-    ``include_stop_str_in_output`` absent or a JSON boolean where stop strings are given), or None for a ``stop`` this proxy does
-    not read (such a request is neither relayed nor continued)."""
+    ``include_stop_str_in_output`` absent or a JSON boolean where stop strings are given), or None
+    for a ``stop`` this proxy does not read (such a request is neither relayed nor continued)."""
     stop, incl = req.body.get("stop"), req.body.get("include_stop_str_in_output")
     if stop is None or stop is False:
         return []
@@ -422,28 +422,33 @@ def _usage(usage: Any, chat: bool) -> Callable[[int], dict[str, Any]] | None:
     return at
 
 
+def plain_content(msg: Any) -> str | None:
+    """A chat answer's ``message`` content when it is plain text: a string, no tool calls, and no
+    reasoning a parser set (an empty one too: a reasoning block opened); else None."""
+    if (not isinstance(msg, dict) or msg.get("tool_calls") or msg.get("reasoning_content") is not None
+            or msg.get("reasoning") is not None):
+        return None
+    content = msg.get("content")
+    return content if isinstance(content, str) else None
+
+
 def _relayed(ch: dict[str, Any], chat: bool, logprobs: bool, hold: int = 0) -> tuple[Relayed, Any, str | None] | None:
     """One prefill choice's relayed token (its text but for the last ``hold`` characters), its
     log-probs as they go out and (chat) its role; None when it must not be relayed."""
     msg = ch.get("message") if chat else {}
-    if not isinstance(msg, dict):
-        return None
-    text = msg.get("content") if chat else ch.get("text")
+    text = plain_content(msg) if chat else ch.get("text")
     if not isinstance(text, str) or ch.get("finish_reason") != "length":
         return None
-    if any(msg.get(k) for k in ("tool_calls", "reasoning_content", "reasoning")):
-        return None
     toks = ch.get("token_ids")
-    held = ""
-    if hold:
-        text, held = text[:max(len(text) - hold, 0)], text[max(len(text) - hold, 0):]
+    cut = max(len(text) - hold, 0)
+    text, held = text[:cut], text[cut:]
     if not text and not (_ids(toks) and len(toks) == 1):
         return None  # an empty text is relayed by its token id, which the decoder's stream is cut by
     lp = ch.get("logprobs") if logprobs else None
     n_lp = logprob_entries(lp, chat)
     if logprobs and (n_lp < 1 or (_ids(toks) and n_lp != len(toks))):
         return None  # asked for, but not one entry per relayed token
-    role = msg.get("role") if chat and isinstance(msg.get("role"), str) else None
+    role = msg.get("role") if chat and isinstance(msg, dict) and isinstance(msg.get("role"), str) else None
     return Relayed(text, toks if _ids(toks) else None, n_lp, held), lp, role
 
 

@@ -61,6 +61,17 @@ class PoolFull(BackendError):
     """No room for a new object even after eviction."""
 
 
+class Lent(Protocol):
+    """Bytes a backend read into memory of its own (``read_lent``): ``views[i]`` holds the range
+    asked of ``handles[i]``. The memory is the caller's to read until ``give_back``, which the
+    caller calls once, after the last copy that reads the views has completed (never, if it cannot
+    tell: the backend then never reuses it). The backend never writes the views before that."""
+
+    views: Sequence[Buffer]
+
+    def give_back(self) -> None: ...
+
+
 class Handle(Protocol):
     key: str
     nbytes: int
@@ -128,6 +139,14 @@ class Backend(Protocol[H]):
     # offset, nbytes)``: the same for the handles at ``rows`` of a table built once per step (the
     # pipeline asks for every layer's batches of the same handles); and with a table,
     # ``table_intact(table, rows) -> bool array``: ``intact`` of the handles at ``rows``.
+    # Optional: ``read_lent(handles, offsets, nbytes) -> Lent | None``, ``read`` of ``nbytes`` from
+    # each handle at ``offsets[i]`` into memory the backend owns and lends (``Lent``), for a store
+    # whose reads land in host memory it registered for its own transfers anyway (Mooncake's get
+    # arena, also in ``host_regions``): the pipeline copies from the views into the KV cache, so
+    # nothing passes through a staging buffer, and a device copier moves them by the direct
+    # mechanisms. None where the backend has no room or no such memory (the caller reads into
+    # staging). A call that raises lends nothing (memory a late call may still write is the
+    # backend's to keep).
     # Optional: ``purge(prefix, timeout_s) -> dict[str, int]``, remove every committed object whose
     # key starts with ``prefix`` ("" = all) and keep reservations under it from being published;
     # counts: ``objects``, ``bytes``, ``reservations``, ``disk_objects`` removed, and ``leased``,

@@ -4,8 +4,8 @@ Safety rule (the reason for most of this file): once a layer's wait has given up
 finished, no byte may land in the KV cache, because vLLM may already have handed those blocks to
 another request. Every copy into the KV therefore happens under ``self.lock`` right after checking
 the cancel flags, and the caller sets those flags under the same lock. Backend calls that can stall
-(``open``, ``read``) never target KV memory: ``read`` fills a staging buffer, and only the bounded
-host->KV copy runs under the lock. A backend ``view`` is host memory already (a memcpy from it
+(``open``, ``read``) never target KV memory: ``read`` fills a staging buffer (``read_lent`` memory
+the backend lends), and only the bounded host->KV copy runs under the lock. A backend ``view`` is host memory already (a memcpy from it
 cannot stall), so the zero-copy path hands the view straight to ``copier.to_kv`` under the lock.
 Reading straight into ``copier.kv_views()`` would save one copy on a CPU KV cache, but a read that
 returns after its deadline would then write into blocks vLLM has reused, so it is not done.
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from lw_core.backend import BackendError
+from lw_core.backend import BackendError, Lent
 from lw_core.pipeline.context import LazyAddressTable, StepContext
 from lw_core.pipeline.pool import ErrorLog, describe, log
 from lw_core.pipeline.results import LoadResult
@@ -311,10 +311,10 @@ class LoadStep:
                 for b in bufs:
                     ctx.staging.put(b, token)
 
-    def _fetch(self, layer: int, idx: list[int], by_address: bool = True, rows: np.ndarray | None = None) -> tuple[Any, list[np.ndarray]]:
+    def _fetch(self, layer: int, idx: list[int], by_address: bool = True, rows: np.ndarray | None = None) -> tuple[Any, list[Any]]:
         """Host sources of one batch: the views' addresses when the copier moves them by address,
-        zero-copy views when the backend has them, else a staging read. ``rows``: ``idx`` as an
-        array, when the caller has it."""
+        zero-copy views when the backend has them, else a read into memory the backend lends
+        (``read_lent``) or into staging. ``rows``: ``idx`` as an array, when the caller has it."""
         ctx = self.ctx
         off, n = ctx.layout.offsets[layer], ctx.layout.layer_nbytes[layer]
         if self.any_split and any(self.splits[i] is not None for i in idx):
@@ -332,6 +332,9 @@ class LoadStep:
                 return views, []
             if all(v is None for v in views):
                 ctx.views.load = False  # not host-addressable: stop asking
+        lent = self._read_lent(hs, off, n)
+        if lent is not None:
+            return list(lent.views), [lent]
         buf = ctx.staging.get(len(idx) * n)
         dsts = [buf[j * n : (j + 1) * n] for j in range(len(idx))]
         try:
@@ -340,6 +343,20 @@ class LoadStep:
             ctx.staging.put(buf)
             raise
         return dsts, [buf]
+
+    def _read_lent(self, hs: list[Any], off: int, n: int) -> Lent | None:
+        """``backend.read_lent`` of one layer of ``hs`` (memory the store lends: no staging), or None
+        where the backend has none to lend. Lent memory whose copies are done goes back first."""
+        ctx = self.ctx
+        read_lent = getattr(ctx.backend, "read_lent", None)
+        if read_lent is None:
+            return None
+        ctx.staging.reclaim()
+        lent: Lent | None = read_lent(hs, [off] * len(hs), n)
+        if lent is not None and len(lent.views) != len(hs):
+            lent.give_back()
+            raise BackendError(f"read_lent answered {len(lent.views)} views for {len(hs)} objects")
+        return lent
 
     def _fetch_split(self, layer: int, idx: list[int]) -> tuple[list[Any], list[np.ndarray]]:
         """A staging read of a batch with items saved at another TP size: each such block's layer

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from lw_core.backend import BackendError
+from lw_core.backend import BackendError, Lent
 from lw_core.pipeline.buffers import aligned_empty
 
 log = logging.getLogger("lw_core.pipeline")
@@ -164,7 +164,9 @@ class StagingPool:
     """Reusable page-aligned host buffers for transfers that cannot go zero-copy.
 
     A buffer handed to an asynchronous device copy is parked with its token and reused only once
-    the copy is done; fresh large allocations would page-fault on every step.
+    the copy is done; fresh large allocations would page-fault on every step. A backend's lent
+    memory (``lw_core.backend.Lent``, from ``read_lent``) is parked the same way and given back to
+    the backend once its copy is done, never if its token is broken.
     """
 
     def __init__(self, wait_token: Callable[[Any, float], bool], max_free_bytes: int = 256 << 20,
@@ -175,7 +177,7 @@ class StagingPool:
         self._lock = threading.Lock()
         self._free: dict[int, list[np.ndarray]] = {}
         self._free_bytes = 0
-        self._parked: list[tuple[Any, list[np.ndarray]]] = []
+        self._parked: list[tuple[Any, list[np.ndarray | Lent]]] = []
 
     def get(self, nbytes: int) -> np.ndarray:
         self._reclaim()
@@ -186,17 +188,28 @@ class StagingPool:
                 return lst.pop()
         return self._alloc(nbytes)
 
-    def put(self, buf: np.ndarray | None, token: Any = None) -> None:
+    def put(self, buf: np.ndarray | Lent | None, token: Any = None) -> None:
+        """``buf`` is free once the copy of ``token`` (None: no copy in flight) is done."""
         if buf is None:
             return
         if token is not None:
             with self._lock:
                 self._parked.append((token, [buf]))
             return
+        if not isinstance(buf, np.ndarray):
+            try:
+                buf.give_back()
+            except Exception:  # the backend's own bookkeeping failed: its memory stays lent
+                log.exception("giving lent pool memory back failed")
+            return
         with self._lock:
             if self._free_bytes + buf.nbytes <= self._max_free:
                 self._free.setdefault(buf.nbytes, []).append(buf)
                 self._free_bytes += buf.nbytes
+
+    def reclaim(self) -> None:
+        """Free (give back) what was parked behind copies that are done."""
+        self._reclaim()
 
     def _reclaim(self) -> None:
         with self._lock:

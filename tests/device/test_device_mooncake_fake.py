@@ -1,8 +1,9 @@
-"""Mooncake's whole fetches move to the device directly: they land in the get arena
-(``lw_mooncake.get_arena``), which the backend offers as ``host_regions``, so the device copier
-registers it and moves each layer from it by the direct mechanism, without pinned staging; the
-extents are given back only after the copies that read them completed. Through the recording fake
-ops, over Mooncake's object reader on an in-memory store (no Mooncake client)."""
+"""Mooncake's gets move to the device directly: whole fetches, and per-layer ranged gets lent to the
+pipeline (``read_lent``), land in the get arena (``lw_mooncake.get_arena``), which the backend
+offers as ``host_regions``, so the device copier registers it and moves each layer from it by the
+direct mechanism, without pinned staging; the extents are given back only after the copies that
+read them completed. Through the recording fake ops, over Mooncake's object reader on an in-memory
+store (no Mooncake client)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,20 @@ class _Store:
         return out
 
 
+    def get_into_ranges(self, bufs, keys, positions, offsets, sizes):
+        out = []
+        for base, ks, ps, os_, ns in zip(bufs, keys, positions, offsets, sizes):
+            per_key = []
+            for k, kp, ko, kn in zip(ks, ps, os_, ns):
+                whole = np.frombuffer(self.objects[k], np.uint8)
+                for p, o, n in zip(kp, ko, kn):
+                    assert any(b <= base + p and base + p + n <= b + m for b, m in self.registered.items())
+                    np.ctypeslib.as_array((np.ctypeslib.ctypes.c_uint8 * n).from_address(base + p))[:] = whole[o : o + n]
+                per_key.append(list(kn))
+            out.append(per_key)
+        return out
+
+
 class _Client:
     def __init__(self, store: _Store) -> None:
         self.store = store
@@ -68,10 +83,10 @@ class _WholeMooncake:
 
     name = "mooncake"
 
-    def __init__(self, objects: dict[str, bytes], arena_bytes: int) -> None:
+    def __init__(self, objects: dict[str, bytes], arena_bytes: int, load: str = "whole") -> None:
         self.client = _Client(_Store(objects))
         self.arena = GetArena(self.client.store, self.client.calls, arena_bytes)
-        self.reader = ObjectReader(self.client, StagedGets(self.client, 1 << 20, self.arena), load="whole",  # type: ignore[arg-type]
+        self.reader = ObjectReader(self.client, StagedGets(self.client, 1 << 20, self.arena), load=load,  # type: ignore[arg-type]
                                    staging_size=1 << 20)
 
     def lookup(self, keys):
@@ -85,6 +100,9 @@ class _WholeMooncake:
 
     def read(self, handles, offsets, dsts):
         self.reader.read(handles, offsets, dsts)
+
+    def read_lent(self, handles, offsets, nbytes):
+        return self.reader.read_lent(handles, offsets, nbytes)
 
     def release(self, handles):
         self.reader.release(handles)
@@ -104,11 +122,11 @@ def _kv(fill: bool) -> list[torch.Tensor]:
     return [torch.zeros(NB, 2, 256, dtype=torch.uint8) for _ in range(LAYERS)]
 
 
-@pytest.fixture
-def pool():
+@pytest.fixture(params=["whole"])
+def pool(request):
     src = _kv(True)
     objects = {k: b"".join(src[layer][b].numpy().tobytes() for layer in range(LAYERS)) for k, b in zip(KEYS, SRC_BLOCKS)}
-    b = _WholeMooncake(objects, 1 << 20)
+    b = _WholeMooncake(objects, 1 << 20, load=request.param)
     yield b, src
     b.close()
 
@@ -140,4 +158,48 @@ def test_whole_fetches_move_from_the_registered_get_arena_directly_and_are_given
     assert c.mechanism_counts[how] == LAYERS * 2  # 4 blocks in batches of 3
     assert rec.wait_for("release") == [("release", 4, True)]  # after every copy completed
     assert backend.arena.free_bytes() == 1 << 20
+    ops.auto_complete = True  # close's own fence completes: it does not wait out its timeout
+    c.close()
+
+
+@pytest.mark.parametrize("pool", ["per_layer"], indirect=True)
+@pytest.mark.parametrize("mechanism, how", [("kernel", "kernel"), ("batch_dma", "batch_dma")])
+def test_per_layer_gets_are_lent_from_the_registered_get_arena_and_given_back_after_their_copies(pool, mechanism, how):
+    backend, src = pool
+    dst = _kv(False)
+    log: list = []
+    c = TorchCopier(dst, NB, ops=FakeOps(log, layers=dst, auto_complete=False), mechanism=mechanism)
+    ops = c.dev.ops
+    given_back: list[bool] = []  # whether the first step's copies had completed, at each give-back
+    first_step: list = []  # its copies' events
+    lend = backend.read_lent
+
+    def recording_lend(handles, offsets, nbytes):
+        got = lend(handles, offsets, nbytes)
+        if got is not None:
+            back = got.give_back
+            got.give_back = lambda: (given_back.append(bool(first_step) and all(ev.done for ev in first_step)), back())[1]
+        return got
+
+    backend.read_lent = recording_lend
+    layout = ObjectLayout(tuple(c.block_nbytes(i) for i in range(LAYERS)))
+    with LayerPipeline(backend, c, layout, prefetch_depth=2, max_transfer_blocks=3, layer_timeout_s=10.0) as pipe:
+        for step, keys in enumerate((KEYS, KEYS[:1])):
+            pipe.start_load([ReqLoad("r", keys, DST_BLOCKS[: len(keys)])])
+            for layer in range(LAYERS):
+                pipe.wait_layer(layer)
+            if step == 0:
+                assert backend.arena.free_bytes() < (1 << 20) and not given_back  # lent while the copies may still read
+                first_step.extend(ops.events)
+            ops.complete_all()
+            res = pipe.finish_load()
+            assert res.ok, res.errors
+    for layer in range(LAYERS):
+        for b_src, b_dst in zip(SRC_BLOCKS, DST_BLOCKS):
+            assert torch.equal(dst[layer][b_dst], src[layer][b_src]), (layer, b_src, b_dst)
+    assert not entries(log, "pinned") and not entries(log, "h2d")  # no staging
+    assert c.mechanism_counts[how] == LAYERS * 2 + LAYERS  # 4 blocks in batches of 3, then 1 block
+    assert len(given_back) >= LAYERS * 2 and all(given_back)  # the first step's lends, after their copies
+    assert backend.reader.gets.counts["arena_range_gets"] == LAYERS * 3
+    ops.auto_complete = True  # close's own fence completes: it does not wait out its timeout
     c.close()

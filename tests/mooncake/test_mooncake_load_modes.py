@@ -1,5 +1,5 @@
 """``mooncake_load``: which opens fetch whole objects ("auto" chooses by size), what a whole fetch
-hands out, and a whole fetch past its deadline; ``mooncake_prefer_local_segment``: a client that
+hands out, and a whole fetch past its deadline; per-layer reads lent from the get arena; ``mooncake_prefer_local_segment``: a client that
 lends a segment puts into it first (its own hits are then Mooncake's local memcpy). Against a real master and holder on host B, the
 client on host A (every byte crosses the hosts' link)."""
 
@@ -189,6 +189,40 @@ def test_whole_fetches_land_in_the_get_arena_the_device_is_given_and_reuse_it(cl
         assert b.arena.free_bytes() == 768 * KiB
     finally:
         b.client.store = b.client.store._store if isinstance(b.client.store, _SlowGets) else b.client.store
+        b.store.remove_all(True)
+
+
+def test_per_layer_reads_are_lent_from_the_get_arena_and_fall_back_to_staging_without_room(cluster, make_client):
+    """With ``per_layer`` loads each batch is one ranged get straight into the get arena (the memory
+    ``host_regions`` gives a device copier), lent until given back: bytes exact, no staging; with
+    the arena full the same read goes through ``read`` (staging) and gives the same bytes."""
+    b = make_client(cluster, load="per_layer", get_arena_bytes=256 * KiB)
+    try:
+        data = _put(b, [f"p{i}" for i in range(4)], 96 * KiB, seed=8)
+        (region,) = b.host_regions()
+        lo = np.frombuffer(region, np.uint8).ctypes.data
+        hs = b.open(list(data))
+        lends = []
+        for layer in range(3):  # 4 x 32 KiB a layer: two layers fit the arena, the third does not
+            lend = b.read_lent(hs, [layer * 32 * KiB] * 4, 32 * KiB)
+            if layer == 2:
+                assert lend is None and b.stats()["get_arena_full"] == 1
+                dsts = [np.zeros(32 * KiB, np.uint8) for _ in hs]
+                b.read(hs, [layer * 32 * KiB] * 4, dsts)
+                views = dsts
+            else:
+                assert lend is not None
+                lends.append(lend)
+                views = lend.views
+                assert all(lo <= v.ctypes.data < lo + region.nbytes for v in views)
+            for k, v in zip(data, views):
+                assert np.array_equal(v, data[k][layer * 32 * KiB : (layer + 1) * 32 * KiB]), (k, layer)
+        assert b.stats()["arena_range_gets"] == 2
+        for lend in lends:
+            lend.give_back()
+        assert b.arena.free_bytes() == 256 * KiB
+        b.release(hs)
+    finally:
         b.store.remove_all(True)
 
 

@@ -13,12 +13,14 @@ become readable), ``abort`` revokes. Without sessions, objects are put whole at 
   So ``lookup``/``open`` only ever see complete chunks, and a writer killed before or during
   ``commit`` leaves nothing visible. ``abort`` drops the local buffer.
 * ``open``: ``batch_get_replica_desc`` (the objects' sizes; missing ones are ``None``). Then, by
-  ``load`` (key ``mooncake_load``): ``"per_layer"`` -- ``read`` is one ``get_into_ranges`` per
-  batch, a ranged get of one layer of every object, into registered staging, then copied out, and
-  ``view`` of a read handle is ``None``; ``"whole"`` -- ``open`` fetches the whole objects with
-  ``batch_get_into`` into the get arena (``get_arena.GetArena``: registered with Mooncake once and
-  offered as ``host_regions``, so a device copier moves layers from it by DMA; a buffer of the
-  fetch's own when it is full), which ``view``/``read`` then serve (fewer, larger calls:
+  ``load`` (key ``mooncake_load``): ``"per_layer"`` -- each batch is one ``get_into_ranges``, a
+  ranged get of one layer of every object, into an extent of the get arena (``get_arena.GetArena``:
+  registered with Mooncake once and offered as ``host_regions``, so a device copier moves layers
+  from it by DMA) lent to the pipeline until its copy is done (``read_lent``; ``read``: into
+  registered staging, then copied out, as without room in the arena), and ``view`` of a read
+  handle is ``None``; ``"whole"`` -- ``open`` fetches the whole objects with ``batch_get_into``
+  into the get arena (a buffer of the fetch's own when it is full), which ``view``/``read`` then
+  serve (fewer, larger calls:
   Mooncake's cost is per key and call; measured in docs/bench/mooncake.md); ``"auto"`` (the
   default) -- ``"whole"`` for an open of at most ``mooncake_whole_max_bytes``, else ``"per_layer"``.
   ``release`` drops the local copies; Mooncake itself pins an object for ``--default_kv_lease_ttl``
@@ -30,7 +32,7 @@ protocol's calls to them:
 * ``client.StoreClient`` -- the Mooncake client set up against the master, its calls under a
   deadline (``mooncake_call_timeout_s``; past it ``BackendUnavailable``), and whether it is closed;
 * ``puts.StagedPuts`` / ``gets.StagedGets`` -- registered put and get staging, one batch at a time;
-* ``get_arena.GetArena`` -- the memory whole gets land in, and which extents of it read handles hold;
+* ``get_arena.GetArena`` -- the memory gets land in, which extents of it read handles hold or are lent;
 * ``reservations.Reservations`` -- this process's open reservations (their local objects);
 * ``put_sessions.PutSessions`` / ``session_writer.SessionWriter`` -- put sessions, when used;
 * ``object_writer.ObjectWriter`` / ``object_reader.ObjectReader`` -- the protocol's two halves;
@@ -51,7 +53,7 @@ from typing import Any
 from lw_core.backends.segment_stream.checks import check_publish, require_streaming
 from lw_mooncake.calls import Deadlines
 from lw_mooncake.client import INSTALL_HINT, StoreClient, route_address
-from lw_mooncake.get_arena import ALIGN, GetArena
+from lw_mooncake.get_arena import ALIGN, ArenaLend, GetArena
 from lw_mooncake.gets import StagedGets
 from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
 from lw_mooncake.object_reader import ObjectReader
@@ -90,10 +92,9 @@ class MooncakeBackend:
         self.master, self.metadata_server = master, self.client.metadata_server
         self.local_hostname = self.client.local_hostname
         self.puts = StagedPuts(self.client, staging_size)
-        # Whole gets land in one arena registered once (with Mooncake, and with a device through
-        # ``host_regions``); none when loads never fetch whole objects.
-        self.arena = (GetArena(self.client.store, self.client.calls, get_arena_bytes)
-                      if get_arena_bytes >= ALIGN and load != "per_layer" else None)
+        # Gets land in one arena registered once (with Mooncake, and with a device through
+        # ``host_regions``): whole objects, and each layer's ranged gets lent to the pipeline.
+        self.arena = GetArena(self.client.store, self.client.calls, get_arena_bytes) if get_arena_bytes >= ALIGN else None
         self.gets = StagedGets(self.client, staging_size, self.arena)
         self.reservations = Reservations()
         self.stream_writer = StreamWriter(self.client, self.puts, self.reservations) if streaming else None
@@ -160,12 +161,18 @@ class MooncakeBackend:
         else:
             self.reader.read(handles, offsets, dsts)
 
+    def read_lent(self, handles: Sequence[Any], offsets: Sequence[int], nbytes: int) -> ArenaLend | None:
+        """The optional protocol method: one layer of ``handles`` into the get arena, lent."""
+        if any(isinstance(h, MooncakeStreamHandle) for h in handles):
+            return None  # streaming reads check what each segment proves (stream_read)
+        return self.reader.read_lent(handles, offsets, nbytes)
+
     def release(self, handles: Sequence[Any]) -> None:
         self.reader.release(handles)
 
     def host_regions(self) -> list[memoryview]:
-        """Where whole gets land (the optional protocol method): a device copier registers it and
-        moves the layers of fetched objects from it directly."""
+        """Where gets land (the optional protocol method): a device copier registers it and moves
+        the layers fetched into it (whole objects, lent ranged gets) directly."""
         return [] if self.arena is None else [self.arena.region()]
 
     # ----- streaming (StreamWriter, StreamReader) -----

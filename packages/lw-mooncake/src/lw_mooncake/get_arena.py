@@ -1,9 +1,11 @@
-"""``GetArena``: the host memory whole gets land in, registered with Mooncake once, handed to the
-layer pipeline as the backend's ``host_regions`` (a device copier registers it too and moves the
-fetched objects' layers into the KV cache by DMA straight from it, instead of through staging).
+"""``GetArena``: the host memory gets land in, registered with Mooncake once, handed to the layer
+pipeline as the backend's ``host_regions`` (a device copier registers it too and moves the fetched
+layers into the KV cache by DMA straight from it, instead of through staging).
 
 A whole get takes one extent per object (``take``), the objects' read handles hold them
 (``hold``, counted: one open may name a key twice) and ``release`` gives them back (``hold`` -1).
+A batch of ranged gets (one layer of several objects) takes one extent, lent to the pipeline as
+an ``ArenaLend`` (``lw_core.backend.Lent``) until the copy out of it is done (``give_back``).
 
 Invariants:
 
@@ -186,3 +188,17 @@ class GetArena:
             rc = -1
         if rc != 0:
             _KEPT.append(self)
+
+
+class ArenaLend:
+    """One extent of ``arena`` at ``off`` that ranged gets filled, lent out (``lw_core.backend.Lent``):
+    ``views`` are its ranges; ``give_back`` frees the extent (once; a second call is a no-op)."""
+
+    def __init__(self, arena: GetArena, off: int, views: list[np.ndarray]) -> None:
+        self.arena, self.off, self.views = arena, off, views
+        self._out = True
+
+    def give_back(self) -> None:
+        if self._out:
+            self._out = False
+            self.arena.hold_at(self.off, 0)

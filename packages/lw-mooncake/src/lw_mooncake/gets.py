@@ -1,7 +1,9 @@
-"""``StagedGets``: ranged gets through registered get staging (``get_into_ranges``), gets of whole
-objects (``batch_get_into``) into the get arena (``lw_mooncake.get_arena``; registered once, with
-Mooncake and, through the backend's ``host_regions``, with a device) or, without room there, into a
-buffer registered for the call, and the count of the bytes they read (``counts["bytes_read"]``).
+"""``StagedGets``: ranged gets (``get_into_ranges``) through registered get staging into the
+caller's buffers, or straight into an extent of the get arena lent to the caller (``lent``); gets
+of whole objects (``batch_get_into``) into the get arena (``lw_mooncake.get_arena``; registered
+once, with Mooncake and, through the backend's ``host_regions``, with a device) or, without room
+there, into a buffer registered for the call; and the count of the bytes they read
+(``counts["bytes_read"]``).
 
 Invariants:
 
@@ -26,7 +28,7 @@ from lw_core.backend import BackendError, BackendUnavailable, ObjectMissing
 from lw_mooncake.buffers import Staging
 from lw_mooncake.client import StoreClient
 from lw_mooncake.errors import OBJECT_NOT_FOUND, to_error
-from lw_mooncake.get_arena import GetArena
+from lw_mooncake.get_arena import ArenaLend, GetArena
 
 # A ranged get: the object's key, the offset in it, and the buffer its bytes go to.
 Range = tuple[str, int, np.ndarray]
@@ -76,6 +78,52 @@ class StagedGets:
                     arr[:] = buf[p : p + n]
         self.counts["bytes_read"] += pos
         return missing
+
+    def lent(self, items: list[tuple[str, int]], nbytes: int) -> ArenaLend | None:
+        """Ranged gets of ``nbytes`` at each ``(key, offset)`` of ``items`` in one call, straight
+        into one extent of the get arena, lent to the caller (views in the order of ``items``);
+        None without an arena, or room in it. An extent given to a call that raised stays taken
+        until the call has returned (``GetArena.keep_late``); one whose call returned an error is
+        free again at once."""
+        arena = self.arena
+        if arena is None or not items or nbytes <= 0:
+            return None
+        self.client.check_open()
+        got = arena.take([nbytes * len(items)])
+        if got is None:
+            return None
+        (off,) = got
+        by_key: dict[str, list[tuple[int, int]]] = {}  # key -> [(position in the extent, offset in the object)]
+        for j, (key, obj_off) in enumerate(items):
+            by_key.setdefault(key, []).append((j * nbytes, obj_off))
+        keys = list(by_key)
+        try:
+            res = self.client.calls.call(
+                "get_into_ranges", self.client.store.get_into_ranges, [arena.base + off], [keys],
+                [[[p for p, _ in by_key[k]] for k in keys]], [[[o for _, o in by_key[k]] for k in keys]],
+                [[[nbytes] * len(by_key[k]) for k in keys]])
+        except BaseException as e:
+            arena.keep_late([off], e)  # Mooncake may still write it
+            raise
+        try:
+            answers = res[0] if len(res) == 1 else None
+            if answers is None or len(answers) != len(keys):
+                raise BackendError(f"get_into_ranges answered {len(res)} buffers for one, or not one list per key")
+            for k, sizes in zip(keys, answers):
+                if len(sizes) != len(by_key[k]):
+                    raise BackendError(f"ranged get of {k!r}: {len(sizes)} answers for {len(by_key[k])} ranges")
+                for n in sizes:
+                    if n < 0:
+                        raise to_error(n, f"ranged get of {k!r}") if n != OBJECT_NOT_FOUND else ObjectMissing(
+                            f"ranged get of {k!r}: the object is gone (evicted, or the master restarted)")
+                    if n != nbytes:
+                        raise BackendError(f"ranged get of {k!r}: {n} of {nbytes} bytes")
+        except BaseException:
+            arena.hold_at(off, 0)  # the call has returned: nothing writes it any more
+            raise
+        self.counts["bytes_read"] += nbytes * len(items)
+        self.counts["arena_range_gets"] += 1
+        return ArenaLend(arena, off, [arena.buf[off + j * nbytes : off + (j + 1) * nbytes] for j in range(len(items))])
 
     def whole(self, keys: list[str], sizes: dict[str, int], fetched: dict[str, np.ndarray]) -> None:
         """The objects ``keys`` (of ``sizes``, together within the staging size) into ``fetched``:

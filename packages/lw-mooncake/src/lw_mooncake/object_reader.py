@@ -2,8 +2,8 @@
 read handle, release); ``lookup`` is one ``StoreClient.exist``.
 
 ``open`` takes the objects' sizes from their replica descriptors. Then, by ``load``:
-``"per_layer"`` -- each ``read`` is ranged gets of one layer of every object through get staging,
-and ``view`` is None; ``"whole"`` -- ``open`` fetches the whole objects into local copies, which
+``"per_layer"`` -- each ``read`` is ranged gets of one layer of every object through get staging
+(``read_lent``: straight into the get arena, lent to the pipeline), and ``view`` is None; ``"whole"`` -- ``open`` fetches the whole objects into local copies, which
 ``view`` and ``read`` then serve; ``"auto"`` -- ``"whole"`` when the opened objects together are at
 most ``whole_max_bytes`` and each fits the staging, else ``"per_layer"`` (a ranged get costs about
 as much per call as a whole get of 16 MiB over TCP: docs/bench/mooncake.md).
@@ -29,6 +29,7 @@ import numpy as np
 from lw_core.backend import BackendError
 from lw_mooncake.buffers import byte_view
 from lw_mooncake.client import StoreClient
+from lw_mooncake.get_arena import ArenaLend
 from lw_mooncake.gets import Range, StagedGets
 from lw_mooncake.handle import MooncakeHandle, MooncakeStreamHandle
 
@@ -138,6 +139,17 @@ class ObjectReader:
             size += it[2].nbytes
         if batch:
             self.gets.ranges(batch)
+
+    def read_lent(self, handles: Sequence[MooncakeHandle], offsets: Sequence[int], nbytes: int) -> ArenaLend | None:
+        """``read`` of ``nbytes`` from each handle into the get arena, lent (``StagedGets.lent``):
+        one call for the batch, no copy out of staging. None for fetched copies (``view`` serves
+        them), a batch past the staging size (as ``read`` batches) or without room in the arena."""
+        if not handles or any(h.data is not None for h in handles) or nbytes * len(handles) > self.staging_size:
+            return None
+        for h, off in zip(handles, offsets, strict=True):
+            if off < 0 or off + nbytes > h.nbytes:
+                raise ValueError(f"read: range [{off}, {off + nbytes}) outside {h.key!r} of {h.nbytes} bytes")
+        return self.gets.lent([(h.key, off) for h, off in zip(handles, offsets)], nbytes)
 
     def release(self, handles: Sequence[MooncakeHandle | MooncakeStreamHandle]) -> None:
         """Drops fetched copies (an arena extent is free once its last handle is released); a

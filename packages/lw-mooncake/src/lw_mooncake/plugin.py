@@ -70,7 +70,7 @@ NOTES = {
     "mooncake_global_segment_size": "bytes; 0 = lend nothing (objects live on holders/other clients)",
     "mooncake_staging_size": "bytes; the largest object must fit",
     "mooncake_whole_max_bytes": 'bytes; with mooncake_load="auto", opens up to this size fetch whole objects',
-    "mooncake_get_arena_bytes": "bytes of registered host memory whole gets land in; 0 = a buffer per fetch",
+    "mooncake_get_arena_bytes": "bytes of registered host memory gets land in (whole objects, per-layer ranges); 0 = a buffer per whole fetch, staging for ranges",
 }
 
 

@@ -79,3 +79,41 @@ def test_stored_keys_are_not_reserved_and_close_revokes_open_sessions(cluster, m
     assert b.reserve(["open"], N) == [None]
     c.close()
     assert b.reserve(["open"], N)[0] is not None  # revoked at close: free at once
+
+
+@pytest.mark.parametrize("arena", [True, False], ids=["put_arena", "no_arena"])
+def test_reservations_filled_in_place_put_from_the_arena_and_without_it_through_staging(cluster, make_client, arena):
+    """Reservations live in the put arena (registered with Mooncake, offered as ``host_regions``):
+    a caller fills them in place (``write_buffers``, what a device copier does), ranged puts send
+    from there (nothing staged), and what was never written reads as zeros though the extent held
+    an earlier object's bytes. Without the arena the same writes go through the put staging."""
+    a = make_client(cluster, put_arena_bytes=(1 << 20) if arena else 0)
+    try:
+        assert len(a.host_regions()) == (2 if arena else 1)  # the get arena, and the put arena
+        (h,) = a.reserve(["first"], N)
+        a.write([h], [0], [np.full(N, 0xAB, np.uint8)])
+        a.commit([h])
+        hs = a.reserve(["w0", "w1"], N)
+        per = N // LAYERS
+        data = np.random.default_rng(3).integers(0, 256, (2, N), dtype=np.uint8)
+        for layer in range(LAYERS - 1):  # the last layer is never written
+            bufs = a.write_buffers(hs, [layer * per] * 2, per)
+            if not arena:
+                assert bufs is None
+                a.write(hs, [layer * per] * 2, [data[i, layer * per : (layer + 1) * per] for i in range(2)])
+                continue
+            assert bufs is not None
+            for i, buf in enumerate(bufs):
+                buf[:] = data[i, layer * per : (layer + 1) * per]
+            a.write(hs, [layer * per] * 2, bufs)
+        a.commit(hs)
+        for i, k in enumerate(("w0", "w1")):
+            assert _read(a, k, N) == data[i, : N - per].tobytes() + bytes(per)
+        st = a.stats()
+        if arena:
+            assert st["put_staged_bytes"] == 0 and st["put_direct_bytes"] == 3 * N
+            assert a.put_arena is not None and a.put_arena.free_bytes() == a.put_arena.nbytes
+        else:
+            assert st["put_direct_bytes"] == 0 and st["put_staged_bytes"] == 3 * N
+    finally:
+        a.store.remove_all(True)

@@ -24,6 +24,7 @@ def test_keys_parse_with_defaults_and_the_seed_rpc_port_alias():
     assert (k.mooncake_master, k.mooncake_protocol, k.mooncake_global_segment_size) == ("10.0.0.5:50051", "rdma", 1 << 30)
     assert k.mooncake_metadata_server == "P2PHANDSHAKE" and k.mooncake_call_timeout_s == 5.0
     assert k.mooncake_load == "auto" and k.mooncake_whole_max_bytes == 256 << 20
+    assert k.mooncake_get_arena_bytes == k.mooncake_put_arena_bytes == 256 << 20
     assert parse_config({**MASTER, "mooncake_rpc_port": "0"}).mooncake_rpc_port == "0"
 
 
@@ -38,6 +39,7 @@ def test_keys_parse_with_defaults_and_the_seed_rpc_port_alias():
         ({**MASTER, "mooncake_call_timeout_s": 0}, ["mooncake_call_timeout_s", "> 0"]),
         ({**MASTER, "mooncake_load": "lazy"}, ["mooncake_load", "'lazy'", "'auto'", "'per_layer'", "'whole'"]),
         ({**MASTER, "mooncake_whole_max_bytes": -1}, ["mooncake_whole_max_bytes", ">= 0"]),
+        ({**MASTER, "mooncake_put_arena_bytes": -1}, ["mooncake_put_arena_bytes", ">= 0"]),
         ({**MASTER, "mooncake_metadata_server": "ftp://x"}, ["mooncake_metadata_server", "P2PHANDSHAKE", "http"]),
         ({**MASTER, "mooncake_mastr": "x:1"}, ["mooncake_mastr", "known keys", "mooncake_master"]),
     ],

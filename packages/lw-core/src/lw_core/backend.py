@@ -147,6 +147,12 @@ class Backend(Protocol[H]):
     # mechanisms. None where the backend has no room or no such memory (the caller reads into
     # staging). A call that raises lends nothing (memory a late call may still write is the
     # backend's to keep).
+    # Optional: ``write_buffers(handles, offsets, nbytes) -> list | None``, for reservations whose
+    # ``view`` is None because ``write`` must send the bytes on (Mooncake's put sessions): the
+    # reservations' own memory at those ranges (in ``host_regions``), for the caller to fill and
+    # then hand to ``write``, which sends from it with no copy. The memory is the reservation's:
+    # the caller neither commits nor aborts a handle while a copy into its buffer may still run.
+    # None where the backend has no such memory (the caller writes from staging).
     # Optional: ``purge(prefix, timeout_s) -> dict[str, int]``, remove every committed object whose
     # key starts with ``prefix`` ("" = all) and keep reservations under it from being published;
     # counts: ``objects``, ``bytes``, ``reservations``, ``disk_objects`` removed, and ``leased``,

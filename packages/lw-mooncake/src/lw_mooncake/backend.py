@@ -33,6 +33,8 @@ protocol's calls to them:
   deadline (``mooncake_call_timeout_s``; past it ``BackendUnavailable``), and whether it is closed;
 * ``puts.StagedPuts`` / ``gets.StagedGets`` -- registered put and get staging, one batch at a time;
 * ``get_arena.GetArena`` -- the memory gets land in, which extents of it read handles hold or are lent;
+* ``arena.Arena`` (``put_arena``) -- the memory reservations' local objects live in, which puts send
+  from and a device copier writes into (``write_buffers``);
 * ``reservations.Reservations`` -- this process's open reservations (their local objects);
 * ``put_sessions.PutSessions`` / ``session_writer.SessionWriter`` -- put sessions, when used;
 * ``object_writer.ObjectWriter`` / ``object_reader.ObjectReader`` -- the protocol's two halves;
@@ -51,6 +53,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lw_core.backends.segment_stream.checks import check_publish, require_streaming
+from lw_mooncake.arena import Arena
 from lw_mooncake.calls import Deadlines
 from lw_mooncake.client import INSTALL_HINT, StoreClient, route_address
 from lw_mooncake.get_arena import ALIGN, ArenaLend, GetArena
@@ -74,7 +77,8 @@ class MooncakeBackend:
     def __init__(self, master: str, *, metadata_server: str = "P2PHANDSHAKE", protocol: str = "tcp", rdma_devices: str = "",
                  local_hostname: str = "", global_segment_size: int = 0, local_buffer_size: int = 16 << 20,
                  staging_size: int = 64 << 20, call_timeout_s: float = 5.0, setup_timeout_s: float = 30.0,
-                 load: str = "auto", whole_max_bytes: int = 256 << 20, get_arena_bytes: int = 256 << 20, restore_signals: bool = True,
+                 load: str = "auto", whole_max_bytes: int = 256 << 20, get_arena_bytes: int = 256 << 20,
+                 put_arena_bytes: int = 256 << 20, restore_signals: bool = True,
                  streaming: bool = False, put_sessions: bool | None = None, prefer_local_segment: bool = True) -> None:
         if load not in ("auto", "per_layer", "whole"):
             raise ValueError(f"mooncake_load={load!r}: expected 'auto', 'per_layer' or 'whole'")
@@ -82,6 +86,8 @@ class MooncakeBackend:
             raise ValueError(f"mooncake_whole_max_bytes={whole_max_bytes}: must be >= 0")
         if get_arena_bytes < 0:
             raise ValueError(f"mooncake_get_arena_bytes={get_arena_bytes}: must be >= 0")
+        if put_arena_bytes < 0:
+            raise ValueError(f"mooncake_put_arena_bytes={put_arena_bytes}: must be >= 0")
         self.load = load
         self.staging_size = staging_size
         self.client = StoreClient.connect(
@@ -91,12 +97,17 @@ class MooncakeBackend:
             restore_signals=restore_signals, prefer_local_segment=prefer_local_segment)
         self.master, self.metadata_server = master, self.client.metadata_server
         self.local_hostname = self.client.local_hostname
-        self.puts = StagedPuts(self.client, staging_size)
-        # Gets land in one arena registered once (with Mooncake, and with a device through
-        # ``host_regions``): whole objects, and each layer's ranged gets lent to the pipeline.
+        # Reservations' local objects live in one arena registered once (with Mooncake, and with a
+        # device through ``host_regions``): puts send from it and a device writes into it with no
+        # staging between. Not with streaming: its segments are put from the local objects by a
+        # thread of their own, which holds none of them.
+        self.put_arena = (Arena(self.client.store, self.client.calls, put_arena_bytes, "put")
+                          if put_arena_bytes >= ALIGN and not streaming else None)
+        self.puts = StagedPuts(self.client, staging_size, self.put_arena)
+        # Gets land in another: whole objects, and each layer's ranged gets lent to the pipeline.
         self.arena = GetArena(self.client.store, self.client.calls, get_arena_bytes) if get_arena_bytes >= ALIGN else None
         self.gets = StagedGets(self.client, staging_size, self.arena)
-        self.reservations = Reservations()
+        self.reservations = Reservations(self.put_arena)
         self.stream_writer = StreamWriter(self.client, self.puts, self.reservations) if streaming else None
         self.stream_reader = StreamReader(self.client, self.gets)
         use_sessions = have_put_sessions(self.client.store) if put_sessions is None else put_sessions
@@ -117,6 +128,7 @@ class MooncakeBackend:
                    local_buffer_size=k.mooncake_local_buffer_size, staging_size=k.mooncake_staging_size,
                    call_timeout_s=k.mooncake_call_timeout_s, load=k.mooncake_load,
                    whole_max_bytes=k.mooncake_whole_max_bytes, get_arena_bytes=k.mooncake_get_arena_bytes,
+                   put_arena_bytes=k.mooncake_put_arena_bytes,
                    prefer_local_segment=k.mooncake_prefer_local_segment, **kwargs)
 
     @property
@@ -146,6 +158,11 @@ class MooncakeBackend:
             return self.reader.view(handle, offset, nbytes)
         return self.writer.view(handle, offset, nbytes)
 
+    def write_buffers(self, handles: Sequence[MooncakeHandle], offsets: Sequence[int], nbytes: int) -> list[Any] | None:
+        """The optional protocol method: the put sessions' local objects in the put arena, to fill
+        and hand to ``write`` (which then copies nothing)."""
+        return self.writer.write_buffers(handles, offsets, nbytes)
+
     def commit(self, handles: Sequence[MooncakeHandle]) -> None:
         self.writer.commit(handles)
 
@@ -171,9 +188,9 @@ class MooncakeBackend:
         self.reader.release(handles)
 
     def host_regions(self) -> list[memoryview]:
-        """Where gets land (the optional protocol method): a device copier registers it and moves
-        the layers fetched into it (whole objects, lent ranged gets) directly."""
-        return [] if self.arena is None else [self.arena.region()]
+        """Where gets land and where reservations live (the optional protocol method): a device
+        copier registers them and moves layers between them and the KV cache directly."""
+        return [a.region() for a in (self.arena, self.put_arena) if a is not None]
 
     # ----- streaming (StreamWriter, StreamReader) -----
 
@@ -194,8 +211,8 @@ class MooncakeBackend:
 
     def stats(self) -> dict[str, int]:
         leftovers = len(self.stream_writer.collector) if self.stream_writer is not None else 0
-        arena = {} if self.arena is None else dict(self.arena.counts)
-        return {**self.writer.counts, **self.gets.counts, **arena, "pending": len(self.reservations),
+        arenas = {k: v for a in (self.arena, self.put_arena) if a is not None for k, v in a.counts.items()}
+        return {**self.writer.counts, **self.gets.counts, **self.puts.counts, **arenas, "pending": len(self.reservations),
                 "call_timeouts": self.calls.timeouts, "stream_leftovers": leftovers}
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -204,8 +221,9 @@ class MooncakeBackend:
         if self.stream_writer is not None:
             self.stream_writer.close()
         self.writer.close()
-        if self.arena is not None:
-            self.arena.close()
+        for arena in (self.arena, self.put_arena):
+            if arena is not None:
+                arena.close()
         self.client.close(timeout_s)
 
     def __enter__(self) -> MooncakeBackend:

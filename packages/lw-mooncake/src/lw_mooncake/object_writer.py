@@ -81,20 +81,31 @@ class ObjectWriter:
             raise ValueError(f"{what}: range [{off}, {off + n}) outside {h.key!r} of {h.nbytes} bytes")
         if self.streams is not None and n:
             self.streams.written(h.key, off + n)  # publish cuts segments where written ranges end
+        if h.extent is not None and n:
+            h.filled.append((off, off + n))  # the rest is zeroed before the put (Reservations.zero_unwritten)
         return buf[off : off + n]
 
     def write(self, handles: Sequence[MooncakeHandle], offsets: Sequence[int], srcs: Sequence[Any]) -> None:
-        n = 0
-        sess: list[tuple[MooncakeHandle, int, int]] = []
-        for h, off, src in zip(handles, offsets, srcs, strict=True):
-            data = byte_view(src, writable=False, what="write")
-            self._local(h, off, data.nbytes, "write")[:] = data
-            n += data.nbytes
-            if h.session:
-                sess.append((h, off, data.nbytes))
-        self.counts["bytes_written"] += n
-        if sess and self.sessions is not None:
-            self.sessions.write([h for h, _, _ in sess], [o for _, o, _ in sess], [k for _, _, k in sess])
+        """Copies each source into its reservation's local object (nothing to copy for a source
+        that is that range of it already, ``write_buffers``); a put session's ranges are put at
+        once. The local objects in the put arena stay held until this returns."""
+        pinned = self.reservations.pin(handles)
+        try:
+            n = 0
+            sess: list[tuple[MooncakeHandle, int, int]] = []
+            for h, off, src in zip(handles, offsets, srcs, strict=True):
+                data = byte_view(src, writable=False, what="write")
+                local = self._local(h, off, data.nbytes, "write")
+                if local.ctypes.data != data.ctypes.data:
+                    local[:] = data
+                n += data.nbytes
+                if h.session:
+                    sess.append((h, off, data.nbytes))
+            self.counts["bytes_written"] += n
+            if sess and self.sessions is not None:
+                self.sessions.write([h for h, _, _ in sess], [o for _, o, _ in sess], [k for _, _, k in sess])
+        finally:
+            self.reservations.unpin(pinned)
 
     def view(self, handle: MooncakeHandle, offset: int, nbytes: int) -> memoryview | None:
         """A writable view of a reservation's local object; None once it ended, and for a put
@@ -102,6 +113,23 @@ class ObjectWriter:
         if handle.buf is None or handle.session:
             return None
         return self._local(handle, offset, nbytes, "view").data
+
+    def write_buffers(self, handles: Sequence[MooncakeHandle], offsets: Sequence[int], nbytes: int) -> list[np.ndarray] | None:
+        """The put sessions' local objects in the put arena, at these ranges (lw-core's optional
+        ``Backend.write_buffers``): filled by the caller, then passed to ``write``, which copies
+        nothing and puts straight from them. None unless every handle is such a held reservation."""
+        if not handles or any(h.extent is None or not h.session for h in handles):
+            return None
+        held = self.reservations.held(handles)
+        if not all(held):
+            return None
+        out = []
+        for h, off in zip(handles, offsets, strict=True):
+            buf = h.buf
+            if buf is None or off < 0 or off + nbytes > h.nbytes:
+                return None
+            out.append(buf[off : off + nbytes])
+        return out
 
     def commit(self, handles: Sequence[MooncakeHandle]) -> None:
         """Puts the objects; raises the first error (and how many more) when any put failed. A
@@ -157,6 +185,7 @@ class ObjectWriter:
         items = []
         for h in batch:
             assert h.buf is not None
+            self.reservations.zero_unwritten(h, h.filled)  # an arena extent is not zeroed when taken
             items.append((h.key, [h.buf]))
         res = self.puts.put_parts(items)
         errors = []

@@ -59,6 +59,11 @@ class MooncakeKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # the device, which then moves their layers by DMA straight from it; an open that does not fit
     # fetches into a buffer of its own. 0 = a buffer per fetch always.
     mooncake_get_arena_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 256 * MiB
+    # Host memory, registered with Mooncake once, that reservations' local objects live in: puts
+    # send from it with no copy into the put staging, and a device copier registers it too and
+    # writes each layer into it by DMA. A reservation that does not fit takes an array of its own.
+    # 0 = an array per reservation always. Not used with pd_streaming.
+    mooncake_put_arena_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 256 * MiB
     # Deadline of every store call; a call past it raises BackendUnavailable (the caller recomputes).
     mooncake_call_timeout_s: Annotated[float, Meta(gt=0, le=600)] = 5.0
 
@@ -71,6 +76,7 @@ NOTES = {
     "mooncake_staging_size": "bytes; the largest object must fit",
     "mooncake_whole_max_bytes": 'bytes; with mooncake_load="auto", opens up to this size fetch whole objects',
     "mooncake_get_arena_bytes": "bytes of registered host memory gets land in (whole objects, per-layer ranges); 0 = a buffer per whole fetch, staging for ranges",
+    "mooncake_put_arena_bytes": "bytes of registered host memory reservations live in (puts send from it, a device writes into it); 0 = an array per reservation, puts copy into staging",
 }
 
 

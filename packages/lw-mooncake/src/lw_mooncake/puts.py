@@ -10,14 +10,21 @@ Invariants:
 * Mooncake's put allocates, transfers, then marks the object complete: none of a failed put is
   visible. The status per object is returned as Mooncake gave it (0: stored).
 * ``put_ranges`` (put sessions, ``lw_mooncake.put_sessions``) writes byte ranges into objects
-  whose sessions this client started; a range is written only from this staging (registered).
+  whose sessions this client started.
+* Bytes are sent only from registered memory: an object or range that lies in the put arena
+  (``arena``, where reservations' local objects live) goes from there as it is, anything else is
+  copied into the staging first. A call that raised (past its deadline) holds the arena extents it
+  was given until it returns (``Arena.hold_late``), as it does the staging (retired).
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from lw_core.backend import BackendError, BackendUnavailable
+from lw_mooncake.arena import Arena
 from lw_mooncake.buffers import Staging
 from lw_mooncake.client import StoreClient
 from lw_mooncake.put_sessions import PutSessions
@@ -30,10 +37,20 @@ SHORT_WRITE = -1  # a ranged put that reported fewer bytes than sent (not a Moon
 
 
 class StagedPuts:
-    def __init__(self, client: StoreClient, staging_size: int) -> None:
+    def __init__(self, client: StoreClient, staging_size: int, arena: Arena | None = None) -> None:
         self.client = client
         self.staging_size = staging_size
+        self.arena = arena
+        self.counts: Counter[str] = Counter()  # put_direct_bytes (from the arena), put_staged_bytes
         self._staging = Staging(client.store, staging_size, client.calls, "put")
+
+    def _direct(self, data: np.ndarray) -> bool:
+        return self.arena is not None and data.nbytes > 0 and self.arena.covers(data)
+
+    def _late(self, e: BackendUnavailable, direct: list[np.ndarray]) -> None:
+        self._staging.retire(e)
+        if direct and self.arena is not None:
+            self.arena.hold_late(self.arena.extents_of(direct), e)
 
     def put_parts(self, items: list[Item]) -> list[int]:
         """One ``batch_put_from`` of ``items`` (which must fit the staging together); Mooncake's
@@ -42,17 +59,25 @@ class StagedPuts:
         with self._staging.lock:
             buf = self._staging.get()
             base, ptrs, sizes, off = int(buf.ctypes.data), [], [], 0
+            direct: list[np.ndarray] = []
             for _, parts in items:
+                if len(parts) == 1 and self._direct(parts[0]):
+                    direct.append(parts[0])
+                    ptrs.append(int(parts[0].ctypes.data))
+                    sizes.append(parts[0].nbytes)
+                    continue
                 ptrs.append(base + off)
                 for p in parts:
                     buf[off : off + p.nbytes] = p
                     off += p.nbytes
                 sizes.append(base + off - ptrs[-1])
+            self.counts["put_direct_bytes"] += sum(d.nbytes for d in direct)
+            self.counts["put_staged_bytes"] += off
             try:
                 return list(self.client.calls.call("batch_put_from", self.client.store.batch_put_from,
                                                    [k for k, _ in items], ptrs, sizes, *self.client.put_args()))
             except BackendUnavailable as e:
-                self._staging.retire(e)
+                self._late(e, direct)
                 raise
 
     def put_all(self, items: list[Item]) -> list[int]:
@@ -85,11 +110,12 @@ class StagedPuts:
             if r[2].nbytes > self.staging_size:
                 raise BackendError(f"ranged put into {r[0]!r}: {r[2].nbytes} bytes exceed mooncake_staging_size="
                                    f"{self.staging_size}")
-            if batch and size + r[2].nbytes > self.staging_size:
+            n = 0 if self._direct(r[2]) else r[2].nbytes  # only copies take staging room
+            if batch and size + n > self.staging_size:
                 out += self._ranges(sessions, batch)
                 batch, size = [], 0
             batch.append(r)
-            size += r[2].nbytes
+            size += n
         if batch:
             out += self._ranges(sessions, batch)
         return out
@@ -100,19 +126,26 @@ class StagedPuts:
         with self._staging.lock:
             buf = self._staging.get()
             base, off = int(buf.ctypes.data), 0
+            direct: list[np.ndarray] = []
             for key, dst, data in batch:
-                buf[off : off + data.nbytes] = data
                 ptrs, sizes, dsts = entries.setdefault(key, ([], [], []))
-                ptrs.append(base + off)
+                if self._direct(data):
+                    direct.append(data)
+                    ptrs.append(int(data.ctypes.data))
+                else:
+                    buf[off : off + data.nbytes] = data
+                    ptrs.append(base + off)
+                    off += data.nbytes
                 sizes.append(data.nbytes)
                 dsts.append(dst)
-                off += data.nbytes
+            self.counts["put_direct_bytes"] += sum(d.nbytes for d in direct)
+            self.counts["put_staged_bytes"] += off
             keys = list(entries)
             try:
                 res = sessions.ranges(keys, [entries[k][0] for k in keys], [entries[k][1] for k in keys],
                                       [entries[k][2] for k in keys])
             except BackendUnavailable as e:
-                self._staging.retire(e)
+                self._late(e, direct)
                 raise
         status = {k: (r if r < 0 else 0 if r == sum(entries[k][1]) else SHORT_WRITE) for k, r in zip(keys, res)}
         return [status[k] for k, _, _ in batch]

@@ -37,21 +37,10 @@ from lw_mooncake.handle import MooncakeHandle
 from lw_mooncake.put_sessions import PutSessions
 from lw_mooncake.puts import StagedPuts
 from lw_mooncake.reservations import Reservations
+from lw_mooncake.reservations import uncovered as gaps  # the ranges of an object no ranged put wrote
 
 log = logging.getLogger(__name__)
 _NOT_RESERVED = (OBJECT_ALREADY_EXISTS, NO_AVAILABLE_HANDLE)
-
-
-def gaps(sent: Sequence[tuple[int, int]], nbytes: int) -> list[tuple[int, int]]:
-    """The ranges of ``[0, nbytes)`` that ``sent`` does not cover."""
-    out, at = [], 0
-    for a, b in sorted(sent):
-        if a > at:
-            out.append((at, a))
-        at = max(at, b)
-    if at < nbytes:
-        out.append((at, nbytes))
-    return out
 
 
 class SessionWriter:
@@ -119,6 +108,8 @@ class SessionWriter:
                 if h in self._bad:
                     h.failed = self._bad.pop(h)
         fill = [(h, a, b) for h in handles if h.failed is None and h.buf is not None for a, b in gaps(h.sent, h.nbytes)]
+        for h in {h for h, _, _ in fill}:
+            self.reservations.zero_unwritten(h, h.sent)  # an arena extent is not zeroed when taken
         if fill:
             res = self.puts.put_ranges(self.sessions, [(h.key, a, h.buf[a:b]) for h, a, b in fill if h.buf is not None])
             for (h, _, _), r in zip(fill, res):

@@ -17,7 +17,9 @@ memory itself): its batch is ``pending`` until its token completes, and only the
 layers ``done``. ``finish`` settles every pending copy (same deadline) before it commits; an object
 whose copy is still running then is neither committed nor aborted at once: it is aborted once the
 copy has completed (``StepContext.after_copies``), so a late copy never writes space that another
-object was given meanwhile.
+object was given meanwhile. The same holds for a copy into the reservations' own buffers
+(``backend.write_buffers``, then ``write``, which sends from them): one still running at its
+deadline leaves its objects in flight, aborted once it completed.
 """
 
 from __future__ import annotations
@@ -361,6 +363,20 @@ class SaveStep:
                 if not copier.wait(token, ctx.limits.save_timeout_s):
                     self._fail(idx, f"layer {layer}: compute did not reach the save point in {ctx.limits.save_timeout_s}s")
                     return
+            elif (own := self._write_buffers(hs, off, n)) is not None:  # the reservations' own memory
+                srcs = own
+                with self.lock:
+                    if self.cancelled:
+                        return
+                    tok = copier.from_kv(layer, blocks, srcs, after=token)
+                if not copier.wait(tok, ctx.limits.save_timeout_s):
+                    # the device may still write into the reservations: aborted once it completed
+                    with self.lock:
+                        self.running.append(tok)
+                        self.in_flight.update(idx)
+                        self.failed[idx] = True
+                        self.errors.add(f"layer {layer}: copy out of the KV cache did not finish in {ctx.limits.save_timeout_s}s")
+                    return
             else:
                 buf = ctx.staging.get(len(idx) * n)
                 srcs = [buf[j * n : (j + 1) * n] for j in range(len(idx))]
@@ -384,6 +400,17 @@ class SaveStep:
         with self.lock:
             if not self.cancelled:  # a copy that ended after the cancel may hold the next owner's KV
                 self.done[layer, ok] = True
+
+    def _write_buffers(self, hs: list[Any], off: int, n: int) -> list[Any] | None:
+        """``backend.write_buffers`` of one layer of ``hs`` (the reservations' own memory, which
+        ``write`` then sends with no copy), or None where the backend has none."""
+        fn = getattr(self.ctx.backend, "write_buffers", None)
+        if fn is None:
+            return None
+        out: list[Any] | None = fn(hs, [off] * len(hs), n)
+        if out is not None and len(out) != len(hs):
+            raise BackendError(f"write_buffers answered {len(out)} buffers for {len(hs)} objects")
+        return out
 
     def _write_isolating(self, layer: int, idx: list[int], hs: list[Any], off: int, srcs: list[Any]) -> list[int]:
         backend = self.ctx.backend

@@ -23,6 +23,7 @@ from lw_mooncake.put_sessions import PutSessions
 from lw_mooncake.puts import StagedPuts
 from lw_mooncake.reservations import Reservations
 from lw_mooncake.session_writer import SessionWriter
+from lw_mooncake.stream_write import StreamWriter
 
 STAGING = 1 << 16
 
@@ -37,6 +38,7 @@ class _Store(_SessionStore):
         self.go = threading.Event()
         self.returned = threading.Event()
         self.entered = threading.Event()  # a stalled ranged put has started
+        self.stall_once = threading.Event()  # the next batch_put_from waits for ``go``
         self.refuse: set[int] = set()  # sizes of registrations to refuse
         self.range_ptrs: list[int] = []
 
@@ -46,6 +48,11 @@ class _Store(_SessionStore):
     def unregister_buffer(self, ptr: int) -> int:
         self.registered = [(a, m) for a, m in self.registered if a != ptr]
         return 0
+
+    def batch_remove(self, keys, force=False):
+        for k in keys:
+            self.stored.pop(k, None)
+        return [0] * len(keys)
 
     def batch_put_from_multi_buffer_ranges(self, keys, ptrs, sizes, offsets):
         stalled = self.stall.is_set()
@@ -59,6 +66,10 @@ class _Store(_SessionStore):
         return out
 
     def batch_put_from(self, keys, ptrs, sizes):
+        if self.stall_once.is_set():  # this call only waits for ``go``
+            self.stall_once.clear()
+            self.entered.set()
+            self.go.wait(10)
         out = []
         for k, p, n in zip(keys, ptrs, sizes):
             assert any(a <= p and p + n <= a + m for a, m in self.registered), "unregistered source"
@@ -67,14 +78,21 @@ class _Store(_SessionStore):
         return out
 
 
-def _make(*, sessions: bool = True, arena_bytes: int = 4 * ALIGN, timeout_s: float = 5.0, store: _Store | None = None):
-    client = _Client(store or _Store())
+class _StreamingClient(_Client):
+    def remove(self, keys, *, force: bool):
+        return self.store.batch_remove(keys, force)
+
+
+def _make(*, sessions: bool = True, arena_bytes: int = 4 * ALIGN, timeout_s: float = 5.0, store: _Store | None = None,
+          streaming: bool = False):
+    client = _StreamingClient(store or _Store())
     client.calls = Deadlines(timeout_s, "test", workers=2)
     arena = Arena(client.store, client.calls, arena_bytes, "put") if arena_bytes else None
     puts = StagedPuts(client, STAGING, arena)  # type: ignore[arg-type]
     res = Reservations(arena)
     sw = SessionWriter(PutSessions(client), puts, res, Counter()) if sessions else None  # type: ignore[arg-type]
-    w = ObjectWriter(client, puts, res, staging_size=STAGING, streams=None, sessions=sw)  # type: ignore[arg-type]
+    streams = StreamWriter(client, puts, res) if streaming else None  # type: ignore[arg-type]
+    w = ObjectWriter(client, puts, res, staging_size=STAGING, streams=streams, sessions=sw)  # type: ignore[arg-type]
     return w, client, arena, puts
 
 
@@ -197,3 +215,21 @@ def test_a_ranged_put_past_its_deadline_holds_its_extent_until_it_returns(made):
         deadline.wait(0.01)
     assert arena.free_bytes() == arena.nbytes
     assert w.reserve(["k2"], 64)[0].extent == 0
+
+
+def test_a_streaming_segment_put_holds_the_extent_it_reads_until_it_returned(made):
+    w, client, arena, puts = made(arena_bytes=ALIGN, sessions=False, streaming=True)
+    (h,) = w.reserve(["k"], 64)
+    assert h.extent is not None
+    w.write([h], [0], [b"s" * 64])
+    client.store.stall_once.set()
+    t = threading.Thread(target=w.streams.publish, args=([h], 64))
+    t.start()
+    assert client.store.entered.wait(10)  # the segment's put is in the store now
+    w.reservations.end([h])  # the reservation ends meanwhile (a commit's or abort's last step)
+    assert arena.free_bytes() == 0  # the publish still holds the extent
+    client.store.go.set()
+    t.join(10)
+    assert arena.free_bytes() == arena.nbytes
+    seg = [k for k, v in client.store.stored.items() if v.endswith(b"s" * 64)]
+    assert seg  # the segment carried the reservation's bytes

@@ -99,10 +99,8 @@ class MooncakeBackend:
         self.local_hostname = self.client.local_hostname
         # Reservations' local objects live in one arena registered once (with Mooncake, and with a
         # device through ``host_regions``): puts send from it and a device writes into it with no
-        # staging between. Not with streaming: its segments are put from the local objects by a
-        # thread of their own, which holds none of them.
-        self.put_arena = (Arena(self.client.store, self.client.calls, put_arena_bytes, "put")
-                          if put_arena_bytes >= ALIGN and not streaming else None)
+        # staging between (streaming's segment puts hold the extents they read, ``Reservations.pin``).
+        self.put_arena = Arena(self.client.store, self.client.calls, put_arena_bytes, "put") if put_arena_bytes >= ALIGN else None
         self.puts = StagedPuts(self.client, staging_size, self.put_arena)
         # Gets land in another: whole objects, and each layer's ranged gets lent to the pipeline.
         self.arena = GetArena(self.client.store, self.client.calls, get_arena_bytes) if get_arena_bytes >= ALIGN else None

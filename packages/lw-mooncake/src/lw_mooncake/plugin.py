@@ -62,7 +62,7 @@ class MooncakeKeys(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Host memory, registered with Mooncake once, that reservations' local objects live in: puts
     # send from it with no copy into the put staging, and a device copier registers it too and
     # writes each layer into it by DMA. A reservation that does not fit takes an array of its own.
-    # 0 = an array per reservation always. Not used with pd_streaming.
+    # 0 = an array per reservation always.
     mooncake_put_arena_bytes: Annotated[int, Meta(ge=0, le=1 << 40)] = 256 * MiB
     # Deadline of every store call; a call past it raises BackendUnavailable (the caller recomputes).
     mooncake_call_timeout_s: Annotated[float, Meta(gt=0, le=600)] = 5.0

@@ -107,6 +107,7 @@ class StreamWriter:
         check_publish("mooncake", handles, upto, lambda h: isinstance(h, MooncakeHandle) and h.reserved)
         todo: list[tuple[WriteStream, str, int, np.ndarray]] = []  # segments: stream, name, end, bytes
         lost = []
+        pinned: list[int] = []  # put arena extents of the buffers read here, held until the put returned
         with self._lock:
             for h in handles:
                 assert isinstance(h, MooncakeHandle)
@@ -115,22 +116,26 @@ class StreamWriter:
                     if not h.committed:
                         lost.append(h.key)
                     continue
+                pinned += self.reservations.pin([h])
                 start = ws.published
                 for end in sorted({e for e in ws.ends if start < e < upto} | {upto}) if upto > start else ():
                     todo.append((ws, seg_key(h.key, ws.token, end), end, buf[start:end]))
                     start = end
-        if lost:
-            raise unpublishable("mooncake", lost)
-        if not todo:
-            return
-        if self.quiet():
-            raise BackendUnavailable(f"mooncake: publish skipped: the store did not answer a call in the last {QUIET_S:g} s")
         try:
-            res = self.puts.put_all([(name, [np.frombuffer(SEG_HEADER.pack(end - data.nbytes), np.uint8), data])
-                                     for _, name, end, data in todo])
-        except BackendUnavailable:
-            self.go_quiet()
-            raise
+            if lost:
+                raise unpublishable("mooncake", lost)
+            if not todo:
+                return
+            if self.quiet():
+                raise BackendUnavailable(f"mooncake: publish skipped: the store did not answer a call in the last {QUIET_S:g} s")
+            try:
+                res = self.puts.put_all([(name, [np.frombuffer(SEG_HEADER.pack(end - data.nbytes), np.uint8), data])
+                                         for _, name, end, data in todo])
+            except BackendUnavailable:
+                self.go_quiet()
+                raise
+        finally:  # a segment is a header and its bytes, copied into the staging: nothing reads the buffers now
+            self.reservations.unpin(pinned)
         bad = []
         with self._lock:
             for (ws, name, end, data), r in zip(todo, res):  # in order of end, per stream

@@ -60,6 +60,11 @@ class Arena:
         self._registered: bool | None = None  # None: not tried yet; False: refused (never retried)
         self._closed = False
 
+    def ready(self) -> bool:
+        """Register the arena with Mooncake if not tried yet (a store call: callers make it before
+        taking locks of their own); whether it is registered."""
+        return self._register()
+
     def region(self) -> memoryview:
         return memoryview(self.buf.data)
 

@@ -57,7 +57,7 @@ class Reservations:
         """A handle with a local object of ``nbytes`` per key neither ``stored`` (1) nor reserved
         here already; None for the others."""
         out: list[MooncakeHandle | None] = []
-        arena = self.arena if nbytes else None
+        arena = self.arena if nbytes and self.arena is not None and self.arena.ready() else None  # registered outside the lock
         with self._lock:
             for k, e in zip(keys, stored):
                 if e == 1 or k in self._open:

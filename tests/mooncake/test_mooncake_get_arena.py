@@ -80,22 +80,28 @@ class _Client:
         return {k: self.store.objects[k] for k in keys if k in self.store.objects}
 
 
-@pytest.fixture
-def make():
+def readers(store_cls: type, load: str):
+    """A fixture body: ``make(objects, arena_bytes, timeout_s)`` builds a ``store_cls`` store and an
+    ``ObjectReader`` (``load``) over a get arena on it; every client is shut down after the test."""
     made: list[_Client] = []
 
-    def make(objects: dict[str, int], arena_bytes: int, timeout_s: float = 5.0) -> tuple[_Store, ObjectReader, GetArena]:
-        store = _Store(objects)
+    def make(objects: dict[str, int], arena_bytes: int, timeout_s: float = 5.0):
+        store = store_cls(objects)
         client = _Client(store, timeout_s)
         made.append(client)
         arena = GetArena(store, client.calls, arena_bytes)
         gets = StagedGets(client, 1 << 20, arena)  # type: ignore[arg-type]
-        return store, ObjectReader(client, gets, load="whole", staging_size=1 << 20), arena  # type: ignore[arg-type]
+        return store, ObjectReader(client, gets, load=load, staging_size=1 << 20), arena  # type: ignore[arg-type]
 
     yield make
     for c in made:
         c.store.go.set()
         c.calls.shutdown()
+
+
+@pytest.fixture
+def make():
+    yield from readers(_Store, "whole")
 
 
 def _check(handles, sizes) -> None:

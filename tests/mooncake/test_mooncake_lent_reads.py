@@ -10,15 +10,13 @@ import threading
 
 import numpy as np
 import pytest
-from test_mooncake_get_arena import _Client, _content, _Store
+from test_mooncake_get_arena import _content, _Store, readers
 
 from lw_core.backend import BackendError, ObjectMissing
 from lw_mooncake.calls import CallTimedOut
 from lw_mooncake.errors import OBJECT_NOT_FOUND
-from lw_mooncake.get_arena import ALIGN, GetArena
-from lw_mooncake.gets import StagedGets
+from lw_mooncake.get_arena import ALIGN
 from lw_mooncake.handle import MooncakeHandle
-from lw_mooncake.object_reader import ObjectReader
 
 
 class _RangeStore(_Store):
@@ -58,20 +56,7 @@ class _RangeStore(_Store):
 
 @pytest.fixture
 def make():
-    made: list[_Client] = []
-
-    def make(objects: dict[str, int], arena_bytes: int, timeout_s: float = 5.0) -> tuple[_RangeStore, ObjectReader, GetArena]:
-        store = _RangeStore(objects)
-        client = _Client(store, timeout_s)
-        made.append(client)
-        arena = GetArena(store, client.calls, arena_bytes)
-        gets = StagedGets(client, 1 << 20, arena)
-        return store, ObjectReader(client, gets, load="per_layer", staging_size=1 << 20), arena
-
-    yield make
-    for c in made:
-        c.store.go.set()
-        c.calls.shutdown()
+    yield from readers(_RangeStore, "per_layer")
 
 
 def _handles(sizes: dict[str, int]) -> list[MooncakeHandle]:

@@ -110,6 +110,7 @@ def test_reservations_filled_in_place_put_from_the_arena_and_without_it_through_
         for i, k in enumerate(("w0", "w1")):
             assert _read(a, k, N) == data[i, : N - per].tobytes() + bytes(per)
         st = a.stats()
+        assert st["store_register_refusals"] == 0  # Mooncake took both arenas (vllm:lw_pool_store_register_refusals_total)
         if arena:
             assert st["put_staged_bytes"] == 0 and st["put_direct_bytes"] == 3 * N
             assert a.put_arena is not None and a.put_arena.free_bytes() == a.put_arena.nbytes

@@ -1,5 +1,6 @@
 """The backend's own counters (evictions; the embedded disk tier's) become connector metrics as
-increments: no figure on the first look, none when the pool was recreated (counters went down)."""
+increments: no figure on the first look (but for counters this process keeps from 0), none
+when the pool was recreated (counters went down)."""
 
 from __future__ import annotations
 
@@ -42,3 +43,12 @@ def test_polls_at_most_once_a_period_and_survives_a_failing_pool() -> None:
             raise OSError("gone")
 
     assert PoolCounters(Broken(), period_s=0.0).poll() == {}
+
+
+def test_a_counter_of_this_process_counts_from_its_first_look() -> None:
+    be = Backend()
+    be.counts["store_register_refusals"] = 1  # refused before the first poll
+    pc = PoolCounters(be, period_s=0.0)
+    assert pc.poll() == {"store_register_refusals": 1}  # evictions: a pool-wide baseline
+    be.counts.update(store_register_refusals=2, evictions=6)
+    assert pc.poll() == {"store_register_refusals": 1, "evictions": 1}

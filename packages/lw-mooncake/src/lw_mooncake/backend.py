@@ -210,7 +210,9 @@ class MooncakeBackend:
     def stats(self) -> dict[str, int]:
         leftovers = len(self.stream_writer.collector) if self.stream_writer is not None else 0
         arenas = {k: v for a in (self.arena, self.put_arena) if a is not None for k, v in a.counts.items()}
-        return {**self.writer.counts, **self.gets.counts, **self.puts.counts, **arenas, "pending": len(self.reservations),
+        refused = sum(v for k, v in arenas.items() if k.endswith("_arena_refused"))
+        return {**self.writer.counts, **self.gets.counts, **self.puts.counts, **arenas,
+                "store_register_refusals": refused, "pending": len(self.reservations),
                 "call_timeouts": self.calls.timeouts, "stream_leftovers": leftovers}
 
     def close(self, timeout_s: float = 10.0) -> None:

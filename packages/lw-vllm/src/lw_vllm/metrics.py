@@ -49,6 +49,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     "device_register_failures": ("vllm:lw_pool_device_register_failures_total",
                                  "Pool memory ranges the KV cache's device could not register (their copies go "
                                  "through pinned staging)"),
+    "store_register_refusals": ("vllm:lw_pool_store_register_refusals_total",
+                                "Host memory arenas the store refused to register (their transfers copy through the "
+                                "store's staging instead)"),
     "disk_read_errors": ("vllm:lw_pool_disk_read_errors_total",
                          "Disk-tier files that could not be read (I/O error, no memory; misses, files kept)"),
     "pd_prefill_not_in_pool": ("vllm:lw_pool_pd_prefill_not_in_pool_total",
@@ -167,12 +170,16 @@ class Collector:
 
 # Counters the backend keeps itself (``backend.stats()``), turned into increments by ``PoolCounters``.
 POLLED = ("evictions", "disk_hits", "disk_bytes_read", "demotions", "demotion_drops", "disk_evictions", "disk_corrupt",
-          "disk_read_errors")
+          "disk_read_errors", "store_register_refusals")
+# Those of them this process's backend counts from 0 itself (not pool-wide): the first look counts too.
+FROM_ZERO = frozenset({"store_register_refusals"})
 
 
 class PoolCounters:
     """Turns the backend's own counters (``POLLED`` in ``backend.stats()``: the pool-wide eviction
-    count, the disk tier's) into increments, polled at most every ``period_s``."""
+    count, the disk tier's, the store's refused registrations) into increments, polled at most
+    every ``period_s``. A pool-wide counter's first look is its baseline; one this process counts
+    from 0 (``FROM_ZERO``) counts from its first look on."""
 
     def __init__(self, backend: Any, period_s: float = 1.0) -> None:
         self.backend, self.period_s = backend, period_s
@@ -193,7 +200,7 @@ class PoolCounters:
             if k not in stats:
                 continue
             cur = int(stats[k])
-            last = self._last.get(k)
+            last = self._last.get(k, 0 if k in FROM_ZERO else None)
             self._last[k] = cur
             if last is not None and cur > last:  # first look, or the pool was recreated: new baseline
                 out[k] = cur - last

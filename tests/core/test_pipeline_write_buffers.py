@@ -139,3 +139,39 @@ def test_a_backend_without_buffers_to_fill_is_written_from_staging():
     assert res.ok, res.errors
     assert bytes(backend.objects["x"]) == kv[0][3].tobytes() + kv[1][3].tobytes()
     assert backend.in_place == 0 and backend.copied == 2
+
+
+class StalledWorkerCopier(LateSaveCopier):
+    """The first wait for a save copy (a save worker's) blocks until ``complete`` whatever its
+    timeout, as a worker descheduled past ``finish``'s deadline would; later waits keep theirs."""
+
+    def __init__(self, kv: Any, backend: OwnBuffersBackend) -> None:
+        super().__init__(kv, backend)
+        self.first = True
+
+    def wait(self, token: Any, timeout_s: float) -> bool:
+        if token is not None and token[0] == "d2h" and self.first:
+            self.first = False
+            self.done.wait(30)
+            return True
+        return super().wait(token, timeout_s)
+
+
+def test_a_step_that_gives_up_on_a_worker_still_waiting_for_its_copy_aborts_only_once_the_copy_completed():
+    layout = make_layout(1, 64)
+    backend = OwnBuffersBackend()
+    copier = StalledWorkerCopier(_random_kv(1, 8, 64), backend)
+    with LayerPipeline(backend, copier, layout, save_timeout_s=0.5) as pipe:
+        pipe.start_save([ReqSave("r", ["x", "y"], [1, 6])])
+        pipe.save_layer(0)
+        res = pipe.finish_save()  # its deadline passes while the worker still waits for the copy
+        assert not res.committed_keys and sorted(res.failed_keys) == ["x", "y"]
+        assert any("missed" in e for e in res.errors) and any("did not finish" in e for e in res.errors), res.errors
+        assert not backend.aborted_at and set(backend.reserved) == {"x", "y"}  # the copy may still write them
+        copier.complete()
+        deadline = time.monotonic() + 5
+        while len(backend.aborted_at) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert copier.wrote_into_aborted == 0
+    assert set(backend.aborted_at) == {"x", "y"} and not backend.objects
+    assert [op for op, _, _ in backend.calls].count("write") == 0  # the worker did not write after the cancel

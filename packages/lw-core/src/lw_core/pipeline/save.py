@@ -71,6 +71,10 @@ class SaveStep:
         self.settling: list[tuple[Any, int, list[int]]] = []  # pending copies ``_settle`` waits for now
         self.running: list[Any] = []  # tokens of those found still running at their deadline
         self.in_flight: set[int] = set()  # their items: aborted only once the copies completed
+        # Copies into the reservations' own buffers (``write_buffers``) a save worker waits for
+        # before its write: (token, layer, items); under self.lock. ``finish`` takes any still
+        # there when it cancels into ``running``/``in_flight``.
+        self.filling: list[tuple[Any, int, list[int]]] = []
         self.n = 0
         self.failed = np.zeros(0, dtype=bool)
         self.done = np.zeros((nl, 0), dtype=bool)
@@ -150,7 +154,7 @@ class SaveStep:
         """Tokens of copies out of the KV cache that may still run on a device: enqueued and not
         settled yet, or settled as still running after the deadline."""
         with self.lock:
-            return [tok for tok, _, _ in (*self.pending, *self.settling) if tok is not None] + list(self.running)
+            return [tok for tok, _, _ in (*self.pending, *self.settling, *self.filling) if tok is not None] + list(self.running)
 
     def fail_all(self, msg: str) -> None:
         with self.lock:
@@ -167,6 +171,9 @@ class SaveStep:
             ctx.save_pool.unstick()
         with self.lock:
             self.cancelled = True  # nothing more goes into the objects' memory
+            for tok, lay, idx in self.filling:  # their workers gave up or will not write: the copies may run on
+                self._in_flight_locked(tok, lay, idx)
+            self.filling.clear()
         self._settle(deadline)
         with self.lock:
             running, in_flight = list(self.running), set(self.in_flight)
@@ -216,10 +223,16 @@ class SaveStep:
                 if done:
                     self.done[lay, idx] = True
                     continue
-                self.running.append(tok)
-                self.in_flight.update(idx)
-                self.failed[idx] = True
-                self.errors.add(f"layer {lay}: copy out of the KV cache did not finish in {self.ctx.limits.save_timeout_s}s")
+                self._in_flight_locked(tok, lay, idx)
+
+    def _in_flight_locked(self, tok: Any, layer: int, idx: list[int]) -> None:
+        """A copy into the objects of ``idx`` may still run: they fail, and are aborted only once it
+        completed (``finish``). Under self.lock."""
+        if tok is not None:
+            self.running.append(tok)
+        self.in_flight.update(idx)
+        self.failed[idx] = True
+        self.errors.add(f"layer {layer}: copy out of the KV cache did not finish in {self.ctx.limits.save_timeout_s}s")
 
     def _commit(self, idx: list[int]) -> set[int]:
         """Commit complete objects; on a batch error retry one by one to find the bad ones."""
@@ -369,14 +382,16 @@ class SaveStep:
                     if self.cancelled:
                         return
                     tok = copier.from_kv(layer, blocks, srcs, after=token)
-                if not copier.wait(tok, ctx.limits.save_timeout_s):
-                    # the device may still write into the reservations: aborted once it completed
-                    with self.lock:
-                        self.running.append(tok)
-                        self.in_flight.update(idx)
-                        self.failed[idx] = True
-                        self.errors.add(f"layer {layer}: copy out of the KV cache did not finish in {ctx.limits.save_timeout_s}s")
-                    return
+                    entry = (tok, layer, idx)
+                    self.filling.append(entry)
+                done = copier.wait(tok, ctx.limits.save_timeout_s)
+                with self.lock:
+                    if not any(e is entry for e in self.filling):
+                        return  # finish cancelled the step meanwhile and took the copy over
+                    self.filling = [e for e in self.filling if e is not entry]
+                    if not done:  # the device may still write into the reservations: aborted once it completed
+                        self._in_flight_locked(tok, layer, idx)
+                        return
             else:
                 buf = ctx.staging.get(len(idx) * n)
                 srcs = [buf[j * n : (j + 1) * n] for j in range(len(idx))]

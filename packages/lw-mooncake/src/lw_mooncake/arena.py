@@ -11,9 +11,8 @@ Invariants:
 
 * An extent is handed out to one user at a time: from ``take`` until its last holder dropped it.
 * An extent given to a call that raised (past its deadline, or anything else) is never handed out
-  again until that call has returned (``keep_late``, which takes the extent from its holders;
-  ``hold_late``, which holds it once more): Mooncake may still read or write it. ``prune`` lets
-  it go then.
+  again until that call has returned: ``hold_late`` holds it once more for the call, and ``prune``
+  lets it go once the call returned, as Mooncake may read or write it until then.
 * The memory is registered with Mooncake before any call uses it, and unregistered only at
   ``close`` when no late call can still use it; otherwise the arena stays referenced for the life
   of the process (``_KEPT``), as Mooncake may still use it.
@@ -55,7 +54,6 @@ class Arena:
         self._lock = threading.Lock()
         self._free: list[tuple[int, int]] = [(0, self.nbytes)] if self.nbytes else []  # (offset, size), by offset
         self._held: dict[int, list[int]] = {}  # offset -> [size, holders]
-        self._late: list[tuple[list[tuple[int, int]], Future[Any] | None]] = []
         self._late_holds: list[tuple[list[int], Future[Any]]] = []  # extents a late call holds once more
         self._registered: bool | None = None  # None: not tried yet; False: refused (never retried)
         self._closed = False
@@ -113,24 +111,23 @@ class Arena:
             if h[1] <= 0:
                 self._insert(off, self._held.pop(off)[0])
 
-    def keep_late(self, offs: list[int], error: BaseException) -> None:
-        """The extents at ``offs`` were given to a call that raised ``error``: freed only once that
-        call has returned (at the next ``prune`` after it did; at once for an error it raised itself)."""
-        pending = error.pending if isinstance(error, CallTimedOut) else None
-        with self._lock:
-            self._late.append(([(o, self._held.pop(o)[0]) for o in offs], pending))
-
     def hold_late(self, offs: list[int], error: BaseException) -> None:
-        """The extents at ``offs``, still held, were given to a call that raised ``error``: each is
-        held once more until that call has returned (let go at the next ``prune`` after it did; at
-        once for an error it raised itself), so its holders dropping it does not free it before."""
+        """The extents at ``offs`` were given to a call that raised ``error``: each is held once
+        more until that call has returned (let go at the next ``prune`` after it did; not at all for
+        an error it raised itself), so its holders dropping it does not free it before. One nobody
+        holds (a get's buffer the call alone had) is freed here if the call has returned. One
+        step under the lock: no ``prune`` sees an extent between the two."""
         pending = error.pending if isinstance(error, CallTimedOut) else None
-        if pending is None or pending.done():
-            return
+        late = pending is not None and not pending.done()
         with self._lock:
             for o in offs:
-                self._held[o][1] += 1
-            self._late_holds.append((list(offs), pending))
+                h = self._held[o]
+                h[1] += late
+                if h[1] <= 0:
+                    self._insert(o, self._held.pop(o)[0])
+            if late:
+                assert pending is not None
+                self._late_holds.append((list(offs), pending))
 
     def extents_of(self, arrs: list[np.ndarray]) -> list[int]:
         """The offsets of the held extents that ``arrs`` (arrays in this arena) lie in, once each."""
@@ -146,11 +143,6 @@ class Arena:
 
     def prune(self) -> None:
         with self._lock:
-            done = [r for r, f in self._late if f is None or f.done()]
-            self._late = [(r, f) for r, f in self._late if not (f is None or f.done())]
-            for ranges in done:
-                for o, s in ranges:
-                    self._insert(o, s)
             held_done = [offs for offs, f in self._late_holds if f.done()]
             self._late_holds = [(offs, f) for offs, f in self._late_holds if not f.done()]
             for offs in held_done:
@@ -218,7 +210,7 @@ class Arena:
             if self._closed:
                 return
             self._closed = True
-            registered, late = self._registered, bool(self._late) or bool(self._late_holds)
+            registered, late = self._registered, bool(self._late_holds)
         if not registered:
             return
         if late:

@@ -13,7 +13,7 @@ Invariants:
   deadline retires the staging (``lw_mooncake.buffers.Staging``) or its whole-get buffer, as the
   late call may still write it. A whole-get buffer is never let go while registered: a get that
   raises anything hands it to ``LateBuffers``, which unregisters it before dropping it; arena
-  extents given to such a get are freed only once it has returned (``GetArena.keep_late``).
+  extents given to such a get are freed only once it has returned (``Arena.hold_late``).
 * An object that is gone is ``ObjectMissing`` (or, where asked, reported and left out); any other
   failure is the lw-core error of its status (``lw_mooncake.errors``).
 """
@@ -83,7 +83,7 @@ class StagedGets:
         """Ranged gets of ``nbytes`` at each ``(key, offset)`` of ``items`` in one call, straight
         into one extent of the get arena, lent to the caller (views in the order of ``items``);
         None without an arena, or room in it. An extent given to a call that raised stays taken
-        until the call has returned (``GetArena.keep_late``); one whose call returned an error is
+        until the call has returned (``Arena.hold_late``); one whose call returned an error is
         free again at once."""
         arena = self.arena
         if arena is None or not items or nbytes <= 0:
@@ -103,7 +103,7 @@ class StagedGets:
                 [[[p for p, _ in by_key[k]] for k in keys]], [[[o for _, o in by_key[k]] for k in keys]],
                 [[[nbytes] * len(by_key[k]) for k in keys]])
         except BaseException as e:
-            arena.keep_late([off], e)  # Mooncake may still write it
+            arena.hold_late([off], e)  # Mooncake may still write it
             raise
         try:
             answers = res[0] if len(res) == 1 else None
@@ -180,7 +180,7 @@ class StagedGets:
             res = self.client.calls.call("batch_get_into", self.client.store.batch_get_into, keys,
                                          [arena.base + o for o in offs], [sizes[k] for k in keys])
         except BaseException as e:
-            arena.keep_late(offs, e)  # freed once the call has returned
+            arena.hold_late(offs, e)  # freed once the call has returned
             raise
         self.counts["arena_gets"] += 1
         error: BackendError | None = None

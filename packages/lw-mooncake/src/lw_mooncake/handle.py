@@ -23,7 +23,7 @@ class MooncakeHandle:
     session: bool = False  # reserved as a Mooncake put session (lw_mooncake.session_writer)
     sent: list[tuple[int, int]] = field(default_factory=list, repr=False)  # ranges written into the session
     extent: int | None = None  # where ``buf`` lies in the put arena (``lw_mooncake.reservations``), if it does
-    filled: list[tuple[int, int]] = field(default_factory=list, repr=False)  # ranges of ``buf`` written (arena only)
+    filled: list[tuple[int, int]] = field(default_factory=list, repr=False)  # ranges of ``buf`` written (arena, whole puts)
 
 
 @dataclass(eq=False, slots=True)

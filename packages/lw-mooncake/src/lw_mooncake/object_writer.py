@@ -38,7 +38,7 @@ from lw_mooncake.client import StoreClient
 from lw_mooncake.errors import to_error
 from lw_mooncake.handle import MooncakeHandle
 from lw_mooncake.puts import StagedPuts
-from lw_mooncake.reservations import Reservations
+from lw_mooncake.reservations import Reservations, uncovered
 from lw_mooncake.session_writer import SessionWriter
 from lw_mooncake.stream_write import StreamWriter
 
@@ -81,8 +81,8 @@ class ObjectWriter:
             raise ValueError(f"{what}: range [{off}, {off + n}) outside {h.key!r} of {h.nbytes} bytes")
         if self.streams is not None and n:
             self.streams.written(h.key, off + n)  # publish cuts segments where written ranges end
-        if h.extent is not None and n:
-            h.filled.append((off, off + n))  # the rest is zeroed before the put (Reservations.zero_unwritten)
+        if h.extent is not None and n and not h.session:
+            h.filled.append((off, off + n))  # the rest is zeroed before the whole put (a session's: its gap fill)
         return buf[off : off + n]
 
     def write(self, handles: Sequence[MooncakeHandle], offsets: Sequence[int], srcs: Sequence[Any]) -> None:
@@ -185,7 +185,7 @@ class ObjectWriter:
         items = []
         for h in batch:
             assert h.buf is not None
-            self.reservations.zero_unwritten(h, h.filled)  # an arena extent is not zeroed when taken
+            self.reservations.zero(h, uncovered(h.filled, h.nbytes))  # an arena extent is not zeroed when taken
             items.append((h.key, [h.buf]))
         res = self.puts.put_parts(items)
         errors = []

@@ -47,6 +47,22 @@ class StagedPuts:
     def _direct(self, data: np.ndarray) -> bool:
         return self.arena is not None and data.nbytes > 0 and self.arena.covers(data)
 
+    def _place(self, parts: list[np.ndarray], buf: np.ndarray, off: int, direct: list[np.ndarray]) -> tuple[int, int]:
+        """Where Mooncake reads ``parts`` (one source) from: a single part in the arena as it lies
+        (added to ``direct``), else copied into the staging ``buf`` at ``off``. (address, next off)"""
+        if len(parts) == 1 and self._direct(parts[0]):
+            direct.append(parts[0])
+            return int(parts[0].ctypes.data), off
+        at = int(buf.ctypes.data) + off
+        for p in parts:
+            buf[off : off + p.nbytes] = p
+            off += p.nbytes
+        return at, off
+
+    def _count(self, direct: list[np.ndarray], staged: int) -> None:
+        self.counts["put_direct_bytes"] += sum(d.nbytes for d in direct)
+        self.counts["put_staged_bytes"] += staged
+
     def _late(self, e: BackendUnavailable, direct: list[np.ndarray]) -> None:
         self._staging.retire(e)
         if direct and self.arena is not None:
@@ -58,21 +74,13 @@ class StagedPuts:
         self.client.check_open()
         with self._staging.lock:
             buf = self._staging.get()
-            base, ptrs, sizes, off = int(buf.ctypes.data), [], [], 0
+            ptrs, sizes, off = [], [], 0
             direct: list[np.ndarray] = []
             for _, parts in items:
-                if len(parts) == 1 and self._direct(parts[0]):
-                    direct.append(parts[0])
-                    ptrs.append(int(parts[0].ctypes.data))
-                    sizes.append(parts[0].nbytes)
-                    continue
-                ptrs.append(base + off)
-                for p in parts:
-                    buf[off : off + p.nbytes] = p
-                    off += p.nbytes
-                sizes.append(base + off - ptrs[-1])
-            self.counts["put_direct_bytes"] += sum(d.nbytes for d in direct)
-            self.counts["put_staged_bytes"] += off
+                ptr, off = self._place(parts, buf, off, direct)
+                ptrs.append(ptr)
+                sizes.append(sum(p.nbytes for p in parts))
+            self._count(direct, off)
             try:
                 return list(self.client.calls.call("batch_put_from", self.client.store.batch_put_from,
                                                    [k for k, _ in items], ptrs, sizes, *self.client.put_args()))
@@ -125,21 +133,15 @@ class StagedPuts:
         entries: dict[str, tuple[list[int], list[int], list[int]]] = {}
         with self._staging.lock:
             buf = self._staging.get()
-            base, off = int(buf.ctypes.data), 0
+            off = 0
             direct: list[np.ndarray] = []
             for key, dst, data in batch:
                 ptrs, sizes, dsts = entries.setdefault(key, ([], [], []))
-                if self._direct(data):
-                    direct.append(data)
-                    ptrs.append(int(data.ctypes.data))
-                else:
-                    buf[off : off + data.nbytes] = data
-                    ptrs.append(base + off)
-                    off += data.nbytes
+                ptr, off = self._place([data], buf, off, direct)
+                ptrs.append(ptr)
                 sizes.append(data.nbytes)
                 dsts.append(dst)
-            self.counts["put_direct_bytes"] += sum(d.nbytes for d in direct)
-            self.counts["put_staged_bytes"] += off
+            self._count(direct, off)
             keys = list(entries)
             try:
                 res = sessions.ranges(keys, [entries[k][0] for k in keys], [entries[k][1] for k in keys],

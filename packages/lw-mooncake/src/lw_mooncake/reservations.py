@@ -14,9 +14,8 @@ Invariants:
 * An arena extent is held by its reservation and by every call using it (``pin``); it is freed
   only when the last of them let go, so a write or put still running when the reservation ends
   never finds its memory given to another reservation.
-* An arena extent is not zeroed when taken: the ranges written are recorded (``filled``) and
-  ``zero_unwritten`` zeroes the rest before the object is put, so what is stored equals what a
-  zeroed array would hold.
+* An arena extent is not zeroed when taken: its writers zero what was never written (``zero``)
+  before the object is put, so what is stored equals what a zeroed array would hold.
 * Every change is under ``lock``; ``holds`` reads without it (one dict lookup).
 """
 
@@ -112,11 +111,11 @@ class Reservations:
                 self.arena.hold_at(off, -1)
 
     @staticmethod
-    def zero_unwritten(h: MooncakeHandle, written: Sequence[tuple[int, int]]) -> None:
-        """Zero the ranges of an arena-held local object outside ``written`` (a fresh array is
-        zeroed already)."""
+    def zero(h: MooncakeHandle, ranges: Sequence[tuple[int, int]]) -> None:
+        """Zero ``ranges`` (never written) of an arena-held local object; a fresh array is zeroed
+        already."""
         if h.extent is not None and h.buf is not None:
-            for a, b in uncovered(written, h.nbytes):
+            for a, b in ranges:
                 h.buf[a:b] = 0
 
     def end(self, handles: Sequence[MooncakeHandle]) -> None:

@@ -108,8 +108,8 @@ class SessionWriter:
                 if h in self._bad:
                     h.failed = self._bad.pop(h)
         fill = [(h, a, b) for h in handles if h.failed is None and h.buf is not None for a, b in gaps(h.sent, h.nbytes)]
-        for h in {h for h, _, _ in fill}:
-            self.reservations.zero_unwritten(h, h.sent)  # an arena extent is not zeroed when taken
+        for h, a, b in fill:
+            self.reservations.zero(h, [(a, b)])  # an arena extent is not zeroed when taken
         if fill:
             res = self.puts.put_ranges(self.sessions, [(h.key, a, h.buf[a:b]) for h, a, b in fill if h.buf is not None])
             for (h, _, _), r in zip(fill, res):

@@ -55,6 +55,30 @@ def test_bench_pipeline_mooncake_loads_exact_bytes_in_each_load_mode(hosts, load
     assert out["t_bulk_s"] > 0 and all(t > 0 for t in out["t_layerwise_s"].values()), out
 
 
+@pytest.mark.slow
+def test_bench_pipeline_mooncake_rates_move_every_mechanism_through_the_arenas(hosts) -> None:
+    """What scripts/device-check.sh runs on a GPU where its bundle brings Mooncake, here on the
+    ``cpu-torch`` device (its throwaway pools on the namespace host's loopback): every case and
+    mechanism saves and loads exact bytes through the mechanism it names, and Mooncake moved them
+    through its arenas: every save sent from the put arena (no byte through the put staging), every
+    load landed in the get arena (whole or ranged), so the device copies move each byte straight
+    between the arenas and the KV. (~30 s: --quick.)"""
+    bench = Path(sys.executable).with_name("lw-bench")
+    r = hosts.run("a", [str(bench), "pipeline", "--backend", "mooncake", "--quick", "--json", "--kv-device", "cpu-torch",
+                        "--rates", "--backend-key", "mooncake_call_timeout_s=10"], timeout=240)
+    lines = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    assert r.returncode == 0 and lines, r.stderr[-3000:]
+    rows = json.loads(lines[-1])["rates"]
+    assert {(x["case"], x["mechanism"]) for x in rows} == {
+        (c, m) for c in ("16 KiB", "64 KiB", "model") for m in ("staged", "kernel", "batch_dma")}, rows
+    for x in rows:
+        assert x["verified"] and x["error"] is None, x
+        assert x["used"][x["mechanism"]] > 0 and sum(x["used"].values()) == x["used"][x["mechanism"]], x
+        moved = x["store_counts"]
+        assert moved.get("put_staged_bytes", 0) == 0 and moved["put_direct_bytes"] >= x["total_bytes"], x
+        assert moved.get("arena_gets", 0) + moved.get("arena_range_gets", 0) > 0, x
+
+
 @pytest.mark.parametrize(
     ("argv", "words"),
     [

@@ -129,13 +129,13 @@ def _case_pool(cfg: dict[str, Any], purging: int, keeping: int) -> tuple[Any, st
     what it no longer needs, untimed, so the pool, a tmpfs file whose pages are taken when it is
     made and registered with the device, stays small), else ``keeping`` bytes, room for every
     object the case writes. Returns the backend, its temporary directory and whether it purges."""
-    backend, tmp = open_backend(dict(cfg, backend_keys=None), purging)
+    backend, tmp = open_backend(cfg, purging)
     if supports_purge(backend):
         return backend, tmp, True
     backend.close()
     if tmp:
         shutil.rmtree(tmp, ignore_errors=True)
-    backend, tmp = open_backend(dict(cfg, backend_keys=None), keeping)
+    backend, tmp = open_backend(cfg, keeping)
     return backend, tmp, False
 
 
@@ -173,6 +173,7 @@ def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) 
                 copiers += [cs, cd]
                 key = f"{name}/{m}".replace(" ", "")  # a --pool-path pool may be reused by the next case
                 error = None
+                before = _counters(backend)
                 try:
                     _save(acc, backend, cs, layout, [f"{key}/warm/{i}" for i in range(4)])
                     t_save = statistics.median(
@@ -181,6 +182,8 @@ def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) 
                 except (Exception, SystemExit) as e:  # one mechanism failing must not cost the others' figures
                     error, t_save, t_load, verified = f"{type(e).__name__}: {e}"[:300], float("inf"), float("inf"), False
                     print(f"lw-bench pipeline --rates: {name} {m}: {error}", file=sys.stderr)
+                moved = _counters(backend)
+                store_counts = {k: v - before.get(k, 0) for k, v in moved.items() if v != before.get(k, 0)}
                 if purges:  # the next mechanism's saves get the room back
                     _purge(backend, f"{key}/")
                 used = {k: cs.mechanism_counts.get(k, 0) + cd.mechanism_counts.get(k, 0) for k in ("kernel", "batch_dma", "staged")}
@@ -189,7 +192,7 @@ def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) 
                     case=name, layers=layers, blocks=blocks, segment_bytes=bb, total_bytes=total, mechanism=m,
                     load_gbps=load_gbps, save_gbps=save_gbps, ceiling_load_gbps=ceil_load, ceiling_save_gbps=ceil_save,
                     load_of_ceiling=load_gbps / ceil_load, save_of_ceiling=save_gbps / ceil_save, used=used,
-                    verified=verified, error=error))
+                    verified=verified, error=error, store_counts=store_counts))
         finally:
             for c in copiers:
                 c.close()
@@ -197,6 +200,14 @@ def measure_rates(acc: Any, cfg: dict[str, Any], only: list[str] | None = None) 
             if tmp:
                 shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+def _counters(backend: Any) -> dict[str, int]:
+    """The pool's integer counters (``Backend.stats``); none where it cannot say."""
+    try:
+        return {k: v for k, v in backend.stats().items() if type(v) is int}
+    except Exception:  # noqa: BLE001 - a figure less, never a failed case
+        return {}
 
 
 def _purge(backend: Any, prefix: str) -> None:

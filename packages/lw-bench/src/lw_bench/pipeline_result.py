@@ -50,6 +50,9 @@ class RateRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     used: dict[str, int]  # batches each mechanism really moved (saves and loads)
     verified: bool
     error: str | None = None  # the mechanism failed here (its rates are 0)
+    # The pool's own counters that moved over this case and mechanism (``Backend.stats`` deltas):
+    # how the store moved the bytes, e.g. Mooncake's put_direct_bytes / put_staged_bytes.
+    store_counts: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 class HostRow(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -14,11 +14,13 @@
 #   2. runs `lw-bench pipeline --kv-device DEV`: the overlap with compute per mechanism, each
 #      mechanism's pool rate against the pinned-DMA ceiling (--rates) and a model-shaped prefill
 #      against loading its prefix (--model-shaped), then the host's own work per window on this
-#      machine's CPU (--kv-device cpu-torch --host-work), and prints a short table last.
+#      machine's CPU (--kv-device cpu-torch --host-work), and prints a short table last;
+#   3. where Mooncake imports (installed, or from the bundle's wheel and libraries), the same rates
+#      on a Mooncake pool started here (`--backend mooncake --rates`): its get and put arenas.
 # Takes a few minutes. Results land in $OUT (when set, e.g. by a lent-device runner) or
 # /tmp/lw-device-check: device-tests.txt, bench-*.json, summary.txt.
 #
-# Environment: PYTHON (default python3), KV_DEVICE (default: cuda, else npu), LW_WHEELS (the
+# Environment: MOONCAKE=0 skips step 3, MOONCAKE_BENCH_ARGS replaces its size options; PYTHON (default python3), KV_DEVICE (default: cuda, else npu), LW_WHEELS (the
 # bundle's wheels; default .whl in or next to the repository), BENCH_ARGS (replaces the overlap
 # run's size options), MODEL_SHAPES (default llama3-8b,llama3-70b), LW_TESTS_ALLOW_MISSING (default
 # memcache_hybrid,mooncake,vllm: the tests of those are skipped), PIP (default: $PYTHON -m pip),
@@ -53,14 +55,17 @@ print("optional:", ", ".join(f"{m} {'yes' if have(m) else 'no'}" for m in ("cuda
 EOF
 df -h /dev/shm 2>/dev/null | tail -1 | awk '{print "/dev/shm: " $4 " free of " $2}'
 
+# The bundle's wheels: LW_WHEELS, else .whl in or next to the repository.
+find_wheels() {
+  local d
+  if [ -n "${LW_WHEELS:-}" ]; then echo "$LW_WHEELS"; return; fi
+  for d in "$PWD/.whl" "$PWD/../.whl"; do [ -d "$d" ] && { echo "$d"; return; }; done
+}
 need="numpy msgspec lmdb tqdm pytest"
 missing_now() { "$PY" -c "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" $need; }
 missing=$(missing_now)
 if [ -n "$missing" ]; then
-  wheels=${LW_WHEELS:-}
-  if [ -z "$wheels" ]; then
-    for d in "$PWD/.whl" "$PWD/../.whl"; do [ -d "$d" ] && { wheels=$d; break; }; done
-  fi
+  wheels=$(find_wheels)
   if [ -n "$wheels" ] && [ -d "$wheels" ]; then
     site=$(mktemp -d /tmp/lw-device-site.XXXXXX)
     files=()
@@ -85,6 +90,54 @@ if [ -n "$missing" ]; then
   echo "device-check: missing Python modules: $missing (run scripts/device-bundle.sh where a package index is"
   echo "  reachable and bring its .whl here, or pip install $missing, or rerun with PIP_INSTALL_MISSING=1)"
   exit 2
+fi
+
+# Mooncake, when this Python has it or the bundle brings it (scripts/device-bundle.sh): its wheel
+# into the temporary site, and of the bundle's mooncake-libs.tar.xz only the libraries this machine
+# lacks (each a link in a directory put first on LD_LIBRARY_PATH; linked in rounds, as a library
+# found shows what it loads in turn). Without it the Mooncake bench below is skipped.
+mooncake_ok() { "$PY" -c "import mooncake.store" 2>/dev/null; }
+wheels=$(find_wheels)
+if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('mooncake') is None)" 2>/dev/null \
+    && [ -n "$wheels" ] && ls "$wheels"/mooncake_transfer_engine*.whl >/dev/null 2>&1; then
+  site=${site:-$(mktemp -d /tmp/lw-device-site.XXXXXX)}
+  say "installing Mooncake from $wheels"
+  ${PIP:-"$PY" -m pip} install --quiet --no-index --no-deps --target "$site" "$(ls -t "$wheels"/mooncake_transfer_engine*.whl | head -1)" \
+    && case ":$PYTHONPATH:" in *":$site:"*) ;; *) export PYTHONPATH="$PYTHONPATH:$site" ;; esac
+fi
+if ! mooncake_ok && [ -n "$wheels" ] && [ -f "$wheels/mooncake-libs.tar.xz" ]; then
+  mc_dir=$("$PY" -c "import importlib.util as u; s = u.find_spec('mooncake'); print(s.submodule_search_locations[0] if s else '')" 2>/dev/null)
+  if [ -n "$mc_dir" ]; then
+    libs=$(mktemp -d /tmp/lw-device-libs.XXXXXX)
+    mkdir -p "$libs/all" "$libs/use"
+    tar -xJf "$wheels/mooncake-libs.tar.xz" -C "$libs/all"
+    export LD_LIBRARY_PATH="$libs/use${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    for _ in 1 2 3 4 5 6; do
+      lacking=$(ldd "$mc_dir/store.so" "$mc_dir/mooncake_master" 2>/dev/null | awk '/not found/ {print $1}' | sort -u)
+      linked=0
+      for l in $lacking; do
+        [ -e "$libs/all/$l" ] && [ ! -e "$libs/use/$l" ] && ln -s "$libs/all/$l" "$libs/use/$l" && linked=1
+      done
+      [ $linked = 1 ] || break
+    done
+    echo "Mooncake: system libraries taken from the bundle: $(ls "$libs/use" | tr '\n' ' ')"
+  fi
+fi
+if mooncake_ok; then
+  have_mooncake=1
+  # lw-core finds backends by their entry points; lw-mooncake's source tree on PYTHONPATH has no
+  # distribution metadata, so a minimal one names its plugin (as its pyproject.toml does).
+  if ! "$PY" -c "from lw_core.backends.registry import backend_names as b; import sys; sys.exit('mooncake' not in b())" 2>/dev/null; then
+    site=${site:-$(mktemp -d /tmp/lw-device-site.XXXXXX)}
+    meta="$site/lw_mooncake-0+source.dist-info"
+    mkdir -p "$meta"
+    printf 'Metadata-Version: 2.1\nName: lw-mooncake\nVersion: 0+source\n' > "$meta/METADATA"
+    printf '[lw_pool.backends]\nmooncake = lw_mooncake.plugin:PLUGIN\n' > "$meta/entry_points.txt"
+    case ":$PYTHONPATH:" in *":$site:"*) ;; *) export PYTHONPATH="$PYTHONPATH:$site" ;; esac
+  fi
+else
+  have_mooncake=0
+  echo "Mooncake: not importable here (no wheel in the bundle, or a library missing); its bench is skipped"
 fi
 
 # The copier must import without vLLM (it cannot be installed here).
@@ -136,6 +189,18 @@ for m in $mechs; do
   first=0
 done
 
+# Mooncake's pool on this device: the rates of loads (per-layer ranged gets lent from the get arena,
+# whole ones into it) and saves (put arena) against the pinned-DMA ceiling, bytes verified. Its
+# master and holder run on this machine (their clients listen on every address: a lent machine with
+# no network beyond itself). MOONCAKE=0 skips it.
+if [ "$have_mooncake" = 1 ] && [ "${MOONCAKE:-1}" = 1 ]; then
+  say "lw-bench pipeline --kv-device $KV_DEVICE --backend mooncake --rates"
+  # shellcheck disable=SC2086
+  timeout "${BENCH_TIMEOUT_S:-360}" "$PY" -m lw_bench.cli pipeline --json --kv-device "$KV_DEVICE" --backend mooncake \
+    --rates --timeout-s 340 ${MOONCAKE_BENCH_ARGS:---layers 4 --blocks 16 --block-bytes 65536 --reps 2 --depths 2} \
+    > "$OUT_DIR/bench-mooncake.json" || bench_rc=1
+fi
+
 # The host's own part of the device path on this machine's CPU (copies that move nothing): the rate
 # it alone allows bounds the rates above. HOST_WORK=0 skips it (about a minute).
 if [ "${HOST_WORK:-1}" = 1 ]; then
@@ -179,6 +244,19 @@ for r in runs.values():
     if r.get("model_shaped"):
         print("a hit's load / a dense prefill of the same prefix (at the model-shaped case's rates):")
         print("\n".join(model_lines(r["model_shaped"])))
+try:
+    mc = json.loads(open(f"{out}/bench-mooncake.json").read().strip().splitlines()[-1])
+except Exception:  # noqa: BLE001 (no Mooncake here: said above)
+    mc = None
+if mc and mc.get("rates"):
+    print("Mooncake pool (get and put arenas) rate / pinned-DMA ceiling of the same run (bytes verified):")
+    print("\n".join(rate_lines(mc["rates"])))
+    ok = ok and all(x["verified"] for x in mc["rates"])
+    tot = {k: sum(x.get("store_counts", {}).get(k, 0) for x in mc["rates"])
+           for k in ("put_direct_bytes", "put_staged_bytes", "arena_gets", "arena_range_gets")}
+    print(f"  Mooncake moved: puts {tot['put_direct_bytes'] / 2**20:.0f} MiB from the put arena, "
+          f"{tot['put_staged_bytes'] / 2**20:.0f} MiB through its staging; gets into the get arena: "
+          f"{tot['arena_gets']} whole, {tot['arena_range_gets']} ranged")
 try:
     host = json.loads(open(f"{out}/bench-host.json").read().strip().splitlines()[-1]).get("host_work")
 except Exception:  # noqa: BLE001 (skipped with HOST_WORK=0, or failed: said above)

@@ -61,22 +61,33 @@ find_wheels() {
   if [ -n "${LW_WHEELS:-}" ]; then echo "$LW_WHEELS"; return; fi
   for d in "$PWD/.whl" "$PWD/../.whl"; do [ -d "$d" ] && { echo "$d"; return; }; done
 }
+wheels=$(find_wheels)
+# One temporary site for what this run installs (the bundle's wheels, lw-mooncake's metadata), on
+# PYTHONPATH once it exists.
+site=""
+use_site() {
+  if [ -z "$site" ]; then
+    site=$(mktemp -d /tmp/lw-device-site.XXXXXX)
+    export PYTHONPATH="$PYTHONPATH:$site"
+  fi
+}
+install_wheels() {
+  use_site
+  ${PIP:-"$PY" -m pip} install --quiet --no-index --no-deps --target "$site" "$@"
+}
 need="numpy msgspec lmdb tqdm pytest"
 missing_now() { "$PY" -c "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))" $need; }
 missing=$(missing_now)
 if [ -n "$missing" ]; then
-  wheels=$(find_wheels)
   if [ -n "$wheels" ] && [ -d "$wheels" ]; then
-    site=$(mktemp -d /tmp/lw-device-site.XXXXXX)
     files=()
     for m in $missing; do
       for f in "$wheels/$m"-*.whl; do [ -e "$f" ] && files+=("$f"); done
     done
     if [ ${#files[@]} -gt 0 ]; then
       say "installing from $wheels: ${files[*]##*/}"
-      ${PIP:-"$PY" -m pip} install --quiet --no-index --no-deps --target "$site" "${files[@]}" \
+      install_wheels "${files[@]}" \
         || echo "device-check: installing the bundle's wheels failed (built for another Python? see scripts/device-bundle.sh)"
-      export PYTHONPATH="$PYTHONPATH:$site"
     fi
   fi
   missing=$(missing_now)
@@ -97,13 +108,10 @@ fi
 # lacks (each a link in a directory put first on LD_LIBRARY_PATH; linked in rounds, as a library
 # found shows what it loads in turn). Without it the Mooncake bench below is skipped.
 mooncake_ok() { "$PY" -c "import mooncake.store" 2>/dev/null; }
-wheels=$(find_wheels)
 if ! "$PY" -c "import importlib.util as u, sys; sys.exit(u.find_spec('mooncake') is None)" 2>/dev/null \
     && [ -n "$wheels" ] && ls "$wheels"/mooncake_transfer_engine*.whl >/dev/null 2>&1; then
-  site=${site:-$(mktemp -d /tmp/lw-device-site.XXXXXX)}
   say "installing Mooncake from $wheels"
-  ${PIP:-"$PY" -m pip} install --quiet --no-index --no-deps --target "$site" "$(ls -t "$wheels"/mooncake_transfer_engine*.whl | head -1)" \
-    && case ":$PYTHONPATH:" in *":$site:"*) ;; *) export PYTHONPATH="$PYTHONPATH:$site" ;; esac
+  install_wheels "$(ls -t "$wheels"/mooncake_transfer_engine*.whl | head -1)"
 fi
 if ! mooncake_ok && [ -n "$wheels" ] && [ -f "$wheels/mooncake-libs.tar.xz" ]; then
   mc_dir=$("$PY" -c "import importlib.util as u; s = u.find_spec('mooncake'); print(s.submodule_search_locations[0] if s else '')" 2>/dev/null)
@@ -128,12 +136,11 @@ if mooncake_ok; then
   # lw-core finds backends by their entry points; lw-mooncake's source tree on PYTHONPATH has no
   # distribution metadata, so a minimal one names its plugin (as its pyproject.toml does).
   if ! "$PY" -c "from lw_core.backends.registry import backend_names as b; import sys; sys.exit('mooncake' not in b())" 2>/dev/null; then
-    site=${site:-$(mktemp -d /tmp/lw-device-site.XXXXXX)}
+    use_site
     meta="$site/lw_mooncake-0+source.dist-info"
     mkdir -p "$meta"
     printf 'Metadata-Version: 2.1\nName: lw-mooncake\nVersion: 0+source\n' > "$meta/METADATA"
     printf '[lw_pool.backends]\nmooncake = lw_mooncake.plugin:PLUGIN\n' > "$meta/entry_points.txt"
-    case ":$PYTHONPATH:" in *":$site:"*) ;; *) export PYTHONPATH="$PYTHONPATH:$site" ;; esac
   fi
 else
   have_mooncake=0

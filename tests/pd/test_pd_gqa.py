@@ -67,6 +67,19 @@ def test_chat_matches_single_engine(gqa_stack: Stack, continued: bool) -> None:
     assert (ex.decode_stats[0]["remote_prefill"] == CONTINUED) == continued, ex.decode_stats
 
 
+def test_an_echo_completion_continued_after_its_prefill_is_the_single_engines(gqa_stack: Stack) -> None:
+    """``echo``: the prefill and the continuation are asked without it, and the proxy puts the
+    prompt's text in front, as vLLM echoes it (``RequestOutput.prompt``, the text as given)."""
+    body = {"model": "tiny", "prompt": text(3, 110), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+            "echo": True}
+    ref = baseline(gqa_stack, "/v1/completions", body)
+    ex = through(gqa_stack, "/v1/completions", body)
+    assert ex.status == 200, ex.out
+    assert ex.out["choices"][0]["text"] == ref["choices"][0]["text"]
+    assert ex.out["choices"][0]["text"].startswith(body["prompt"]) and ex.out["usage"] == ref["usage"]
+    assert ex.decode_stats[0]["remote_prefill"] == CONTINUED, ex.decode_stats
+
+
 @pytest.mark.parametrize(("chat", "n"), [(False, 1), (True, 1), (False, 2)], ids=["completion", "chat", "completion-n2"])
 def test_a_seeded_sampled_answer_continued_after_its_prefill_is_the_single_engines(gqa_stack: Stack, chat: bool,
                                                                                      n: int) -> None:
@@ -146,7 +159,7 @@ def _relayable_greedy_body(stack: Stack, chat: bool, logprobs: dict) -> dict:
         body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **logprobs,
                 **({"messages": [{"role": "user", "content": text(seed, 150)}]} if chat else {"prompt": text(seed, 150)})}
         first = baseline(stack, _path(chat), {**body, "max_tokens": 1})
-        if relay.first_event(json.dumps(first).encode(), "probe", chat, bool(logprobs)) is not None:
+        if relay.first_event(json.dumps(first).encode(), "probe", chat, "logprobs" in logprobs) is not None:
             return body
     pytest.fail("no prompt of seeds 77-86 starts with a token the proxy may relay")
 
@@ -178,8 +191,8 @@ def _stream_logprobs(events: list, chat: bool) -> dict:
 
 @pytest.mark.parametrize(("chat", "logprobs"), [
     (False, {}), (True, {}), (False, {"logprobs": 2, "return_tokens_as_token_ids": True}),
-    (True, {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True})],
-                         ids=["completion", "chat", "completion-logprobs", "chat-logprobs"])
+    (True, {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}), (False, {"echo": True})],
+                         ids=["completion", "chat", "completion-logprobs", "chat-logprobs", "completion-echo"])
 def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack: Stack, chat: bool,
                                                                       logprobs: dict) -> None:
     """Through the proxy's default, a relayable streamed greedy completion's or chat's first token
@@ -225,7 +238,9 @@ def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack:
     assert len(middle) == 1 and ref_middle in (set(), middle), (events, ref_events)
     assert _shape(events[-2]) == _shape(ref_events[-2]), (events, ref_events)
     assert len({ev["id"] for ev in events[:-1]}) == 1  # the relayed events carry the decoder's id
-    if logprobs:
+    if "echo" in logprobs:  # the relayed event begins with the prompt, as the single engine's
+        assert _stream_text(events, chat).startswith(body["prompt"]), events[:2]
+    if "logprobs" in logprobs:
         ref, got = _stream_logprobs(ref_events, chat), _stream_logprobs(events, chat)
         assert len(got["tokens"]) == MAX_TOKENS, got  # one entry per token: the relayed one's not twice
         assert_same(ref, got, "log-probs")

@@ -57,6 +57,29 @@ def test_the_decoder_continues_from_the_prefills_token_without_a_metaserver_call
     run(body())
 
 
+@pytest.mark.parametrize("extra", [{}, {"return_token_ids": True}, {"n": 2, "temperature": 0.7}],
+                         ids=["plain", "ids", "n2"])
+def test_an_echo_completion_continued_after_its_prefill_is_the_single_engines(extra):
+    """``echo``: the prefill is asked without it (its first token is read from the generated text),
+    the continuation too, and the answer begins with the prompt once, as a single engine's (not
+    when the client asked for token ids: vLLM then echoes the prompt's ids only)."""
+    async def body():
+        async with harness() as h:
+            req = {**GREEDY, "prompt": "the prompt", "echo": True, **extra}
+            async with h.session.post(h.backend_urls[-1] + "/v1/completions", json=req) as r:  # a plain vLLM server
+                assert r.status == 200
+                want = await r.json()
+            status, out = await h.post("/v1/completions", req)
+            assert status == 200, out
+            strip = ("id", "created", "kv_transfer_params")
+            assert {k: v for k, v in out.items() if k not in strip} == {k: v for k, v in want.items() if k not in strip}, (out, want)
+            assert out["choices"][0]["text"].startswith("" if extra.get("return_token_ids") else "the prompt")
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
+            assert all("echo" not in b for b in (*h.prefillers[0].bodies, *h.decoders[0].bodies[1:]))
+
+    run(body())
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_a_sampled_answer_of_several_choices_continues_each_choice_from_its_own_token(chat):
     async def body():
@@ -238,7 +261,9 @@ def test_which_requests_are_continued():
     assert applies({**GREEDY, "stop": []}) and applies({**GREEDY, "response_format": {"type": "text"}})
     assert applies({**GREEDY, "stop": "x"}) and applies({**CHAT, "stop": ["x", "yz"], "include_stop_str_in_output": True})
     assert applies({**GREEDY, "presence_penalty": 0, "frequency_penalty": 0.0})
-    for kw in ({"stream": True}, {"prompt": ["a", "b"]}, {"echo": True}, {"suffix": "s"}, {"min_tokens": 2},
+    assert applies({**GREEDY, "echo": True}) and applies({**GREEDY, "echo": True, "return_token_ids": True})
+    for kw in ({"stream": True}, {"prompt": ["a", "b"]}, {"echo": True, "logprobs": 1}, {"echo": True, "prompt": [5, 6]},
+               {"echo": 1}, {"suffix": "s"}, {"min_tokens": 2},
                {"stop": 3}, {"frequency_penalty": 0.1}, {"best_of": 2, "n": 1},
                {"structured_outputs": {"regex": "a"}}, {"logits_processors": ["m.P"]}, {"vllm_xargs": {"a": 1}}):
         assert not applies({**GREEDY, **kw}), kw

@@ -444,6 +444,34 @@ def test_a_relayed_stream_is_the_decoders_stream_event_for_event(chat, extra):
     run(body())
 
 
+@pytest.mark.parametrize("extra", [{}, {"return_token_ids": True}, {"stop": "zz"},
+                                   {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}],
+                         ids=["plain", "ids", "stop", "usage"])
+def test_an_echo_stream_is_relayed_as_the_decoders_stream_event_for_event(extra):
+    """``echo``: the prefill is asked without it, and the relayed event begins with the prompt's
+    text (none when the client asked for ids: vLLM then echoes the ids only) and carries the
+    prompt's ids, as the decoder's own echoing event; the decoder's is cut."""
+    req = {**GREEDY, "prompt": "the prompt", "echo": True, **extra}
+
+    async def body():
+        got = {}
+        for prefill_first in (False, True):
+            async with harness(prefill_first=prefill_first) as h:
+                h.decoders[0].knobs.delay = 0.5
+                _, texts, errors, events = await _sse(h, req)
+                assert errors == [], errors
+                echo = "" if "return_token_ids" in extra else "the prompt"
+                assert "".join(texts) == echo + "".join(generate("the prompt", 4))
+                assert events[0]["choices"][0]["prompt_token_ids"] == tokenize("the prompt")
+                got[prefill_first] = _shape(events)
+                relayed = h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total")
+                assert relayed == (1 if prefill_first else 0)
+                assert all("echo" not in b for b in h.prefillers[0].bodies)
+        assert got[True] == got[False]
+
+    run(body())
+
+
 def test_eligible_only_for_plain_greedy_single_prompt_streams():
     def req(**kw):
         return parse_completion(msgspec.json.encode({**GREEDY, **kw}))
@@ -457,14 +485,16 @@ def test_eligible_only_for_plain_greedy_single_prompt_streams():
     assert relay.relayable(req(), forced=False)
     assert not relay.eligible(req(temperature=0.5, min_tokens=2))  # the prefill drops min_tokens
     for kw in ({"prompt": ["a", "b"]}, {"stream": False}, {"n": 2, "prompt": ["a", "b"]},
-               {"stop": [""]}, {"stop": [1]}, {"stop": "x", "include_stop_str_in_output": 1}, {"echo": True},
+               {"stop": [""]}, {"stop": [1]}, {"stop": "x", "include_stop_str_in_output": 1}, {"echo": 1},
+               {"echo": True, "prompt": [1, 2]}, {"echo": True, "logprobs": 0}, {"echo": True, "truncate_prompt_tokens": 3},
                {"best_of": 2},
                {"stream_options": {"include_usage": True, "continuous_usage_stats": 1}},
                {"stream_options": {"include_usage": "yes", "continuous_usage_stats": True}}):
         assert not relay.eligible(req(**kw)), kw
     # Token ids and continuous usage go out with the relayed token as a single engine sends them.
     for kw in ({"return_token_ids": True}, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-               {"stream_options": {"continuous_usage_stats": False}}, {"stop": ["x"]}, {"stop": []}):
+               {"stream_options": {"continuous_usage_stats": False}}, {"stop": ["x"]}, {"stop": []}, {"echo": True},
+               {"echo": False}, {"echo": True, "return_token_ids": True}):
         assert relay.eligible(req(**kw)), kw
     assert [relay.held_back(req(**kw)) for kw in ({}, {"stop": "ab"}, {"stop": ["a", "abcd"]}, {"stop": []},
                                                   {"stop": "abc", "include_stop_str_in_output": True})] == [0, 1, 3, 0, 0]
@@ -683,7 +713,7 @@ def test_every_stream_not_relayed_is_counted_with_its_reason():
             await _sse(h, GREEDY)  # relayed
             assert not_relayed(h) == {}
             await _sse(h, {**GREEDY, "prompt": ["p", "q"]})
-            await _sse(h, {**GREEDY, "echo": True})
+            await _sse(h, {**GREEDY, "suffix": "s"})
             assert not_relayed(h) == {"request": 2}
             await _sse(h, {**GREEDY, "temperature": 0.7})  # this decoder does not say forces_first
             assert not_relayed(h) == {"request": 2, "not_forced": 1}

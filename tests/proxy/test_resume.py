@@ -170,3 +170,28 @@ def test_ledger_keeps_the_first_prompt_ids_and_knows_when_ids_are_incomplete():
     led.feed(3, " r", None, ids_follow=True)  # relayed text whose id the decoder's event brings
     led.feed(3, "", [9])
     assert led.tokens(3) == [9] and led.generated(3) == 1
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+def test_a_resumed_echo_completion_echoes_the_prompt_once(stream):
+    """With ``echo`` the decoder's text begins with the prompt (and it returns no token ids, which
+    would drop the echoed text): a recomputed choice resumes by text, the generated text alone
+    after the prompt, and its continuation is asked without ``echo``, so the client gets the prompt
+    once, then the first two tokens and the continuation's."""
+    async def body():
+        async with harness(prefill_first=False) as h:
+            req = {"prompt": "the prompt", "max_tokens": 6, "stream": stream, "echo": True}
+            h.decoders[0].knobs.recompute_after = 2
+            if stream:
+                got = await _events(h.session, h.url + "/v1/completions", req)
+                text = "".join(c.get("text") or "" for e in got for c in e["choices"])
+            else:
+                status, out = await h.post("/v1/completions", req)
+                assert status == 200, out
+                text = out["choices"][0]["text"]
+            head = "".join(generate("the prompt", 2))
+            cont = h.decoders[0].bodies[-1]
+            assert "echo" not in cont and cont["prompt"] == "the prompt" + head and cont["max_tokens"] == 4
+            assert text == "the prompt" + head + "".join(generate(tokenize("the prompt" + head), 4))
+
+    run(body())

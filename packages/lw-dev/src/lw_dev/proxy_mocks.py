@@ -253,7 +253,7 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
             st.recomputed += 1
             cut = k.recompute_after
         if body.get("stream"):
-            return await _stream(request, st, choices, max_tokens, cut, chat, body, n)
+            return await _stream(request, st, choices, max_tokens, cut, chat, body, n, prompts)
         ret_ids = bool(body.get("return_token_ids"))
         if k.choice_delay and len(choices) > 1:  # a whole answer waits for its last choice
             await asyncio.sleep(k.choice_delay * (len(choices) - 1))
@@ -271,7 +271,7 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
                 if k.reasoning:
                     c["message"]["reasoning_content"] = text
             else:
-                c["text"] = text
+                c["text"] = _echo(body, prompts[idx // n], ret_ids) + text
             c.update(logprobs=_logprobs(toks, chat, k.logprob) if _wants_logprobs(body, chat) else None,
                      finish_reason="length" if cut is None and stopped is None else "stop",
                      stop_reason=stopped if cut is None else "recomputed", token_ids=toks if ret_ids else None)
@@ -352,6 +352,14 @@ def _logprobs(toks: list[int], chat: bool, value: float = -0.5) -> dict[str, Any
             "top_logprobs": None, "text_offset": [0] * len(toks)}
 
 
+def _echo(body: dict[str, Any], prompt: Any, ret_ids: bool) -> str:
+    """As vLLM: with ``echo`` a completion's first text begins with its prompt's text (a token-id
+    prompt's decoded), none when token ids are asked for."""
+    if not body.get("echo") or ret_ids:
+        return ""
+    return prompt if isinstance(prompt, str) else "".join(token_text(t) for t in prompt)
+
+
 def choice_tokens(st: MockState, idx: int, pids: list[int], n: int, count: int) -> list[int]:
     """The ``count`` tokens choice ``idx`` (of ``n`` per prompt) generates after ``pids``: from the
     first token its metaserver answer carried when the decoder continues from it, with
@@ -365,7 +373,8 @@ def choice_tokens(st: MockState, idx: int, pids: list[int], n: int, count: int) 
 
 
 async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, list[int]]], max_tokens: int,
-                  cut: int | None, chat: bool, body: dict[str, Any], n: int = 1) -> web.StreamResponse:
+                  cut: int | None, chat: bool, body: dict[str, Any], n: int = 1,
+                  prompts: list[Any] | None = None) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     rid = f"cmpl-{uuid.uuid4().hex}"
@@ -429,10 +438,10 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
                 if chat:
                     c["delta"] = {"reasoning_content": text} if k.reasoning else {"content": text}
                 else:
-                    c["text"] = text
+                    c["text"] = (_echo(body, prompts[idx // n], ret_ids) if t == 0 and prompts else "") + text
                 c.update(logprobs=_logprobs([tok], chat, k.logprob) if lp else None, finish_reason=None, stop_reason=None)
-                if not chat:
-                    c["prompt_token_ids"] = pids if ret_ids and t == 0 else None
+                if not chat:  # as vLLM: the echoing event carries the prompt's ids, asked for or not
+                    c["prompt_token_ids"] = pids if (ret_ids or body.get("echo")) and t == 0 else None
                 c["token_ids"] = [tok] if ret_ids else None
                 if last:
                     c["finish_reason"] = "length" if cut is None else "stop"

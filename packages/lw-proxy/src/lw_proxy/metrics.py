@@ -79,7 +79,7 @@ class ProxyMetrics:
             "Streamed completions and chat completions whose first token came from the decoder although "
             "--prefill-first is on (and non-streamed answers the proxy meant to continue after their prefill "
             "but could not: decoder_first, token), by reason (request: a kind the relay does not apply to, "
-            "e.g. echo, tools; decoder_first: the decoder's answer started, or the prefill failed, before the "
+            "e.g. several prompts, tools; decoder_first: the decoder's answer started, or the prefill failed, before the "
             "prefill answered; "
             "token: the prefill's first token cannot be relayed: EOS or a stop token, empty or partial UTF-8 text, "
             "a tool call or reasoning, the asked log-probs missing; not_forced: sampled, and the decoder does not "

@@ -33,8 +33,9 @@ Kept on the decoder's path, because the continuation would see the first token a
 prompt where a single engine sees it as output: ``presence_penalty`` and ``frequency_penalty``
 (they count output tokens), ``bad_words``, structured outputs and ``response_format`` other than text (the grammar would start
 again after the first token), custom logits processors (``logits_processors``, ``vllm_xargs``),
-``min_tokens``, beam search, and whatever the streamed relay leaves out (several prompts, ``echo``,
-``suffix``, prompt log-probs; chat: ``tools``, ``functions``, ``return_prompt_text``,
+``min_tokens``, beam search, and whatever the streamed relay leaves out (several prompts, an
+``echo`` it does not put in itself (``relay.echo_ok``: a completion's on one text prompt without
+log-probs is continued, its answer beginning with the prompt's text), ``suffix``, prompt log-probs; chat: ``tools``, ``functions``, ``return_prompt_text``,
 ``continue_final_message``, messages with anything but text, whose token ids vLLM does not take).
 A chat whose first token a reasoning parser saw (``reasoning`` or ``reasoning_content`` not null,
 an empty one included: a block opened) or that went to ``tool_calls`` also keeps it (``plan``: the
@@ -50,7 +51,17 @@ from typing import Any
 import msgspec
 
 from . import recompute as rc
-from .relay import EXCLUDED, EXCLUDED_CHAT, continues, first_tokens_of, given, plain_content, request_id, stop_strings
+from .relay import (
+    EXCLUDED,
+    EXCLUDED_CHAT,
+    continues,
+    echo_ok,
+    first_tokens_of,
+    given,
+    plain_content,
+    request_id,
+    stop_strings,
+)
 from .validate import ClientRequest
 
 # Fields whose effect depends on what the request generated so far, or that change how the prompt
@@ -67,6 +78,8 @@ def applies(req: ClientRequest, prefill_first: bool) -> bool:
     if req.stream or not prefill_first or req.prompt_ids is not None or not continues(req):
         return False
     if any(given(b.get(k)) for k in (*(EXCLUDED_CHAT if req.chat else EXCLUDED), *EXCLUDED_CONTINUED)):
+        return False
+    if not echo_ok(req):
         return False
     if stop_strings(req) is None:
         return False
@@ -116,7 +129,7 @@ def plan(req: ClientRequest, data: bytes) -> Plan | None:
             return None  # a reasoning parser saw it (an empty reasoning too: a block opened), or a tool call
         if could_cross(first, stops):
             return None
-        cont = rc.continuation(req, i, first, [firsts[0][i]], 1, firsts[1])
+        cont = rc.continuation(req, i, rc.echo_prefix(req, i) + first, [firsts[0][i]], 1, firsts[1])
         if cont is not None:
             cont.prefilled = 1
             if type(seed) is int and req.n > 1:  # vLLM seeds choice i with seed + i
@@ -134,15 +147,19 @@ def could_cross(first: str, stops: list[str]) -> bool:
     return any(first.endswith(s[:k]) for s in stops for k in range(1, min(len(s) - 1, len(first)) + 1))
 
 
-def assemble(p: Plan, parent_id: str, chat: bool, answers: dict[int, dict[str, Any]]) -> dict[str, Any]:
+def assemble(p: Plan, parent_id: str, chat: bool, answers: dict[int, dict[str, Any]],
+             echo: str | None = None) -> dict[str, Any]:
     """The client's answer: the prefill's, named as the relayed streams are (``relay.request_id``),
-    each continued choice spliced with its continuation's answer (``answers``, parsed)."""
+    each continued choice spliced with its continuation's answer (``answers``, parsed); with
+    ``echo`` (``relay.echo_text``; the prefill echoed nothing) each choice's text begins with it."""
     obj = p.answer
     obj["id"] = f"{'chatcmpl' if chat else 'cmpl'}-{request_id(parent_id)}"
     if "kv_transfer_params" in obj:
         obj["kv_transfer_params"] = None  # a single engine's, where no connector answers
     usage = obj.get("usage")
     for ch in obj["choices"]:
+        if echo:
+            ch["text"] = echo + (ch.get("text") or "")
         more = answers.get(ch["index"])
         if more is None:
             continue

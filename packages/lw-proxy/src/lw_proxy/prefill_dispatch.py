@@ -26,7 +26,7 @@ from .errors import ProxyError
 from .fanin import OK_BODY, Outcome, Parent, ParentRegistry
 from .metrics import ProxyMetrics
 from .prefill_stream import PrefillStream
-from .relay import Prefilled, continues, first_tokens
+from .relay import Prefilled, continues, echo_ok, first_tokens
 from .relay import request_id as relay_request_id
 from .upstream import CHAT, COMPLETIONS, RETRY_STATUSES, UPSTREAM_ERRORS
 from .validate import ClientRequest
@@ -39,9 +39,11 @@ def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False, st
     ``n`` when the decoder may continue from each choice's first token (``relay.continues``).
     ``token_ids``: ask for the prompt's and the first tokens' ids (a relayed first token's).
     ``stream``: streamed, with continuous usage (each event carries the prompt's count), so each
-    choice is known as soon as the prefiller has it (``prefill_stream``)."""
+    choice is known as soon as the prefiller has it (``prefill_stream``). An ``echo`` the relay and
+    the continuation put in themselves (``relay.echo_ok``) is left out: the answer is the
+    generated text's alone, as the first token's is read from it."""
     body = dict(req.body)
-    for k in ("stream_options", "min_tokens", "best_of"):
+    for k in ("stream_options", "min_tokens", "best_of", *(("echo",) if echo_ok(req) else ())):
         body.pop(k, None)
     body.update(max_tokens=1, stream=stream, n=req.n if continues(req) else 1)
     if stream:

@@ -255,8 +255,8 @@ class Proxy:
                     raise ProxyError(502, f"the decoder answered choice {i}'s continuation with a body that is not "
                                      f"JSON: {sub[:200].decode(errors='replace')!r}", kind="upstream") from None
             answered = True
-            data = _encode(prefill_continue.assemble(got, parent.id, req.chat, answers))
-            if token_ids.asks(req.body):
+            data = _encode(prefill_continue.assemble(got, parent.id, req.chat, answers, relay_mod.echo_text(req)))
+            if not token_ids.client_asked(req.body):  # the prefill and the continuations were asked for them
                 data = token_ids.strip(data)
             return web.Response(status=200, body=data, headers={"Content-Type": "application/json"})
         finally:

@@ -30,6 +30,7 @@ from typing import Any
 
 import msgspec
 
+from . import token_ids as tids
 from .errors import ProxyError
 from .validate import ClientRequest
 
@@ -68,20 +69,37 @@ def choice_text(choice: dict[str, Any], chat: bool) -> str:
     return choice.get("text") or ""
 
 
+def echo_prefix(req: ClientRequest, index: int = 0) -> str:
+    """The text vLLM puts before choice ``index``'s generated text: with ``echo`` (JSON ``true``) on a
+    completion of a text prompt, the prompt as given (``RequestOutput.prompt``), unless the client
+    asked for token ids (vLLM then echoes the prompt's ids only); else nothing. A chat's echo (the
+    last message's content when its role is the answer's) is not read here."""
+    if req.chat or req.body.get("echo") is not True or tids.client_asked(req.body):
+        return ""
+    prompt = req.prompts[index // req.n] if index // req.n < len(req.prompts) else None
+    return prompt if isinstance(prompt, str) else ""
+
+
 def continuation(req: ClientRequest, index: int, text: str, token_ids: list[int] | None,
                  generated: int, prompt_ids: list[int] | None = None) -> ClientRequest | None:
     """The request for the rest of choice ``index``; None when its token budget is already spent.
 
-    ``token_ids``: the choice's generated token ids so far, ``prompt_ids``: its prompt's, each None
-    when the decoder did not return them (see the module docstring)."""
+    ``text``: the choice's text so far as the client got it (an echoed prompt included: it is cut,
+    and the continuation echoes nothing, ``echo_prefix``); ``token_ids``: the choice's generated
+    token ids so far, ``prompt_ids``: its prompt's, each None when the decoder did not return them
+    (see the module docstring)."""
     remaining = None
     if req.max_tokens is not None:
         remaining = req.max_tokens - generated
         if remaining < 1:
             return None
+    echoed = echo_prefix(req, index)
+    if echoed and text.startswith(echoed):
+        text = text[len(echoed):]
     body = dict(req.body)
     body["n"] = 1
     body.pop("stream_options", None)
+    body.pop("echo", None)  # the client has the echo already
     ids = list(prompt_ids) + list(token_ids) if prompt_ids is not None and token_ids is not None else None
     if req.chat:
         body["messages"] = list(req.body["messages"]) + [{"role": "assistant", "content": text}]

@@ -14,12 +14,17 @@ no ``min_tokens``; ``MetaserverResponse.first_token``) and, when its POST said `
 continues from it (lw_vllm.pd.first_token), sampled or greedy. A greedy request is relayed either
 way; a sampled one only when its decoder's POST, in before the prefill answered, said so
 (``relayable``). A request qualifies (``eligible``) when it is a streamed ``/v1/completions`` with
-one prompt (``best_of`` at most 1), and none of ``echo``, ``suffix`` or ``prompt_logprobs``
-(those change the first event) with a value other than null or false. A streamed
+one prompt (``best_of`` at most 1), and none of ``suffix`` or ``prompt_logprobs``
+(those change the first event) with a value other than null or false; ``echo: true`` only on a
+text prompt without log-probs (``echo_ok``): its prefill is asked without it, and the relayed
+event begins with the prompt's text and carries the prompt's ids, as vLLM's echoing event does
+(``echo_text``), so the decoder's, which echoes, is cut like any other. A streamed
 ``/v1/chat/completions`` qualifies on the same terms (none of ``echo``, ``prompt_logprobs``,
 ``return_prompt_text``) and without ``tools`` or ``functions``: a tool
-parser may hold back or reroute the first token of a stream, which the prefiller's non-streamed
-answer cannot show. Every other request takes the normal path. The prefill's token is relayed only
+parser may hold back or reroute the first token of a stream, which the prefiller's answer cannot
+show, streamed or not: vLLM parses a one-token answer's token as the stream's last
+(``finished``: unstreamed tool arguments appended, a reasoning parser's fallback to content,
+engine-based parsers flushed), where a single engine's first event parses it as one of many. Every other request takes the normal path. The prefill's token is relayed only
 when its choice ended with ``finish_reason: "length"`` (not an EOS or stop token). Its text is the
 single engine's first streamed text whatever it holds: vLLM's detokenizer (``vllm.v1.engine.
 detokenizer``) primes a decode stream with the prompt and only ever appends to a request's text, so
@@ -87,9 +92,30 @@ from . import recompute as rc
 from .validate import ClientRequest
 
 # Keys that change a stream's first events: given (``given``), a request is not relayed, nor continued
-# after its prefill (lw_proxy.prefill_continue). Completions, then chat.
-EXCLUDED = ("echo", "suffix", "prompt_logprobs")
+# after its prefill (lw_proxy.prefill_continue). Completions (``echo``: see ``echo_ok``), then chat.
+EXCLUDED = ("suffix", "prompt_logprobs")
 EXCLUDED_CHAT = ("echo", "prompt_logprobs", "return_prompt_text", "tools", "functions")
+
+
+def echo_ok(req: ClientRequest) -> bool:
+    """The request's ``echo`` allows a relay or a continuation (whose prefill echoes nothing: the
+    proxy puts the echo in, ``echo_text``): none (null or false), or ``echo: true`` on a completion
+    of one text prompt. Not a chat's; not a value other than a JSON boolean or null; not with a
+    prompt of token ids (vLLM decodes the echoed text from them), ``truncate_prompt_tokens``, or
+    log-probs asked (the echoing event then carries the prompt's log-probs, which the prefill does
+    not compute)."""
+    echo = req.body.get("echo")
+    if echo is None or echo is False:
+        return True
+    return not (req.chat or echo is not True or len(req.prompts) != 1 or not isinstance(req.prompts[0], str)
+                or asks_logprobs(req) or given(req.body.get("truncate_prompt_tokens")))
+
+
+def echo_text(req: ClientRequest) -> str | None:
+    """None without ``echo``; with it (``echo_ok``), the text a single engine's answer begins with
+    before the generated text (``recompute.echo_prefix``: the prompt, or nothing when the client
+    asked for token ids)."""
+    return rc.echo_prefix(req) if req.body.get("echo") is True else None
 
 
 def asks_usage(req: ClientRequest) -> bool:
@@ -192,7 +218,7 @@ def eligible(req: ClientRequest) -> bool:
     b = req.body
     if not req.stream or not continues(req):
         return False
-    if any(given(b.get(k)) for k in (EXCLUDED_CHAT if req.chat else EXCLUDED)):
+    if any(given(b.get(k)) for k in (EXCLUDED_CHAT if req.chat else EXCLUDED)) or not echo_ok(req):
         return False
     return continuous_usage(req) is not None and held_back(req) is not None
 
@@ -338,7 +364,7 @@ class First(NamedTuple):
 
 def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs: bool = False,
                 n: int = 1, *, ids: bool = False, usage: bool = False, hold: int = 0,
-                only: tuple[int, ...] | None = None, roles: bool = True) -> First | None:
+                only: tuple[int, ...] | None = None, roles: bool = True, echo: str | None = None) -> First | None:
     """The SSE events carrying the prefill answer's first token of each of its ``n`` choices (chat:
     the role events and the first contents) and, with ``logprobs`` (the client asked for them),
     their log-probs, which the answer must hold for each of its tokens; None when they must not be
@@ -350,7 +376,10 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs
     ``only``: the answer holds just these choices of the ``n`` (a streamed prefill's, choice by
     choice: ``prefill_stream``), whose events are built; ``roles`` (chat): the role events go out
     first, one per choice of the ``n`` as a single engine opens its stream (a streamed prefill's
-    later choices: False, they went out with the first)."""
+    later choices: False, they went out with the first). ``echo`` (a completion with ``echo: true``,
+    whose prefill echoes nothing: ``echo_text``): the text each choice's first event begins with (the
+    prompt's; empty when the client asked for ids), and that event carries the prompt's ids, as
+    vLLM's echoing event does with or without ``return_token_ids``."""
     if not data:
         return None
     try:
@@ -369,12 +398,16 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs
         one = _relayed(ch, chat, logprobs, hold)
         if one is None:
             return None
+        if echo:
+            one = (one[0]._replace(text=echo + one[0].text), *one[1:])
         got[ch.get("index", 0)] = one
         if not chat and pids is None:
             pids = ch.get("prompt_token_ids")
     pids = pids if _ids(pids) else None
     if ids and (pids is None or any(r.token_ids is None for r, _, _ in got.values())):
         return None  # the ids a single engine's first events carry are not known
+    if echo is not None and pids is None:
+        return None  # vLLM's echoing event carries them
     u = _usage(obj.get("usage"), chat) if usage else None
     if usage and u is None:
         return None
@@ -399,7 +432,8 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs
         block = b"".join(rc.sse_encode({"id": f"cmpl-{request_id(parent_id)}", "object": "text_completion",
                                         "created": created, "model": obj.get("model"),
                                         "choices": [{"index": i, "text": r.text, "logprobs": lp, "finish_reason": None,
-                                                     "stop_reason": None, "prompt_token_ids": pids if ids else None,
+                                                     "stop_reason": None,
+                                                     "prompt_token_ids": pids if ids or echo is not None else None,
                                                      "token_ids": r.token_ids if ids else None}],
                                         **({"usage": u(1)} if u else {})})
                          for i, (r, lp, _) in got.items())

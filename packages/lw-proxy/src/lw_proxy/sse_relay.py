@@ -219,7 +219,8 @@ class SseRelay:
         return relay_mod.first_event(pre.data, pre.parent_id, req.chat, relay_mod.asks_logprobs(req), req.n,
                                      ids=token_ids.client_asked(req.body),
                                      usage=relay_mod.continuous_usage(req) is True,
-                                     hold=relay_mod.held_back(req) or 0, only=pre.only, roles=roles)
+                                     hold=relay_mod.held_back(req) or 0, only=pre.only, roles=roles,
+                                     echo=relay_mod.echo_text(req))
 
     @staticmethod
     def _relayed(req: ClientRequest, first: relay_mod.First, state: StreamState) -> None:
@@ -231,7 +232,7 @@ class SseRelay:
                 state.held_text[i] = r.held
             had = state.skips.get(i)
             state.skips[i] = Skip(r.text, r.token_ids, req.chat and (had is None or had.role), r.logprobs,
-                                  prompt=token_ids.client_asked(req.body))
+                                  prompt=token_ids.client_asked(req.body) or relay_mod.echo_text(req) is not None)
 
     async def _relay_more(self, out: web.StreamResponse, state: StreamState) -> None:
         """A streamed prefill's later choices that came in since (``relay.Prefilled.more``): each

@@ -102,8 +102,10 @@ def echo_ok(req: ClientRequest) -> bool:
     proxy puts the echo in, ``echo_text``): none (null or false), or ``echo: true`` on a completion
     of one text prompt. Not a chat's; not a value other than a JSON boolean or null; not with a
     prompt of token ids (vLLM decodes the echoed text from them), ``truncate_prompt_tokens``, or
-    log-probs asked (the echoing event then carries the prompt's log-probs, which the prefill does
-    not compute)."""
+    log-probs asked: vLLM then asks the prompt's log-probs too, which only a run over the whole
+    prompt gives, so its engines read no prefix from any cache or pool
+    (``SamplingParams.skip_reading_prefix_cache``) and the decoder computes the prompt and its
+    first token itself."""
     echo = req.body.get("echo")
     if echo is None or echo is False:
         return True

@@ -80,6 +80,26 @@ def test_an_echo_completion_continued_after_its_prefill_is_the_single_engines(gq
     assert ex.decode_stats[0]["remote_prefill"] == CONTINUED, ex.decode_stats
 
 
+def test_min_tokens_keep_the_single_engines_first_token_from_the_prefill(gqa_stack: Stack) -> None:
+    """``min_tokens``: the prompt's greedy first token made a stop token, so with ``min_tokens: 2``
+    a single engine picks another first token (and may stop on it only from the third); the
+    prefill, asked ``min_tokens: 1``, picks that one too, and the answer continued after it (the
+    continuation asks 1) is the single engine's."""
+    prompt = text(4, 110)
+    probe = baseline(gqa_stack, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                                                   "temperature": 0, "return_token_ids": True})
+    stop = probe["choices"][0]["token_ids"][0]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "min_tokens": 2,
+            "stop_token_ids": [stop], "return_token_ids": True}
+    ref = baseline(gqa_stack, "/v1/completions", body)["choices"][0]
+    assert ref["token_ids"][0] != stop, ref
+    ex = through(gqa_stack, "/v1/completions", body)
+    assert ex.status == 200, ex.out
+    ch = ex.out["choices"][0]
+    assert (ch["token_ids"], ch["text"], ch["finish_reason"]) == (ref["token_ids"], ref["text"], ref["finish_reason"])
+    assert ex.decode_stats[0]["remote_prefill"] == CONTINUED, ex.decode_stats
+
+
 @pytest.mark.parametrize(("chat", "n"), [(False, 1), (True, 1), (False, 2)], ids=["completion", "chat", "completion-n2"])
 def test_a_seeded_sampled_answer_continued_after_its_prefill_is_the_single_engines(gqa_stack: Stack, chat: bool,
                                                                                      n: int) -> None:
@@ -158,7 +178,7 @@ def _relayable_greedy_body(stack: Stack, chat: bool, logprobs: dict) -> dict:
     for seed in range(77, 87):
         body = {"model": "tiny", "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, **logprobs,
                 **({"messages": [{"role": "user", "content": text(seed, 150)}]} if chat else {"prompt": text(seed, 150)})}
-        first = baseline(stack, _path(chat), {**body, "max_tokens": 1})
+        first = baseline(stack, _path(chat), {**body, "max_tokens": 1, **({"min_tokens": 1} if "min_tokens" in body else {})})
         if relay.first_event(json.dumps(first).encode(), "probe", chat, "logprobs" in logprobs) is not None:
             return body
     pytest.fail("no prompt of seeds 77-86 starts with a token the proxy may relay")
@@ -191,8 +211,10 @@ def _stream_logprobs(events: list, chat: bool) -> dict:
 
 @pytest.mark.parametrize(("chat", "logprobs"), [
     (False, {}), (True, {}), (False, {"logprobs": 2, "return_tokens_as_token_ids": True}),
-    (True, {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}), (False, {"echo": True})],
-                         ids=["completion", "chat", "completion-logprobs", "chat-logprobs", "completion-echo"])
+    (True, {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}), (False, {"echo": True}),
+    (True, {"min_tokens": 3})],
+                         ids=["completion", "chat", "completion-logprobs", "chat-logprobs", "completion-echo",
+                              "chat-min-tokens"])
 def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack: Stack, chat: bool,
                                                                       logprobs: dict) -> None:
     """Through the proxy's default, a relayable streamed greedy completion's or chat's first token

@@ -81,6 +81,26 @@ def test_an_echo_completion_continued_after_its_prefill_is_the_single_engines(ex
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
+@pytest.mark.parametrize(("min_tokens", "prefill", "rest"), [(1, 1, None), (3, 1, 2)], ids=["one", "three"])
+def test_min_tokens_the_prefill_asks_one_and_the_continuation_what_is_left(chat, min_tokens, prefill, rest):
+    """vLLM counts ``min_tokens`` in output tokens: the prefill (one token) asks 1, so its first
+    token is drawn as a single engine's; the continuation, whose output starts after that token,
+    asks one fewer than the client (none left: 0)."""
+    async def body():
+        async with harness() as h:
+            status, out = await h.post(_path(chat), {**(CHAT if chat else GREEDY), "min_tokens": min_tokens})
+            assert status == 200, out
+            prompt = tokenize(chat_context(CHAT["messages"]) if chat else "p")
+            ch = out["choices"][0]
+            assert (ch["message"]["content"] if chat else ch["text"]) == "".join(generate(prompt, 4))
+            assert [b["min_tokens"] for b in h.prefillers[0].bodies] == [prefill]
+            (sent,) = h.decoders[0].bodies
+            assert sent["kv_transfer_params"]["lw_prefilled"] == 1 and sent["min_tokens"] == (rest or 0)
+
+    run(body())
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_a_sampled_answer_of_several_choices_continues_each_choice_from_its_own_token(chat):
     async def body():
         async with harness() as h:
@@ -262,8 +282,9 @@ def test_which_requests_are_continued():
     assert applies({**GREEDY, "stop": "x"}) and applies({**CHAT, "stop": ["x", "yz"], "include_stop_str_in_output": True})
     assert applies({**GREEDY, "presence_penalty": 0, "frequency_penalty": 0.0})
     assert applies({**GREEDY, "echo": True}) and applies({**GREEDY, "echo": True, "return_token_ids": True})
+    assert applies({**GREEDY, "min_tokens": 2}) and applies({**CHAT, "min_tokens": 0})
     for kw in ({"stream": True}, {"prompt": ["a", "b"]}, {"echo": True, "logprobs": 1}, {"echo": True, "prompt": [5, 6]},
-               {"echo": 1}, {"suffix": "s"}, {"min_tokens": 2},
+               {"echo": 1}, {"suffix": "s"}, {"min_tokens": "2"},
                {"stop": 3}, {"frequency_penalty": 0.1}, {"best_of": 2, "n": 1},
                {"structured_outputs": {"regex": "a"}}, {"logits_processors": ["m.P"]}, {"vllm_xargs": {"a": 1}}):
         assert not applies({**GREEDY, **kw}), kw

@@ -83,6 +83,21 @@ def test_sampled_requests_are_not_relayed():
     run(body())
 
 
+def test_a_stream_with_min_tokens_is_relayed_and_its_prefill_asks_one():
+    """``min_tokens``: the prefill asks ``min_tokens: 1`` (its first token is never EOS or a stop
+    token, as a single engine's first is not), the decoder the client's, and the stream is relayed."""
+    async def body():
+        async with harness(prefill_first=True) as h:
+            h.decoders[0].knobs.delay = 0.5
+            _, texts, errors, _ = await _sse(h, {**GREEDY, "min_tokens": 3})
+            assert errors == [] and "".join(texts) == "".join(generate("p", 4)) and len(texts) == 4
+            assert [b["min_tokens"] for b in h.prefillers[0].bodies] == [1]
+            assert [b["min_tokens"] for b in h.decoders[0].bodies] == [3]
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
+
+    run(body())
+
+
 def test_a_sampled_stream_is_relayed_when_its_decoder_continues_from_the_prefills_token():
     """The decoder's metaserver POST says ``forces_first``; its answer carries the prefill's token
     and the prompt's digest, and the proxy relays the token of a sampled request."""
@@ -483,7 +498,12 @@ def test_eligible_only_for_plain_greedy_single_prompt_streams():
         r = req(**kw)
         assert relay.eligible(r) and not relay.relayable(r, forced=False) and relay.relayable(r, forced=True), kw
     assert relay.relayable(req(), forced=False)
-    assert not relay.eligible(req(temperature=0.5, min_tokens=2))  # the prefill drops min_tokens
+    # min_tokens: the prefill asks at most one (its first token is then drawn as a single engine's)
+    assert relay.eligible(req(temperature=0.5, min_tokens=2)) and relay.eligible(req(min_tokens=0))
+    assert [relay.prefill_min_tokens(req(**kw)) for kw in ({}, {"min_tokens": None}, {"min_tokens": 0},
+                                                           {"min_tokens": 1}, {"min_tokens": 7})] == [0, 0, 0, 1, 1]
+    for mt in ("2", 2.0, True, -1):
+        assert not relay.eligible(req(min_tokens=mt)) and relay.prefill_min_tokens(req(min_tokens=mt)) is None, mt
     for kw in ({"prompt": ["a", "b"]}, {"stream": False}, {"n": 2, "prompt": ["a", "b"]},
                {"stop": [""]}, {"stop": [1]}, {"stop": "x", "include_stop_str_in_output": 1}, {"echo": 1},
                {"echo": True, "prompt": [1, 2]}, {"echo": True, "logprobs": 0}, {"echo": True, "truncate_prompt_tokens": 3},

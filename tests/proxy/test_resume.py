@@ -195,3 +195,18 @@ def test_a_resumed_echo_completion_echoes_the_prompt_once(stream):
             assert text == "the prompt" + head + "".join(generate(tokenize("the prompt" + head), 4))
 
     run(body())
+
+
+def test_a_resumed_choice_asks_what_is_left_of_min_tokens():
+    """vLLM counts ``min_tokens`` in output tokens, which a continuation starts anew: after two
+    tokens, a client's 5 is 3 (the continuation used to ask 5 again, with 4 tokens left)."""
+    async def body():
+        async with harness(prefill_first=False) as h:
+            h.decoders[0].knobs.recompute_after = 2
+            status, out = await h.post("/v1/completions", {"prompt": "the prompt", "max_tokens": 6, "min_tokens": 5})
+            assert status == 200, out
+            assert out["choices"][0]["text"] == "".join(generate("the prompt", 6))
+            cont = h.decoders[0].bodies[-1]
+            assert cont["max_tokens"] == 4 and cont["min_tokens"] == 3
+
+    run(body())

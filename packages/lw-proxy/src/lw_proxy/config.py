@@ -185,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "which dispatches none when they all say needs_prefill: false (saves prefills where "
                         "decoders usually hold the prompt already)")
     p.add_argument("--prefill-first", action=argparse.BooleanOptionalAction, default=True,
-                   help="streamed completions and chat completions (one prompt, no min_tokens; echo only on a "
+                   help="streamed completions and chat completions (one prompt; echo only on a "
                         "completion's text prompt without log-probs; chat "
                         "without tools; sampled ones when the decoder continues from the prefill's token; "
                         "log-probs of the first token from the prefill): "

@@ -29,11 +29,16 @@ first token's text and ends after it would be missed by the continuation; ``plan
 decoder's path each answer whose first token's text ends with a proper prefix of one of them
 (``could_cross``), and continues the rest, whose stops the decoder finds where a single engine does.
 
+``min_tokens``: the prefill asks at most one (``relay.prefill_min_tokens``), so its first token is
+never EOS or a stop token where a single engine's is not, and the continuation asks one fewer than
+the client (``recompute.continuation``): vLLM masks EOS and the stop tokens, and looks for stop
+strings, by the count of output tokens, which the continuation starts after the first token.
+
 Kept on the decoder's path, because the continuation would see the first token as part of its
 prompt where a single engine sees it as output: ``presence_penalty`` and ``frequency_penalty``
 (they count output tokens), ``bad_words``, structured outputs and ``response_format`` other than text (the grammar would start
 again after the first token), custom logits processors (``logits_processors``, ``vllm_xargs``),
-``min_tokens``, beam search, and whatever the streamed relay leaves out (several prompts, an
+beam search, and whatever the streamed relay leaves out (several prompts, an
 ``echo`` it does not put in itself (``relay.echo_ok``: a completion's on one text prompt without
 log-probs is continued, its answer beginning with the prompt's text), ``suffix``, prompt log-probs; chat: ``tools``, ``functions``, ``return_prompt_text``,
 ``continue_final_message``, messages with anything but text, whose token ids vLLM does not take).

@@ -26,7 +26,7 @@ from .errors import ProxyError
 from .fanin import OK_BODY, Outcome, Parent, ParentRegistry
 from .metrics import ProxyMetrics
 from .prefill_stream import PrefillStream
-from .relay import Prefilled, continues, echo_ok, first_tokens
+from .relay import Prefilled, continues, echo_ok, first_tokens, prefill_min_tokens
 from .relay import request_id as relay_request_id
 from .upstream import CHAT, COMPLETIONS, RETRY_STATUSES, UPSTREAM_ERRORS
 from .validate import ClientRequest
@@ -45,6 +45,8 @@ def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False, st
     body = dict(req.body)
     for k in ("stream_options", "min_tokens", "best_of", *(("echo",) if echo_ok(req) else ())):
         body.pop(k, None)
+    if prefill_min_tokens(req):  # the client's first token is never EOS nor a stop token: nor is the prefill's
+        body["min_tokens"] = 1
     body.update(max_tokens=1, stream=stream, n=req.n if continues(req) else 1)
     if stream:
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

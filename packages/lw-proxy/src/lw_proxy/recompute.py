@@ -100,6 +100,9 @@ def continuation(req: ClientRequest, index: int, text: str, token_ids: list[int]
     body["n"] = 1
     body.pop("stream_options", None)
     body.pop("echo", None)  # the client has the echo already
+    mt = body.get("min_tokens")
+    if type(mt) is int and mt > 0:  # what is left of it: vLLM counts the output, which the rest starts anew
+        body["min_tokens"] = max(mt - generated, 0)
     ids = list(prompt_ids) + list(token_ids) if prompt_ids is not None and token_ids is not None else None
     if req.chat:
         body["messages"] = list(req.body["messages"]) + [{"role": "assistant", "content": text}]

@@ -9,8 +9,8 @@ forwarded as usual. The client's TTFT becomes the prefill's, plus one hop.
 
 Token-identical only where the prefiller's first token is the decoder's, so only for requests where
 both pick it the same way and where the first token's text cannot be changed by what follows. The
-decoder is handed the prefill's token with its metaserver answer (``continues``: one prompt,
-no ``min_tokens``; ``MetaserverResponse.first_token``) and, when its POST said ``forces_first``,
+decoder is handed the prefill's token with its metaserver answer (``continues``: one prompt;
+``MetaserverResponse.first_token``) and, when its POST said ``forces_first``,
 continues from it (lw_vllm.pd.first_token), sampled or greedy. A greedy request is relayed either
 way; a sampled one only when its decoder's POST, in before the prefill answered, said so
 (``relayable``). A request qualifies (``eligible``) when it is a streamed ``/v1/completions`` with
@@ -138,13 +138,27 @@ def continues(req: ClientRequest) -> bool:
     """The decoder may continue from the prefill's first token (``lw_first_token``): one prompt
     (``n`` engine requests, one per choice; ``best_of`` at most 1) whose prefill draws each choice's
     first token as the decoder would (the prefill keeps ``n`` and the seed, and vLLM seeds choice
-    ``i`` with ``seed + i`` on both), so not with ``min_tokens`` (the prefill drops it and may end
-    where the client's request may not)."""
+    ``i`` with ``seed + i`` on both). ``min_tokens``, when given, an integer (``prefill_min_tokens``:
+    the prefill asks at most 1, so its first token, like a single engine's, is never EOS or a stop
+    token when the client asked at least one)."""
     b = req.body
     if req.children != req.n or (b.get("best_of") or 1) != 1:
         return False
-    mt = b.get("min_tokens")
-    return not (isinstance(mt, int) and not isinstance(mt, bool) and mt > 0)
+    return prefill_min_tokens(req) is not None
+
+
+def prefill_min_tokens(req: ClientRequest) -> int | None:
+    """The prefill's ``min_tokens`` (it asks one token): 1 when the client asked for at least one,
+    else 0 (vLLM's ``MinTokensLogitsProcessor`` masks EOS and the stop tokens while fewer than that
+    many were generated, and stop strings are looked for only after them, so the first token is
+    drawn as a single engine draws it either way); None for a value this proxy does not read (not a
+    JSON integer ≥ 0 or null), which takes the decoder's path."""
+    mt = req.body.get("min_tokens")
+    if mt is None:
+        return 0
+    if type(mt) is not int or mt < 0:
+        return None
+    return min(mt, 1)
 
 
 def offers_first(req: ClientRequest, prefill_first: bool) -> bool:

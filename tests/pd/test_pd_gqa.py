@@ -70,7 +70,7 @@ def test_chat_matches_single_engine(gqa_stack: Stack, continued: bool) -> None:
 def test_an_echo_completion_continued_after_its_prefill_is_the_single_engines(gqa_stack: Stack) -> None:
     """``echo``: the prefill and the continuation are asked without it, and the proxy puts the
     prompt's text in front, as vLLM echoes it (``RequestOutput.prompt``, the text as given)."""
-    body = {"model": "tiny", "prompt": text(3, 110), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+    body = {"model": "tiny", "prompt": text(401, 110), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
             "echo": True}
     ref = baseline(gqa_stack, "/v1/completions", body)
     ex = through(gqa_stack, "/v1/completions", body)
@@ -85,7 +85,7 @@ def test_min_tokens_keep_the_single_engines_first_token_from_the_prefill(gqa_sta
     a single engine picks another first token (and may stop on it only from the third); the
     prefill, asked ``min_tokens: 1``, picks that one too, and the answer continued after it (the
     continuation asks 1) is the single engine's."""
-    prompt = text(4, 110)
+    prompt = text(402, 110)
     probe = baseline(gqa_stack, "/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1,
                                                    "temperature": 0, "return_token_ids": True})
     stop = probe["choices"][0]["token_ids"][0]

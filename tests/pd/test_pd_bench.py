@@ -179,6 +179,11 @@ def test_request_kinds_flag_bodies_and_summary(capsys: pytest.CaptureFixture[str
     assert (b["prompt"], b["temperature"], b["stream"], b["max_tokens"]) == ([11, 12], 0.0, False, 1) and "seed" not in b
     b = request_kinds.body(kinds["chat_n"], [11, 12], lambda ids: "t", max_tokens=2, seed=7)
     assert (b["n"], b["temperature"], b["stream"]) == (2, 0.8, True)
+    b = request_kinds.body(kinds["completion_echo"], [11, 12], lambda ids: "t", max_tokens=2, seed=7)
+    assert (b["prompt"], b["echo"], b["stream"]) == ("t", True, True)  # lw-proxy relays an echo of a text prompt
+    # The prefiller alone is asked one token: min_tokens no more than that (vLLM refuses more).
+    assert [request_kinds.body(kinds["completion_min_tokens"], [1], None, max_tokens=m, seed=0)["min_tokens"]
+            for m in (1, 8)] == [1, 2]
     # A stream's first token is its first event carrying one, empty text included (a held-back
     # partial character), the role event a chat opens with excluded.
     assert [request.token_event(c) for c in ({"text": ""}, {"delta": {"content": ""}},

@@ -43,6 +43,7 @@ class RequestKind(msgspec.Struct, frozen=True, kw_only=True):
     chat: bool
     stream: bool
     fields: dict[str, Any] = {}  # what the kind adds to a greedy request (temperature 0)
+    text_prompt: bool = False  # a completion's prompt as text (the ids decoded), not as token ids
 
 
 REQUEST_KINDS: dict[str, RequestKind] = {k.name: k for k in (
@@ -59,6 +60,8 @@ REQUEST_KINDS: dict[str, RequestKind] = {k.name: k for k in (
     RequestKind(name="completion_full_sampled", chat=False, stream=False, fields=SAMPLING),
     RequestKind(name="chat_full_sampled", chat=True, stream=False, fields=SAMPLING),
     RequestKind(name="completion_full_stop", chat=False, stream=False, fields={"stop": STOP}),
+    RequestKind(name="completion_echo", chat=False, stream=True, fields={"echo": True}, text_prompt=True),
+    RequestKind(name="completion_min_tokens", chat=False, stream=True, fields={"min_tokens": 2}),
 )}
 
 
@@ -77,15 +80,18 @@ def parse(text: str) -> list[str]:
 
 
 def body(kind: RequestKind, ids: list[int], decode: Any, *, max_tokens: int, seed: int) -> dict[str, Any]:
-    """The request of ``kind`` on the prompt ``ids`` (chat: their text, ``decode(ids)``)."""
+    """The request of ``kind`` on the prompt ``ids`` (chat and ``text_prompt``: their text,
+    ``decode(ids)``); ``min_tokens`` at most ``max_tokens`` (a prefiller alone asked one token)."""
     b: dict[str, Any] = {"model": "tiny", "temperature": 0.0, "ignore_eos": True, "max_tokens": max_tokens,
                          "stream": kind.stream, **kind.fields}
     if "temperature" in kind.fields:
         b["seed"] = seed  # sampled, reproducibly
+    if "min_tokens" in b:
+        b["min_tokens"] = min(b["min_tokens"], max_tokens)
     if kind.chat:
         b["messages"] = [{"role": "user", "content": decode(ids)}]
     else:
-        b["prompt"] = ids
+        b["prompt"] = decode(ids) if kind.text_prompt else ids
     return b
 
 

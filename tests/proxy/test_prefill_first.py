@@ -129,6 +129,34 @@ def _choices(events, chat):
     return texts
 
 
+def test_each_choice_of_an_echo_stream_begins_with_the_prompt_once():
+    """``echo`` with ``n`` 2, sampled: the streamed prefill (without ``echo``) relays each choice's
+    first token as it comes, each choice's first event beginning with the prompt's text (vLLM
+    echoes per choice) and carrying its ids, and the decoder's echoing events are cut."""
+    async def body():
+        async with harness(prefill_first=True) as h:
+            pf, dec = h.prefillers[0], h.decoders[0]
+            pf.knobs.distinct_choices = True
+            pf.knobs.delay = 0.3  # the decoder's POSTs are in before the prefill answers
+            dec.knobs.forces_first = True
+            dec.knobs.token_delay = 0.3
+            req = {**GREEDY, "prompt": "the prompt", "echo": True, "temperature": 0.7, "seed": 5, "n": 2}
+            _, _, errors, events = await _sse(h, req)
+            assert errors == [], errors
+            assert "echo" not in pf.bodies[0] and pf.bodies[0]["stream"] is True
+            prompt = tokenize("the prompt")
+            texts = _choices(events, False)
+            for j in range(2):
+                first = generate_ids(prompt + [j] if j else prompt, 1)[0]
+                want = ["the prompt" + token_text(first)] + generate(prompt + [first], 3)
+                assert texts[j] == want, (j, texts[j], want)
+                opening = next(ch for ev in events for ch in ev["choices"] if ch["index"] == j)
+                assert opening["prompt_token_ids"] == prompt
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
+
+    run(body())
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_each_choice_of_a_sampled_stream_gets_its_own_prefill_token(chat):
     """``n`` 3, sampled: the prefill keeps ``n`` (and the seed) and is streamed, each choice's

@@ -270,12 +270,19 @@ def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack:
     assert rec["loaded_tokens"] == rec["prompt_tokens"] - 1 and rec["failed_blocks"] == 0, rec
 
 
-def test_prompt_list_fans_in_to_one_prefill(gqa_stack: Stack) -> None:
-    prompts = [text(4, 90), text(5, 130), "ka lo", text(6, 70)]  # the third is shorter than a chunk
+@pytest.mark.parametrize("continued", [True, False], ids=["continued", "decoder-path"])
+def test_prompt_list_fans_in_to_one_prefill(gqa_stack: Stack, continued: bool) -> None:
+    """A completion of several prompts: one prefill of them all; then each prompt's choice is
+    continued after its first token (the default) or, on the decoder's path, every prompt's engine
+    request on the decoder is answered from that prefill. The single engine's answer either way."""
+    prompts = [text(4 + 10 * continued, 90), text(5 + 10 * continued, 130), "ka lo" + " mi" * continued,
+               text(6 + 10 * continued, 70)]  # the third is shorter than a chunk
     body = _completion(prompts)
     refs = [completion_choice(c) for c in by_index(baseline(gqa_stack, "/v1/completions", body)["choices"])]
-    ex = through(gqa_stack, "/v1/completions", body)
+    url = None if continued else decoder_path_proxy(gqa_stack).url
+    ex = through(gqa_stack, "/v1/completions", body, proxy_url=url)
     assert ex.status == 200, ex.out
+    assert [r["remote_prefill"] == CONTINUED for r in ex.decode_stats] == [continued] * len(prompts), ex.decode_stats
     got = [completion_choice(c) for c in by_index(ex.out["choices"])]
     assert len(got) == len(prompts)
     for i, (r, g) in enumerate(zip(refs, got)):

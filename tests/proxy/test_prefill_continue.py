@@ -100,6 +100,35 @@ def test_min_tokens_the_prefill_asks_one_and_the_continuation_what_is_left(chat,
     run(body())
 
 
+@pytest.mark.parametrize("extra", [{}, {"return_token_ids": True, "temperature": 0.7, "seed": 3}],
+                         ids=["greedy", "seeded-ids"])
+def test_a_prompt_list_continues_each_prompt_from_its_own_first_token(extra):
+    """A completion of several prompts: one prefill of them all, then each prompt's choice goes to
+    a decoder as that prompt's ids plus its first token (the request's seed: vLLM seeds every
+    prompt of a request alike); the answer is the single engine's."""
+    async def body():
+        async with harness() as h:
+            prompts = ["p", "q r", "s t u"]
+            req = {**GREEDY, "prompt": prompts, **extra}
+            async with h.session.post(h.backend_urls[-1] + "/v1/completions", json=req) as r:  # a plain vLLM server
+                assert r.status == 200
+                want = await r.json()
+            status, out = await h.post("/v1/completions", req)
+            assert status == 200, out
+            strip = ("id", "created", "kv_transfer_params")
+            assert {k: v for k, v in out.items() if k not in strip} == {k: v for k, v in want.items() if k not in strip}, (out, want)
+            (pre,) = h.prefillers[0].bodies
+            assert pre["prompt"] == prompts and pre["max_tokens"] == 1 and pre["n"] == 1
+            conts = h.decoders[0].bodies[1:]
+            assert sorted(b["prompt"] for b in conts) == sorted(
+                tokenize(p) + generate_ids(tokenize(p), 1) for p in prompts)
+            assert all(b["kv_transfer_params"]["lw_prefilled"] == 1 and b["max_tokens"] == 3
+                       and b.get("seed") == extra.get("seed") for b in conts)
+            assert h.decoders[0].metaserver_ids == []
+
+    run(body())
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_a_sampled_answer_of_several_choices_continues_each_choice_from_its_own_token(chat):
     async def body():
@@ -283,7 +312,9 @@ def test_which_requests_are_continued():
     assert applies({**GREEDY, "presence_penalty": 0, "frequency_penalty": 0.0})
     assert applies({**GREEDY, "echo": True}) and applies({**GREEDY, "echo": True, "return_token_ids": True})
     assert applies({**GREEDY, "min_tokens": 2}) and applies({**CHAT, "min_tokens": 0})
-    for kw in ({"stream": True}, {"prompt": ["a", "b"]}, {"echo": True, "logprobs": 1}, {"echo": True, "prompt": [5, 6]},
+    assert applies({**GREEDY, "prompt": ["a", "b"]}) and applies({**GREEDY, "prompt": [[1, 2], [3]]})
+    for kw in ({"stream": True}, {"prompt": ["a", "b"], "n": 2}, {"prompt": ["a", "b"], "echo": True},
+               {"prompt": ["a", "b"], "min_tokens": "1"}, {"echo": True, "logprobs": 1}, {"echo": True, "prompt": [5, 6]},
                {"echo": 1}, {"suffix": "s"}, {"min_tokens": "2"},
                {"stop": 3}, {"frequency_penalty": 0.1}, {"best_of": 2, "n": 1},
                {"structured_outputs": {"regex": "a"}}, {"logits_processors": ["m.P"]}, {"vllm_xargs": {"a": 1}}):

@@ -38,7 +38,8 @@ Kept on the decoder's path, because the continuation would see the first token a
 prompt where a single engine sees it as output: ``presence_penalty`` and ``frequency_penalty``
 (they count output tokens), ``bad_words``, structured outputs and ``response_format`` other than text (the grammar would start
 again after the first token), custom logits processors (``logits_processors``, ``vllm_xargs``),
-beam search, and whatever the streamed relay leaves out (several prompts, an
+beam search, and whatever the streamed relay leaves out (several prompts of several choices each
+(a list of prompts of one choice each is continued prompt by prompt: ``prompt_list``), an
 ``echo`` it does not put in itself (``relay.echo_ok``: a completion's on one text prompt without
 log-probs is continued, its answer beginning with the prompt's text), ``suffix``, prompt log-probs; chat: ``tools``, ``functions``, ``return_prompt_text``,
 ``continue_final_message``, messages with anything but text, whose token ids vLLM does not take).
@@ -64,6 +65,7 @@ from .relay import (
     first_tokens_of,
     given,
     plain_content,
+    prefill_min_tokens,
     request_id,
     stop_strings,
 )
@@ -77,10 +79,20 @@ EXCLUDED_CONTINUED = ("bad_words", "logits_processors", "vllm_xargs", "guided_js
 _PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
+def prompt_list(req: ClientRequest) -> bool:
+    """A completion of several prompts, one choice each: its prefill (one request of every prompt)
+    answers a choice per prompt, each continued on its own (a request of that prompt's ids plus its
+    first token, with the request's seed, as vLLM seeds every prompt of a request). Not with ``n`` above
+    1 (the prefill then draws one choice per prompt: ``relay.continues``)."""
+    return not req.chat and len(req.prompts) > 1 and req.n == 1 and (req.body.get("best_of") or 1) == 1
+
+
 def applies(req: ClientRequest, prefill_first: bool) -> bool:
     """Whether a request's answer is continued after its prefill (see the module docstring)."""
     b = req.body
-    if req.stream or not prefill_first or req.prompt_ids is not None or not continues(req):
+    if req.stream or not prefill_first or req.prompt_ids is not None:
+        return False
+    if not (continues(req) or prompt_list(req)) or prefill_min_tokens(req) is None:
         return False
     if any(given(b.get(k)) for k in (*(EXCLUDED_CHAT if req.chat else EXCLUDED), *EXCLUDED_CONTINUED)):
         return False
@@ -108,9 +120,10 @@ class Plan(msgspec.Struct):
 
 def plan(req: ClientRequest, data: bytes) -> Plan | None:
     """How to finish ``req`` from its prefill's 200 answer ``data``; None when it cannot be
-    continued (the decoder's path then): a choice without its first token's and the prompt's ids, a
+    continued (the decoder's path then): a choice without its first token's and its prompt's ids, a
     chat whose first token went to reasoning or a tool call, a first token's text a stop string
-    could begin in (``could_cross``)."""
+    could begin in (``could_cross``). A completion's choices each carry their prompt's ids (a
+    prompt list's differ), a chat's answer once."""
     try:
         obj = msgspec.json.decode(data)
     except msgspec.DecodeError:
@@ -120,7 +133,7 @@ def plan(req: ClientRequest, data: bytes) -> Plan | None:
     seed = req.body.get("seed")
     chs = obj.get("choices") if isinstance(obj, dict) else None
     if (not isinstance(chs, list) or not all(isinstance(ch, dict) for ch in chs)
-            or sorted(ch.get("index", -1) for ch in chs) != list(range(req.n))):
+            or sorted(ch.get("index", -1) for ch in chs) != list(range(req.children))):
         return None
     conts: dict[int, ClientRequest] = {}
     for ch in chs:
@@ -134,7 +147,10 @@ def plan(req: ClientRequest, data: bytes) -> Plan | None:
             return None  # a reasoning parser saw it (an empty reasoning too: a block opened), or a tool call
         if could_cross(first, stops):
             return None
-        cont = rc.continuation(req, i, rc.echo_prefix(req, i) + first, [firsts[0][i]], 1, firsts[1])
+        pids = firsts[1] if req.chat else ch.get("prompt_token_ids")
+        if not isinstance(pids, list) or not pids or not all(type(t) is int for t in pids):
+            return None
+        cont = rc.continuation(req, i, rc.echo_prefix(req, i) + first, [firsts[0][i]], 1, pids)
         if cont is not None:
             cont.prefilled = 1
             if type(seed) is int and req.n > 1:  # vLLM seeds choice i with seed + i

@@ -71,7 +71,7 @@ def test_prompt_list_fans_in_to_one_prefill():
 
 def test_token_prompt_lists_count_children():
     async def body():
-        async with harness() as h:
+        async with harness(continue_after_prefill=False) as h:  # the decoder's path (a list is continued by default)
             status, _ = await h.post("/v1/completions", {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 2})
             assert status == 200
             assert h.decoders[0].bodies[0]["kv_transfer_params"]["lw_children"] == 2

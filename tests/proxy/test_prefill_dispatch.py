@@ -83,7 +83,7 @@ def test_on_metaserver_dispatches_only_after_the_posts():
 
 def test_early_needs_prefill_false_is_answered_at_once_and_the_prefill_runs_on():
     async def body():
-        async with harness() as h:
+        async with harness(continue_after_prefill=False) as h:  # the decoder's path (a list is continued by default)
             h.decoders[0].knobs.needs_prefill = False
             h.prefillers[0].knobs.delay = 0.5
             t0 = time.monotonic()

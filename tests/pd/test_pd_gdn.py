@@ -21,7 +21,7 @@ from pd_state_flow import check_prompt_ending_on_a_block
 from lw_bench.models import GDN_SPEC
 from lw_bench.pd.stack import Stack
 from lw_dev.harness import assert_same_greedy
-from lw_dev.pd_flow import baseline, text, through
+from lw_dev.pd_flow import baseline, decoder_path_proxy, text, through
 from lw_dev.pd_oracle import SAMPLING, by_index, completion_choice
 from lw_dev.state_sizes import gdn_state_nbytes, ssm_dtype
 
@@ -41,7 +41,10 @@ def test_gdn_prompts_match_single_engine_and_decoder_loads_up_to_the_last_state(
     # The baseline under another cache_salt: the decoder's own prefix cache must not serve the PD run.
     base = baseline(gdn_stack, "/v1/completions", {**body, "cache_salt": "single-engine"})
     refs = [completion_choice(c) for c in by_index(base["choices"])]
-    ex = through(gdn_stack, "/v1/completions", body)
+    # The decoder's path (a non-streamed prompt list is continued after its prefill by default):
+    # each prompt's decoder computes from its last state to the prompt's end, as the single engine
+    # splits it, and decodes the first token; a continuation computes that token with the rest.
+    ex = through(gdn_stack, "/v1/completions", body, proxy_url=decoder_path_proxy(gdn_stack).url)
     assert ex.status == 200, ex.out
     got = [completion_choice(c) for c in by_index(ex.out["choices"])]
     assert len(got) == len(prompts)

@@ -67,16 +67,19 @@ def test_chat_matches_single_engine(gqa_stack: Stack, continued: bool) -> None:
     assert (ex.decode_stats[0]["remote_prefill"] == CONTINUED) == continued, ex.decode_stats
 
 
-def test_an_echo_completion_continued_after_its_prefill_is_the_single_engines(gqa_stack: Stack) -> None:
+@pytest.mark.parametrize("ids", [False, True], ids=["text", "ids"])
+def test_an_echo_completion_continued_after_its_prefill_is_the_single_engines(gqa_stack: Stack, ids: bool) -> None:
     """``echo``: the prefill and the continuation are asked without it, and the proxy puts the
-    prompt's text in front, as vLLM echoes it (``RequestOutput.prompt``, the text as given)."""
-    body = {"model": "tiny", "prompt": text(401, 110), "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
-            "echo": True}
+    prompt's text in front, as vLLM echoes it (``RequestOutput.prompt``, the text as given; with
+    ``return_token_ids`` vLLM echoes the ids only)."""
+    body = {"model": "tiny", "prompt": text(401 + 2 * ids, 110), "max_tokens": MAX_TOKENS, "temperature": 0,
+            "ignore_eos": True, "echo": True, **({"return_token_ids": True} if ids else {})}
     ref = baseline(gqa_stack, "/v1/completions", body)
     ex = through(gqa_stack, "/v1/completions", body)
     assert ex.status == 200, ex.out
-    assert ex.out["choices"][0]["text"] == ref["choices"][0]["text"]
-    assert ex.out["choices"][0]["text"].startswith(body["prompt"]) and ex.out["usage"] == ref["usage"]
+    keys = ("text", "token_ids", "prompt_token_ids", "finish_reason")
+    assert {k: ex.out["choices"][0][k] for k in keys} == {k: ref["choices"][0][k] for k in keys}
+    assert ex.out["choices"][0]["text"].startswith("" if ids else body["prompt"]) and ex.out["usage"] == ref["usage"]
     assert ex.decode_stats[0]["remote_prefill"] == CONTINUED, ex.decode_stats
 
 
@@ -212,9 +215,9 @@ def _stream_logprobs(events: list, chat: bool) -> dict:
 @pytest.mark.parametrize(("chat", "logprobs"), [
     (False, {}), (True, {}), (False, {"logprobs": 2, "return_tokens_as_token_ids": True}),
     (True, {"logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}), (False, {"echo": True}),
-    (True, {"min_tokens": 3})],
+    (True, {"min_tokens": 3}), (False, {"echo": True, "return_token_ids": True})],
                          ids=["completion", "chat", "completion-logprobs", "chat-logprobs", "completion-echo",
-                              "chat-min-tokens"])
+                              "chat-min-tokens", "completion-echo-ids"])
 def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack: Stack, chat: bool,
                                                                       logprobs: dict) -> None:
     """Through the proxy's default, a relayable streamed greedy completion's or chat's first token
@@ -260,8 +263,12 @@ def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack:
     assert len(middle) == 1 and ref_middle in (set(), middle), (events, ref_events)
     assert _shape(events[-2]) == _shape(ref_events[-2]), (events, ref_events)
     assert len({ev["id"] for ev in events[:-1]}) == 1  # the relayed events carry the decoder's id
-    if "echo" in logprobs:  # the relayed event begins with the prompt, as the single engine's
-        assert _stream_text(events, chat).startswith(body["prompt"]), events[:2]
+    if "echo" in logprobs:  # the relayed event begins with the prompt (its ids only when ids are asked)
+        assert _stream_text(events, chat).startswith("" if "return_token_ids" in logprobs else body["prompt"])
+        assert events[0]["choices"][0]["prompt_token_ids"] == ref_events[0]["choices"][0]["prompt_token_ids"]
+        assert events[0]["choices"][0]["prompt_token_ids"], events[0]  # vLLM's echoing event carries them
+        assert [t for ev in events[:-1] for ch in ev["choices"] for t in ch.get("token_ids") or ()] == [
+            t for ev in ref_events[:-1] for ch in ev["choices"] for t in ch.get("token_ids") or ()]
     if "logprobs" in logprobs:
         ref, got = _stream_logprobs(ref_events, chat), _stream_logprobs(events, chat)
         assert len(got["tokens"]) == MAX_TOKENS, got  # one entry per token: the relayed one's not twice

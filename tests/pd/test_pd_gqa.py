@@ -103,14 +103,15 @@ def test_min_tokens_keep_the_single_engines_first_token_from_the_prefill(gqa_sta
     assert ex.decode_stats[0]["remote_prefill"] == CONTINUED, ex.decode_stats
 
 
-@pytest.mark.parametrize(("chat", "n"), [(False, 1), (True, 1), (False, 2)], ids=["completion", "chat", "completion-n2"])
+@pytest.mark.parametrize(("chat", "n", "prompts"), [(False, 1, 1), (True, 1, 1), (False, 2, 1), (False, 2, 2)],
+                         ids=["completion", "chat", "completion-n2", "prompt-list-n2"])
 def test_a_seeded_sampled_answer_continued_after_its_prefill_is_the_single_engines(gqa_stack: Stack, chat: bool,
-                                                                                     n: int) -> None:
+                                                                                     n: int, prompts: int) -> None:
     """Not streamed, temperature 1 with a seed: the prefiller draws each choice's first token with
     the seed (choice i: seed + i), its continuation's generator is set one draw ahead
     (lw_vllm.pd.seeded_continuation), so every token is the single engine's; a random-weight model's
     near-uniform tokens would differ almost always otherwise."""
-    content = text(500 + 2 * chat + n, 100)
+    content = text(500 + 2 * chat + n, 100) if prompts == 1 else [text(510 + k, 100) for k in range(prompts)]
     kw = {"temperature": 1.0, "seed": 5, "n": n, "return_token_ids": True}
     body = _chat(content, **kw) if chat else _completion(content, **kw)
     ref = baseline(gqa_stack, _path(chat), body)
@@ -118,8 +119,8 @@ def test_a_seeded_sampled_answer_continued_after_its_prefill_is_the_single_engin
     assert ex.status == 200, ex.out
     tokens = {ch["index"]: ch["token_ids"] for ch in ex.out["choices"]}
     assert tokens == {ch["index"]: ch["token_ids"] for ch in ref["choices"]}
-    assert len({tuple(t) for t in tokens.values()}) == n  # the choices differ: each had its own seed
-    assert [r["remote_prefill"] for r in ex.decode_stats] == [CONTINUED] * n, ex.decode_stats
+    assert len({tuple(t) for t in tokens.values()}) == n * prompts  # the choices differ: each had its own seed
+    assert [r["remote_prefill"] for r in ex.decode_stats] == [CONTINUED] * n * prompts, ex.decode_stats
 
 
 def _stop_body(stack: Stack, seed: int, across: bool) -> tuple[dict, str] | None:

@@ -54,7 +54,7 @@ def test_completion_goes_decoder_first_then_one_prefill():
 
 def test_prompt_list_fans_in_to_one_prefill():
     async def body():
-        async with harness() as h:
+        async with harness(continue_after_prefill=False) as h:  # the decoder's path (a list is continued by default)
             prompts = ["alpha", "beta gamma", "delta"]
             status, out = await h.post("/v1/completions", {"prompt": prompts, "max_tokens": 3, "n": 2})
             assert status == 200, out

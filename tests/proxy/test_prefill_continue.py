@@ -100,6 +100,31 @@ def test_min_tokens_the_prefill_asks_one_and_the_continuation_what_is_left(chat,
     run(body())
 
 
+def test_a_prompt_list_of_several_choices_continues_each_choice_with_its_seed():
+    """``n`` 2 over three prompts: the prefill draws every choice of every prompt (its ``n`` kept),
+    and choice ``j`` of each prompt is continued from its own first token with ``seed + j``."""
+    async def body():
+        async with harness() as h:
+            pf, dec = h.prefillers[0], h.decoders[0]
+            pf.knobs.distinct_choices = True  # the prefiller's choices draw different first tokens
+            prompts = ["p", "q r", "s t u"]
+            status, out = await h.post("/v1/completions", {**GREEDY, "prompt": prompts, "n": 2, "temperature": 0.7,
+                                                           "seed": 3})
+            assert status == 200, out
+            (pre,) = pf.bodies
+            assert pre["n"] == 2 and pre["prompt"] == prompts and pre["seed"] == 3
+            sent = {tuple(b["prompt"]): b["seed"] for b in dec.bodies}
+            assert len(sent) == 6 and dec.metaserver_ids == []
+            for ch in out["choices"]:
+                i, j = divmod(ch["index"], 2)
+                ids = tokenize(prompts[i])
+                first = generate_ids(ids + [j] if j else ids, 1)[0]
+                assert sent[tuple(ids + [first])] == 3 + j, ch
+                assert ch["text"] == token_text(first) + "".join(generate(ids + [first], 3)), ch
+
+    run(body())
+
+
 @pytest.mark.parametrize("extra", [{}, {"return_token_ids": True, "temperature": 0.7, "seed": 3}],
                          ids=["greedy", "seeded-ids"])
 def test_a_prompt_list_continues_each_prompt_from_its_own_first_token(extra):
@@ -313,7 +338,8 @@ def test_which_requests_are_continued():
     assert applies({**GREEDY, "echo": True}) and applies({**GREEDY, "echo": True, "return_token_ids": True})
     assert applies({**GREEDY, "min_tokens": 2}) and applies({**CHAT, "min_tokens": 0})
     assert applies({**GREEDY, "prompt": ["a", "b"]}) and applies({**GREEDY, "prompt": [[1, 2], [3]]})
-    for kw in ({"stream": True}, {"prompt": ["a", "b"], "n": 2}, {"prompt": ["a", "b"], "echo": True},
+    assert applies({**GREEDY, "prompt": ["a", "b"], "n": 2})
+    for kw in ({"stream": True}, {"prompt": ["a", "b"], "best_of": 2}, {"prompt": ["a", "b"], "echo": True},
                {"prompt": ["a", "b"], "min_tokens": "1"}, {"echo": True, "logprobs": 1}, {"echo": True, "prompt": [5, 6]},
                {"echo": 1}, {"suffix": "s"}, {"min_tokens": "2"},
                {"stop": 3}, {"frequency_penalty": 0.1}, {"best_of": 2, "n": 1},

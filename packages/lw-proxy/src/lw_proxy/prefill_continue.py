@@ -38,8 +38,8 @@ Kept on the decoder's path, because the continuation would see the first token a
 prompt where a single engine sees it as output: ``presence_penalty`` and ``frequency_penalty``
 (they count output tokens), ``bad_words``, structured outputs and ``response_format`` other than text (the grammar would start
 again after the first token), custom logits processors (``logits_processors``, ``vllm_xargs``),
-beam search, and whatever the streamed relay leaves out (several prompts of several choices each
-(a list of prompts of one choice each is continued prompt by prompt: ``prompt_list``), an
+beam search, and whatever the streamed relay leaves out (but several prompts: a completion's list
+of prompts is continued choice by choice, ``prompt_list``), an
 ``echo`` it does not put in itself (``relay.echo_ok``: a completion's on one text prompt without
 log-probs is continued, its answer beginning with the prompt's text), ``suffix``, prompt log-probs; chat: ``tools``, ``functions``, ``return_prompt_text``,
 ``continue_final_message``, messages with anything but text, whose token ids vLLM does not take).
@@ -80,11 +80,11 @@ _PENALTIES = ("presence_penalty", "frequency_penalty")
 
 
 def prompt_list(req: ClientRequest) -> bool:
-    """A completion of several prompts, one choice each: its prefill (one request of every prompt)
-    answers a choice per prompt, each continued on its own (a request of that prompt's ids plus its
-    first token, with the request's seed, as vLLM seeds every prompt of a request). Not with ``n`` above
-    1 (the prefill then draws one choice per prompt: ``relay.continues``)."""
-    return not req.chat and len(req.prompts) > 1 and req.n == 1 and (req.body.get("best_of") or 1) == 1
+    """A completion of several prompts: its prefill (one request of every prompt, with the client's
+    ``n``) answers each choice of each prompt, each continued on its own (a request of that prompt's
+    ids plus that choice's first token; choice ``j`` of each prompt with ``seed + j``, as vLLM seeds
+    it on every engine)."""
+    return not req.chat and len(req.prompts) > 1 and (req.body.get("best_of") or 1) == 1
 
 
 def applies(req: ClientRequest, prefill_first: bool) -> bool:
@@ -153,8 +153,8 @@ def plan(req: ClientRequest, data: bytes) -> Plan | None:
         cont = rc.continuation(req, i, rc.echo_prefix(req, i) + first, [firsts[0][i]], 1, pids)
         if cont is not None:
             cont.prefilled = 1
-            if type(seed) is int and req.n > 1:  # vLLM seeds choice i with seed + i
-                cont.body["seed"] = seed + i
+            if type(seed) is int and req.n > 1:  # vLLM seeds choice j of each prompt with seed + j
+                cont.body["seed"] = seed + i % req.n
             conts[i] = cont
     return Plan(obj, conts)
 

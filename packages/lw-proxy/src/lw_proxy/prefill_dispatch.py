@@ -34,9 +34,11 @@ from .validate import ClientRequest
 _encode = msgspec.json.encode
 
 
-def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False, stream: bool = False) -> dict[str, Any]:
+def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False, stream: bool = False,
+                 n: int | None = None) -> dict[str, Any]:
     """The prefill's request: the client's, one token, not streamed; one choice, or the client's
-    ``n`` when the decoder may continue from each choice's first token (``relay.continues``).
+    ``n`` when the decoder may continue from each choice's first token (``relay.continues``), or
+    ``n`` when given (a prompt list continued after its prefill: every choice of every prompt).
     ``token_ids``: ask for the prompt's and the first tokens' ids (a relayed first token's).
     ``stream``: streamed, with continuous usage (each event carries the prompt's count), so each
     choice is known as soon as the prefiller has it (``prefill_stream``). An ``echo`` the relay and
@@ -47,7 +49,7 @@ def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False, st
         body.pop(k, None)
     if prefill_min_tokens(req):  # the client's first token is never EOS nor a stop token: nor is the prefill's
         body["min_tokens"] = 1
-    body.update(max_tokens=1, stream=stream, n=req.n if continues(req) else 1)
+    body.update(max_tokens=1, stream=stream, n=n if n is not None else req.n if continues(req) else 1)
     if stream:
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     if req.chat:
@@ -115,8 +117,11 @@ class PrefillDispatcher:
         path = CHAT if req.chat else COMPLETIONS
         # A relayed stream of several choices: each choice's token is relayed as it comes.
         streamed = parent.relay is not None and req.stream and req.n > 1 and continues(req)
+        # A prompt list continued after its prefill (lw_proxy.prefill_continue): each choice of each
+        # prompt is continued from its own first token, so the prefill draws them all.
+        listed = parent.relay is not None and not req.stream and len(req.prompts) > 1
         payload = _encode(prefill_body(req, parent.id, token_ids=parent.relay is not None or continues(req),
-                                       stream=streamed))
+                                       stream=streamed, n=req.n if listed else None))
         headers = {**self.headers, "X-Request-Id": f"lw-prefill-{parent.id}"}
         # Each prefiller is tried at most once per parent: one that answered 503 is overloaded, and
         # asking it again only adds load; the decoders recompute instead.

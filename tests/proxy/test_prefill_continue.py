@@ -19,6 +19,19 @@ def _path(chat: bool) -> str:
     return "/v1/chat/completions" if chat else "/v1/completions"
 
 
+async def _as_single_engine(h, req: dict) -> dict:
+    """The proxy's answer to completion ``req``, checked equal to the decoder's as a plain vLLM
+    server (no kv_transfer_params) but for what names the response (id, created)."""
+    async with h.session.post(h.backend_urls[-1] + "/v1/completions", json=req) as r:
+        assert r.status == 200
+        want = await r.json()
+    status, out = await h.post("/v1/completions", req)
+    assert status == 200, out
+    strip = ("id", "created", "kv_transfer_params")
+    assert {k: v for k, v in out.items() if k not in strip} == {k: v for k, v in want.items() if k not in strip}, (out, want)
+    return out
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_the_decoder_continues_from_the_prefills_token_without_a_metaserver_call(chat):
     async def body():
@@ -66,13 +79,7 @@ def test_an_echo_completion_continued_after_its_prefill_is_the_single_engines(ex
     async def body():
         async with harness() as h:
             req = {**GREEDY, "prompt": "the prompt", "echo": True, **extra}
-            async with h.session.post(h.backend_urls[-1] + "/v1/completions", json=req) as r:  # a plain vLLM server
-                assert r.status == 200
-                want = await r.json()
-            status, out = await h.post("/v1/completions", req)
-            assert status == 200, out
-            strip = ("id", "created", "kv_transfer_params")
-            assert {k: v for k, v in out.items() if k not in strip} == {k: v for k, v in want.items() if k not in strip}, (out, want)
+            out = await _as_single_engine(h, req)
             assert out["choices"][0]["text"].startswith("" if extra.get("return_token_ids") else "the prompt")
             assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
             assert all("echo" not in b for b in (*h.prefillers[0].bodies, *h.decoders[0].bodies[1:]))
@@ -135,13 +142,7 @@ def test_a_prompt_list_continues_each_prompt_from_its_own_first_token(extra):
         async with harness() as h:
             prompts = ["p", "q r", "s t u"]
             req = {**GREEDY, "prompt": prompts, **extra}
-            async with h.session.post(h.backend_urls[-1] + "/v1/completions", json=req) as r:  # a plain vLLM server
-                assert r.status == 200
-                want = await r.json()
-            status, out = await h.post("/v1/completions", req)
-            assert status == 200, out
-            strip = ("id", "created", "kv_transfer_params")
-            assert {k: v for k, v in out.items() if k not in strip} == {k: v for k, v in want.items() if k not in strip}, (out, want)
+            await _as_single_engine(h, req)
             (pre,) = h.prefillers[0].bodies
             assert pre["prompt"] == prompts and pre["max_tokens"] == 1 and pre["n"] == 1
             conts = h.decoders[0].bodies[1:]

@@ -451,6 +451,22 @@ def _shape(events):
     return [clean(ev) for ev in events]
 
 
+async def _relayed_and_not(req, check) -> dict[bool, list]:
+    """Stream ``req`` through a proxy without ``--prefill-first`` and one with it (a slow decoder,
+    so the relay path runs), ``check(h, texts, errors, events)`` on each; the events as a client
+    compares them (``_shape``), by whether the first token was relayed, which is checked."""
+    got = {}
+    for prefill_first in (False, True):
+        async with harness(prefill_first=prefill_first) as h:
+            h.decoders[0].knobs.delay = 0.5
+            _, texts, errors, events = await _sse(h, req)
+            check(h, texts, errors, events)
+            got[prefill_first] = _shape(events)
+            relayed = h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total")
+            assert relayed == (1 if prefill_first else 0)
+    return got
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 @pytest.mark.parametrize("extra", [{}, {"return_token_ids": True},
                                    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
@@ -468,16 +484,11 @@ def test_a_relayed_stream_is_the_decoders_stream_event_for_event(chat, extra):
         extra.update({"logprobs": True, "top_logprobs": 1} if chat else {"logprobs": 1})
     req = {**(CHAT if chat else GREEDY), **extra}
 
+    def check(h, texts, errors, events):
+        assert errors == [] and "".join(texts) == "".join(generate("p", 4))
+
     async def body():
-        got = {}
-        for prefill_first in (False, True):
-            async with harness(prefill_first=prefill_first) as h:
-                h.decoders[0].knobs.delay = 0.5
-                _, texts, errors, events = await _sse(h, req)
-                assert errors == [] and "".join(texts) == "".join(generate("p", 4))
-                got[prefill_first] = _shape(events)
-                relayed = h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total")
-                assert relayed == (1 if prefill_first else 0)
+        got = await _relayed_and_not(req, check)
         assert got[True] == got[False]
         if "stream_options" in extra:
             assert all("usage" in ev for ev in got[True])
@@ -496,20 +507,15 @@ def test_an_echo_stream_is_relayed_as_the_decoders_stream_event_for_event(extra)
     prompt's ids, as the decoder's own echoing event; the decoder's is cut."""
     req = {**GREEDY, "prompt": "the prompt", "echo": True, **extra}
 
+    def check(h, texts, errors, events):
+        assert errors == [], errors
+        echo = "" if "return_token_ids" in extra else "the prompt"
+        assert "".join(texts) == echo + "".join(generate("the prompt", 4))
+        assert events[0]["choices"][0]["prompt_token_ids"] == tokenize("the prompt")
+        assert all("echo" not in b for b in h.prefillers[0].bodies)
+
     async def body():
-        got = {}
-        for prefill_first in (False, True):
-            async with harness(prefill_first=prefill_first) as h:
-                h.decoders[0].knobs.delay = 0.5
-                _, texts, errors, events = await _sse(h, req)
-                assert errors == [], errors
-                echo = "" if "return_token_ids" in extra else "the prompt"
-                assert "".join(texts) == echo + "".join(generate("the prompt", 4))
-                assert events[0]["choices"][0]["prompt_token_ids"] == tokenize("the prompt")
-                got[prefill_first] = _shape(events)
-                relayed = h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total")
-                assert relayed == (1 if prefill_first else 0)
-                assert all("echo" not in b for b in h.prefillers[0].bodies)
+        got = await _relayed_and_not(req, check)
         assert got[True] == got[False]
 
     run(body())

@@ -25,6 +25,7 @@ from .config import PREFILL_DISPATCH, ProxyConfig
 from .errors import ProxyError
 from .fanin import OK_BODY, Outcome, Parent, ParentRegistry
 from .metrics import ProxyMetrics
+from .prefill_continue import prompt_list
 from .prefill_stream import PrefillStream
 from .relay import Prefilled, continues, echo_ok, first_tokens, prefill_min_tokens
 from .relay import request_id as relay_request_id
@@ -119,7 +120,7 @@ class PrefillDispatcher:
         streamed = parent.relay is not None and req.stream and req.n > 1 and continues(req)
         # A prompt list continued after its prefill (lw_proxy.prefill_continue): each choice of each
         # prompt is continued from its own first token, so the prefill draws them all.
-        listed = parent.relay is not None and not req.stream and len(req.prompts) > 1
+        listed = parent.relay is not None and not req.stream and prompt_list(req)
         payload = _encode(prefill_body(req, parent.id, token_ids=parent.relay is not None or continues(req),
                                        stream=streamed, n=req.n if listed else None))
         headers = {**self.headers, "X-Request-Id": f"lw-prefill-{parent.id}"}

@@ -2,14 +2,15 @@
 48-token window, 1 and 3 are full attention; vLLM's hybrid KV cache manager on, block 32): through
 lw-proxy the decoder loads the prefiller's prompt, computes its last token only and gives the single
 engine's greedy output; its windowed layers read only the chunks inside the window. Its engines run
-tool calling: a tool call that begins at the first token is the single engine's through PD."""
+tool calling: a tool call that begins at the first token is the single engine's through PD, a
+streamed one's first event the prefiller's (lw_proxy.parsed_relay)."""
 
 from __future__ import annotations
 
 import pytest
 
 from lw_bench.models import SWA_SPEC
-from lw_bench.pd.stack import Stack
+from lw_bench.pd.stack import Stack, metric_sum, post_json, post_sse
 from lw_dev.pd_flow import assert_remote_prefill_used, baseline, text, through
 from lw_dev.pd_oracle import SAMPLING, assert_same, by_index, completion_choice
 
@@ -72,8 +73,8 @@ def _tool_calls(answer: dict, stream: bool) -> list[tuple[str, str]]:
 def test_a_tool_call_that_begins_at_the_first_token_is_the_single_engines(swa_stack: Stack, stream: bool) -> None:
     """A chat that names the tool to call (vLLM's named tool choice: its arguments' JSON is the
     whole output, from the first token on, under a grammar): the tool call through PD, streamed or
-    not, is the single engine's. Requests with tools keep the decoder's path (the prefill's token is
-    forced on the decoder where the grammar allows it), so nothing splits the call."""
+    not, is the single engine's: the decoder continues from the prefill's token (forced where the
+    grammar allows it), a streamed one after the prefiller's first event was relayed (below)."""
     body = {"model": "tiny", "messages": [{"role": "user", "content": text(600 + stream, 100)}], "max_tokens": 24,
             "temperature": 0, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}}
     ref = _tool_calls(baseline(swa_stack, "/v1/chat/completions", body), False)
@@ -81,4 +82,57 @@ def test_a_tool_call_that_begins_at_the_first_token_is_the_single_engines(swa_st
     ex = through(swa_stack, "/v1/chat/completions", {**body, "stream": stream})
     assert ex.status == 200, ex.out
     assert _tool_calls(ex.out, stream) == ref
+    assert_remote_prefill_used(swa_stack, ex, 1)
+
+
+RELAYED = "lw_proxy_prefill_first_relayed_total"
+
+
+def _without_ids(x):
+    """An event as clients compare them: no ids (the stream's, the tool calls'), ``created``, nulls."""
+    if isinstance(x, dict):
+        return {k: _without_ids(v) for k, v in x.items() if v is not None and k not in ("id", "created")}
+    return [_without_ids(v) for v in x] if isinstance(x, list) else x
+
+
+def _joined(events: list) -> tuple[str, list[tuple[str, str]], list[int]]:
+    """A chat stream's content, tool calls and generated token ids, its events joined."""
+    content = "".join((ch.get("delta") or {}).get("content") or "" for ev in events[:-1] for ch in ev["choices"])
+    ids = [t for ev in events[:-1] for ch in ev["choices"] for t in ch.get("token_ids") or ()]
+    return content, _tool_calls(events, True), ids
+
+
+@pytest.mark.parametrize("choice", ["named", "auto"])
+def test_a_streamed_tool_chat_gets_its_first_event_from_the_prefiller(swa_stack: Stack, choice: str) -> None:
+    """Tools: the prefill is streamed and asks two tokens, and its first token's event, parsed by
+    the prefiller's tool parser as one of many (lw_proxy.parsed_relay), goes to the client as the
+    single engine's first token's event while the decoder continues from that token. Named tool
+    choice (the arguments' JSON from the first token on: the call opens with it) and the pythonic
+    parser on auto with the first token biased to ``[`` (a call may begin: the parser holds it back,
+    an event with no delta but its id): the stream is the single engine's, the tool calls, content
+    and token ids joined, and the first token's event delta for delta."""
+    bracket = post_json(swa_stack.decode.url + "/tokenize", {"model": "tiny", "prompt": "[", "add_special_tokens": False})
+    assert bracket[0] == 200 and len(bracket[1]["tokens"]) == 1, bracket
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text(630 + (choice == "auto"), 300)}],
+            "max_tokens": 12, "temperature": 0, "tools": TOOLS, "stream": True, "return_token_ids": True}
+    if choice == "named":
+        body["tool_choice"] = {"type": "function", "function": {"name": "lookup"}}
+    else:
+        body["logit_bias"] = {str(bracket[1]["tokens"][0]): 20}
+    status, ref = post_sse(swa_stack.decode.url + "/v1/chat/completions", body)  # the single engine's stream
+    assert status == 200 and ref[-1] == "[DONE]", ref
+    before = metric_sum(swa_stack.proxy.url, RELAYED)
+    ex = through(swa_stack, "/v1/chat/completions", body)
+    assert ex.status == 200 and ex.out[-1] == "[DONE]", ex.out
+    assert metric_sum(swa_stack.proxy.url, RELAYED) - before == 1, "the prefiller's first event was not relayed"
+    assert _joined(ex.out) == _joined(ref)
+    first = _joined(ref)[2][0]
+    if choice == "auto":
+        assert first == bracket[1]["tokens"][0]
+    # The relayed first token's event (the second: the role event opens the stream) is the single
+    # engine's for that token, where its engine sent that token alone.
+    assert ex.out[1]["choices"][0]["token_ids"] == [first], ex.out[:3]
+    alone = [ev for ev in ref[:-1] if ev["choices"] and ev["choices"][0].get("token_ids") == [first]]
+    if alone:
+        assert _without_ids(ex.out[1]) == _without_ids(alone[0])
     assert_remote_prefill_used(swa_stack, ex, 1)

@@ -11,7 +11,7 @@ import pytest
 
 from lw_core.wire import prompt_digest
 from lw_dev.proxy_mocks import chat_context, generate, generate_ids, harness, run, token_text, tokenize
-from lw_proxy import relay
+from lw_proxy import parsed_relay, relay
 from lw_proxy.validate import parse_completion
 
 GREEDY = {"prompt": "p", "max_tokens": 4, "stream": True, "temperature": 0}
@@ -625,7 +625,7 @@ def test_first_event_only_for_a_whole_token_that_hit_the_length():
                                     "choices": [{"index": 0, "text": text, "finish_reason": finish, **ids}]})
 
     block, choices, pids, created = relay.first_event(answer(" w5"), "abc")
-    ((text, toks, n_logprobs, held),) = choices.values()
+    ((text, toks, n_logprobs, held, _),) = choices.values()
     ev = json.loads(block[len(b"data: "):])
     assert text == " w5" and held == "" and ev["id"] == "cmpl-lw-abc" and ev["choices"][0]["text"] == " w5"
     assert ev["choices"][0]["finish_reason"] is None and toks is None and pids is None and n_logprobs == 0
@@ -680,13 +680,10 @@ def test_a_streamed_greedy_chat_gets_its_first_token_from_the_prefill():
     run(body())
 
 
-def test_chats_with_tools_or_reasoning_keep_the_decoders_first_token():
+def test_a_reasoning_chat_keeps_the_decoders_first_token_when_its_answer_shows_no_content():
     async def body():
         async with harness() as h:
             h.decoders[0].knobs.delay = 1.0
-            tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-            first, texts, _, _ = await _sse(h, {**CHAT, "tools": [tool]})
-            assert first >= 0.9 and "".join(texts) == "".join(generate("p", 4))
             for b in (*h.prefillers, *h.decoders):
                 b.knobs.reasoning = True  # the answer is reasoning, no content: nothing to relay
             _, _, errors, events = await _sse(h, CHAT)
@@ -707,9 +704,12 @@ def test_chat_eligibility_and_first_events():
     assert relay.eligible(req(logprobs=True, top_logprobs=2)) and relay.asks_logprobs(req(logprobs=True))
     assert not relay.asks_logprobs(req(logprobs=False)) and not relay.asks_logprobs(req(top_logprobs=2))
     assert relay.eligible(req(temperature=0.5)) and not relay.relayable(req(temperature=0.5), forced=False)
-    for kw in ({"stream": False}, {"stop": [""]}, {"tools": []}, {"functions": [{"name": "f"}]}, {"echo": True},
+    for kw in ({"stream": False}, {"stop": [""]}, {"echo": True}, {"include_reasoning": False},
                {"return_prompt_text": True}, {"stream_options": {"include_usage": True, "continuous_usage_stats": 1}}):
         assert not relay.eligible(req(**kw)), kw
+    for kw in ({"tools": []}, {"functions": [{"name": "f"}]}):  # relayed from a streamed prefill (parsed_relay)
+        assert relay.eligible(req(**kw)) and parsed_relay.parsed(req(**kw), reasoning=False), kw
+    assert not parsed_relay.parsed(req(), reasoning=False) and parsed_relay.parsed(req(), reasoning=True)
 
     def answer(msg, finish="length", **top):
         return msgspec.json.encode({"id": "x", "created": 7, "model": "m", **top,
@@ -729,6 +729,8 @@ def test_chat_eligibility_and_first_events():
                 {"role": "assistant", "content": "", "reasoning": ""}):  # a reasoning block opened
         assert relay.first_event(answer(msg), "abc", True) is None, msg
     assert relay.first_event(answer({"content": " w5"}, "stop"), "abc", True) is None
+    reasoning_usage = {"usage": {"prompt_tokens": 2, "completion_tokens_details": {"reasoning_tokens": 0}}}
+    assert relay.first_event(answer({"role": "assistant", "content": " w5"}, **reasoning_usage), "abc", True) is None
     ch = {"index": 0, "delta": {"content": " w5 w6"}}
     assert relay.cut(ch, " w5", None, True) == ("", None) and ch["delta"] == {"content": " w6"}
 

@@ -87,6 +87,7 @@ def chat_context(messages: list[dict[str, Any]]) -> str:
 class Knobs:
     status: int | None = None  # answer every generation request with this status (JSON error)
     delay: float = 0.0  # seconds before answering
+    answer_delay: float = 0.0  # decoder: seconds between its metaserver answers and its own (a load, a step)
     token_delay: float = 0.0  # seconds between streamed tokens
     die_after: int | None = None  # streams: drop the connection after this many tokens
     choice_delay: float = 0.0  # streams: seconds before each choice's event after the first choice's
@@ -111,8 +112,15 @@ class Knobs:
     # decoder decides the other way than the prefiller); used once, then cleared
     first_word: str | None = None
     first_word_choices: frozenset[int] | None = None  # only these choices start with first_word (None: all)
-    # chat: the answer goes out as reasoning_content deltas, with no content (a reasoning model)
+    # chat: the answer goes out as reasoning_content deltas, with no content (a reasoning model on a
+    # server with a reasoning parser: chat usage carries completion_tokens_details, as vLLM's then
+    # does; a one-token answer is parsed as the stream's last, which falls back to content)
     reasoning: bool = False
+    # chat with tools: a tool parser holds the first token back (an event with an empty delta when
+    # ids or log-probs are asked, else none) and sends it with the second as a tool call's opening
+    # delta (id, name "f", arguments); later tokens are its arguments. A one-token answer is parsed
+    # as the stream's last: content, as vLLM's finished parse falls back to
+    tool_parser: bool = False
     # streams: every k-th token (k, 2k, ...) is sent with empty text (its text held back, as for a
     # partial UTF-8 character) and its text comes with the next token
     empty_every: int | None = None
@@ -235,6 +243,8 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
                 await calls
             else:
                 st.background.append(asyncio.ensure_future(calls))
+        if k.answer_delay:
+            await asyncio.sleep(k.answer_delay)
         if fail_status is not None:
             st.failed += 1
             return web.json_response({"error": {"message": "mock failure after the metaserver call", "type": "x",
@@ -266,9 +276,14 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
             if k.hold_first and len(toks) == 1:
                 text = ""
             c: dict[str, Any] = {"index": idx}
-            if chat:
-                c["message"] = {"role": "assistant", "content": None if k.reasoning else text}
-                if k.reasoning:
+            if chat and k.tool_parser and body.get("tools") and len(toks) > 1:
+                c["message"] = {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": f"call-{uuid.uuid4().hex[:8]}", "type": "function",
+                     "function": {"name": "f", "arguments": text}}]}
+            elif chat:
+                reasons = k.reasoning and len(toks) > 1
+                c["message"] = {"role": "assistant", "content": None if reasons else text}
+                if reasons:
                     c["message"]["reasoning_content"] = text
             else:
                 c["text"] = _echo(body, prompts[idx // n], ret_ids) + text
@@ -282,7 +297,8 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
         answer: dict[str, Any] = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "chat.completion" if chat
                                   else "text_completion", "created": st.knobs.created, "model": "mock-model",
                                   "choices": out,
-                                  "usage": {"prompt_tokens": 5, "completion_tokens": total, "total_tokens": 5 + total}}
+                                  "usage": {"prompt_tokens": 5, "completion_tokens": total, "total_tokens": 5 + total,
+                                            **_details(k, chat, total)}}
         if chat:
             answer["prompt_token_ids"] = choices[0][1] if ret_ids else None
         return web.json_response(answer)
@@ -403,7 +419,7 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
         if continuous:  # every event carries its choice's usage so far (chat also completion_tokens_details)
             k = counts[c["index"]]
             top["usage"] = {"prompt_tokens": 5, "total_tokens": 5 + k, "completion_tokens": k,
-                            **({"completion_tokens_details": None} if chat else {})}
+                            **({"completion_tokens_details": None} if chat else {}), **_details(st.knobs, chat, k)}
         await resp.write(b"data: " + msgspec.json.encode({**head, "choices": [c], **top}) + b"\n\n")
 
     try:
@@ -412,6 +428,8 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
                 await send({"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}, prompt_token_ids=pids if ret_ids else None, prompt_text=None)
         held = {idx: "" for idx, _ in choices}  # text held back by empty_every or for stop strings
+        tools = chat and k.tool_parser and bool(body.get("tools"))
+        tool_held = {idx: "" for idx, _ in choices}  # the first token's text a tool parser held back
         stop = body.get("stop") or []
         stops = [stop] if isinstance(stop, str) else stop
         hold = max(map(len, stops)) - 1 if stops and not body.get("include_stop_str_in_output") else 0
@@ -435,8 +453,14 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
                 elif hold:
                     text = held[idx] + text
                 c: dict[str, Any] = {"index": idx}
-                if chat:
-                    c["delta"] = {"reasoning_content": text} if k.reasoning else {"content": text}
+                if tools and not (last and t == 0):
+                    c["delta"] = _tool_delta(t, tool_held, idx, text)
+                    if not c["delta"] and not ret_ids and not lp:  # as vLLM: a held-back token sends no event
+                        counts[idx] += 1
+                        sent += 1
+                        continue
+                elif chat:
+                    c["delta"] = {"reasoning_content": text} if k.reasoning and not (last and t == 0) else {"content": text}
                 else:
                     c["text"] = (_echo(body, prompts[idx // n], ret_ids) if t == 0 and prompts else "") + text
                 c.update(logprobs=_logprobs([tok], chat, k.logprob) if lp else None, finish_reason=None, stop_reason=None)
@@ -452,7 +476,7 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
             if k.token_delay:
                 await asyncio.sleep(k.token_delay)
         if (body.get("stream_options") or {}).get("include_usage"):
-            usage = {"prompt_tokens": 5, "completion_tokens": sent, "total_tokens": 5 + sent}
+            usage = {"prompt_tokens": 5, "completion_tokens": sent, "total_tokens": 5 + sent, **_details(k, chat, sent)}
             await resp.write(b"data: " + msgspec.json.encode({**head, "choices": [], "usage": usage}) + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         st.completed += 1
@@ -460,6 +484,23 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
         st.aborted += 1
         raise
     return resp
+
+
+def _details(k: Knobs, chat: bool, generated: int) -> dict[str, Any]:
+    """A chat usage's ``completion_tokens_details`` on a server with a reasoning parser (vLLM sets it
+    only there)."""
+    return {"completion_tokens_details": {"reasoning_tokens": generated}} if chat and k.reasoning else {}
+
+
+def _tool_delta(t: int, held: dict[int, str], idx: int, text: str) -> dict[str, Any]:
+    """Token ``t``'s delta under the mock's tool parser (``Knobs.tool_parser``)."""
+    if t == 0:
+        held[idx] = text
+        return {}
+    if t == 1:
+        return {"tool_calls": [{"index": 0, "id": f"call-{uuid.uuid4().hex[:8]}", "type": "function",
+                                "function": {"name": "f", "arguments": held.pop(idx) + text}}]}
+    return {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}
 
 
 def _bound_socket() -> socket.socket:

@@ -45,7 +45,9 @@ log-probs is continued, its answer beginning with the prompt's text), ``suffix``
 ``continue_final_message``, messages with anything but text, whose token ids vLLM does not take).
 A chat whose first token a reasoning parser saw (``reasoning`` or ``reasoning_content`` not null,
 an empty one included: a block opened) or that went to ``tool_calls`` also keeps it (``plan``: the
-continuation's parsers would not see the block open), as does any answer without the first tokens'
+continuation's parsers would not see the block open), as does any chat a server with a reasoning
+parser answered (its usage has ``completion_tokens_details``: a block the first token's text does
+not show may still close later, which the continuation's parser would not know), and any answer without the first tokens'
 and the prompt's ids. Those requests go to the decoder with the parent whose prefill already
 answered, so nothing is computed twice.
 """
@@ -128,6 +130,9 @@ def plan(req: ClientRequest, data: bytes) -> Plan | None:
         obj = msgspec.json.decode(data)
     except msgspec.DecodeError:
         return None
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    if req.chat and isinstance(usage, dict) and isinstance(usage.get("completion_tokens_details"), dict):
+        return None  # a reasoning parser's server: the continuation's parser would not see the first token
     firsts = first_tokens_of(obj, req.chat)
     stops = stop_strings(req) or []
     seed = req.body.get("seed")

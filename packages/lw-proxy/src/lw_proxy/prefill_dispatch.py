@@ -11,6 +11,7 @@ headers every backend call carries; it holds no state across parents."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ import msgspec
 
 from lw_core.wire import MetaserverResponse, PrefillTransferParams, prompt_digest
 
+from . import parsed_relay
 from .backends import Backend, BackendPool
 from .config import PREFILL_DISPATCH, ProxyConfig
 from .errors import ProxyError
@@ -33,10 +35,11 @@ from .upstream import CHAT, COMPLETIONS, RETRY_STATUSES, UPSTREAM_ERRORS
 from .validate import ClientRequest
 
 _encode = msgspec.json.encode
+log = logging.getLogger("lw_proxy")
 
 
 def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False, stream: bool = False,
-                 n: int | None = None) -> dict[str, Any]:
+                 n: int | None = None, tokens: int = 1) -> dict[str, Any]:
     """The prefill's request: the client's, one token, not streamed; one choice, or the client's
     ``n`` when the decoder may continue from each choice's first token (``relay.continues``), or
     ``n`` when given (a prompt list continued after its prefill: every choice of every prompt).
@@ -44,17 +47,20 @@ def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False, st
     ``stream``: streamed, with continuous usage (each event carries the prompt's count), so each
     choice is known as soon as the prefiller has it (``prefill_stream``). An ``echo`` the relay and
     the continuation put in themselves (``relay.echo_ok``) is left out: the answer is the
-    generated text's alone, as the first token's is read from it."""
+    generated text's alone, as the first token's is read from it. ``tokens``: how many it asks (a
+    parsed chat's two, ``parsed_relay``; never more than the client's)."""
     body = dict(req.body)
     for k in ("stream_options", "min_tokens", "best_of", *(("echo",) if echo_ok(req) else ())):
         body.pop(k, None)
     if prefill_min_tokens(req):  # the client's first token is never EOS nor a stop token: nor is the prefill's
         body["min_tokens"] = 1
-    body.update(max_tokens=1, stream=stream, n=n if n is not None else req.n if continues(req) else 1)
+    if req.max_tokens is not None:
+        tokens = max(min(tokens, req.max_tokens), 1)
+    body.update(max_tokens=tokens, stream=stream, n=n if n is not None else req.n if continues(req) else 1)
     if stream:
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     if req.chat:
-        body["max_completion_tokens"] = 1
+        body["max_completion_tokens"] = tokens
     if token_ids:
         body["return_token_ids"] = True
     kv = msgspec.structs.asdict(PrefillTransferParams(lw_parent_id=parent_id))
@@ -92,6 +98,9 @@ class PrefillDispatcher:
         self.early = cfg.prefill_dispatch == "early"
         self.timeout = aiohttp.ClientTimeout(total=cfg.prefill_timeout, sock_connect=cfg.connect_timeout)
         self.retries = m.retries.labels("prefiller")
+        # A prefiller answered a chat as a server with a reasoning parser does: from then on every
+        # streamed chat's first event comes from a streamed two-token prefill (parsed_relay).
+        self.reasoning = False
 
     # ---------------------------------------------------------------- when it goes out
     async def start_early(self, registry: ParentRegistry, parent: Parent) -> None:
@@ -116,13 +125,16 @@ class PrefillDispatcher:
         (kind ``prefill_failed``) when no prefiller completed it."""
         req: ClientRequest = parent.request
         path = CHAT if req.chat else COMPLETIONS
+        # A relayed chat whose first event a parser shapes: its first token's event, from a stream.
+        parsed = parent.relay is not None and continues(req) and parsed_relay.parsed(req, self.reasoning)
         # A relayed stream of several choices: each choice's token is relayed as it comes.
-        streamed = parent.relay is not None and req.stream and req.n > 1 and continues(req)
+        streamed = parent.relay is not None and req.stream and continues(req) and (req.n > 1 or parsed)
         # A prompt list continued after its prefill (lw_proxy.prefill_continue): each choice of each
         # prompt is continued from its own first token, so the prefill draws them all.
         listed = parent.relay is not None and not req.stream and prompt_list(req)
         payload = _encode(prefill_body(req, parent.id, token_ids=parent.relay is not None or continues(req),
-                                       stream=streamed, n=req.n if listed else None))
+                                       stream=streamed, n=req.n if listed else None,
+                                       tokens=parsed_relay.PREFILL_TOKENS if parsed else 1))
         headers = {**self.headers, "X-Request-Id": f"lw-prefill-{parent.id}"}
         # Each prefiller is tried at most once per parent: one that answered 503 is overloaded, and
         # asking it again only adds load; the decoders recompute instead.
@@ -136,22 +148,23 @@ class PrefillDispatcher:
             if pf is None:
                 break
             tried.add(pf)
-            got = await self._send(pf, path, payload, headers, req.prompt_tokens, parent if streamed else None)
+            got = await self._send(pf, path, payload, headers, req.prompt_tokens, parent if streamed else None, parsed)
             if isinstance(got, str):
                 last = got
                 continue
             status, data = got
-            return self._answer(parent, pf, status, data)
+            return self._answer(parent, pf, status, data, parsed)
         self.m.errors.labels("prefill_failed").inc()
         raise ProxyError(502, f"no prefiller completed the prefill after {attempts} attempt(s) (each prefiller "
                          f"at most once); last error: {last}", kind="prefill_failed")
 
     async def _send(self, pf: Backend, path: str, payload: bytes, headers: dict[str, str],
-                    work: int, streamed: Parent | None = None) -> tuple[int, bytes] | str:
+                    work: int, streamed: Parent | None = None, parsed: bool = False) -> tuple[int, bytes] | str:
         """One prefiller's answer (status, body), or why it cannot serve now (it is marked failed).
         ``streamed``: the parent of a streamed prefill, read by ``_read_stream``; once it handed a
         choice on, a failure is the parent's (``ProxyError``), not a reason to ask another
-        prefiller: a sampled choice drawn again could differ from the one already out."""
+        prefiller: a sampled choice drawn again could differ from the one already out. ``parsed``:
+        a parsed chat's (``parsed_relay``), each choice handed on at its first token."""
         pf.acquire(work)
         t0 = time.perf_counter()
         handed = [0]  # choices a streamed prefill handed on
@@ -159,7 +172,7 @@ class PrefillDispatcher:
             async with self.client().post(pf.url + path, data=payload, headers=headers, timeout=self.timeout) as r:
                 status = r.status
                 if streamed is not None and status == 200:
-                    data = await self._read_stream(r, streamed, handed)
+                    data = await self._read_stream(r, streamed, handed, parsed)
                 else:
                     data = await r.read()
         except (*UPSTREAM_ERRORS, ProxyError) as e:
@@ -176,13 +189,17 @@ class PrefillDispatcher:
             return f"{pf.url}: HTTP {status}"
         return status, data
 
-    async def _read_stream(self, r: aiohttp.ClientResponse, parent: Parent, handed: list[int]) -> bytes:
+    async def _read_stream(self, r: aiohttp.ClientResponse, parent: Parent, handed: list[int],
+                           parsed: bool = False) -> bytes:
         """A streamed prefill's events, each choice handed on as it comes (``_choice``, counted in
         ``handed[0]``); returns the whole stream's answer in the non-streamed answer's shape."""
-        ps = PrefillStream(parent.request.chat)
+        ps = PrefillStream(parent.request.chat, first_events=parsed)
         async for chunk in r.content.iter_any():
             for i in ps.feed(chunk):
-                self._choice(parent, ps, i)
+                if parsed:
+                    self._parsed_choice(parent, ps, i)
+                else:
+                    self._choice(parent, ps, i)
                 handed[0] += 1
         if not ps.done:
             raise aiohttp.ClientPayloadError("the prefiller's stream ended before [DONE]")
@@ -200,17 +217,33 @@ class PrefillDispatcher:
         answer = metaserver_answers(data, req).get(i)
         if answer is not None:
             parent.answer_choice(i, answer)
+        if parent.relay is not None:
+            self._to_relay(parent, Prefilled(parent.id, data, parent.forced({i}), only=(i,)))
+
+    def _parsed_choice(self, parent: Parent, ps: PrefillStream, i: int) -> None:
+        """``_choice`` for a parsed chat's prefill (``parsed_relay``): choice ``i``'s first token's
+        event came; its held POSTs get the token, and the stream its opening events."""
+        if i >= parent.request.n:
+            return
+        answer = ps.first_answer(i)
+        if answer is not None:
+            parent.answer_choice(i, answer)
+        self._to_relay(parent, Prefilled(parent.id, b"", parent.forced({i}), only=(i,), parsed=ps.parsed_first(i)))
+
+    @staticmethod
+    def _to_relay(parent: Parent, pre: Prefilled) -> None:
+        """Hand a streamed prefill's choice to the stream: the first through ``parent.relay``, later
+        ones through the queue that one carries."""
         relay = parent.relay
         if relay is None:
             return
-        forced = parent.forced({i})
         if not relay.done():
             parent.relay_more = asyncio.Queue()
-            relay.set_result(Prefilled(parent.id, data, forced, only=(i,), more=parent.relay_more))
+            relay.set_result(pre._replace(more=parent.relay_more))
         elif parent.relay_more is not None:
-            parent.relay_more.put_nowait(Prefilled(parent.id, data, forced, only=(i,)))
+            parent.relay_more.put_nowait(pre)
 
-    def _answer(self, parent: Parent, pf: Backend, status: int, data: bytes) -> Outcome:
+    def _answer(self, parent: Parent, pf: Backend, status: int, data: bytes, parsed: bool = False) -> Outcome:
         """The held POSTs' outcome; each choice of a request the decoder may continue from the
         prefill's tokens (``relay.continues``) is answered with its choice's token and the prompt's
         digest (``Parent.answers``). With ``--prefill-first`` the answer also goes to the stream,
@@ -222,8 +255,12 @@ class PrefillDispatcher:
             raise ProxyError(502, f"prefiller {pf.url} answered HTTP {status}: {data[:500].decode(errors='replace')}",
                              kind="prefill_failed")
         req: ClientRequest = parent.request
-        if continues(req):
+        if req.chat and not parsed and not self.reasoning and parsed_relay.reasoning_server(data):
+            self.reasoning = True
+            log.info("lw-proxy --prefill-first: prefiller %s runs a reasoning parser: streamed chats now take "
+                     "their first event from a streamed two-token prefill", pf.url)
+        if continues(req) and not parsed:
             parent.answers = metaserver_answers(data, req) or parent.answers
-        if parent.relay is not None and not parent.relay.done():
-            parent.relay.set_result(Prefilled(parent.id, data, parent.forced(set(range(req.n)))))
+        if parent.relay is not None and not parent.relay.done():  # a parsed prefill that handed nothing on: none
+            parent.relay.set_result(Prefilled(parent.id, b"" if parsed else data, parent.forced(set(range(req.n)))))
         return 200, OK_BODY

@@ -13,6 +13,10 @@ choice's first event, chat in the stream's first event. ``answer`` turns what ca
 non-streamed answer's shape (``text`` or ``message``, merged ``logprobs``, ``token_ids``, the
 usage of those choices), which ``relay.first_tokens`` and ``relay.first_event`` read as they read a
 non-streamed prefill answer.
+
+A parsed chat's prefill (``parsed_relay``: two tokens, ``first_events``) hands each choice on at its
+first token's event instead of its finish, and keeps the events that opened it as they came
+(``parsed_first``): every choice's role event and that first token's.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from typing import Any
 
 import msgspec
 
+from lw_core.wire import MetaserverResponse, prompt_digest
+
 from .errors import ProxyError
+from .parsed_relay import ParsedFirst, first_token
 
 MAX_PENDING_BYTES = 16 << 20  # the most bytes of one unfinished SSE event held while waiting for its end
 
@@ -38,13 +45,17 @@ class _Choice:
     prompt_ids: list[int] | None = None
     finish_reason: str | None = None
     stop_reason: Any = None
+    role_event: dict[str, Any] | None = None  # the event that opened the choice (``first_events``)
+    first_event: dict[str, Any] | None = None  # the event that carried its first token (``first_events``)
 
 
 class PrefillStream:
-    """``chat``: a chat completion's events (deltas), else a completion's."""
+    """``chat``: a chat completion's events (deltas), else a completion's. ``first_events``: a choice
+    is handed on at its first token's event (a parsed chat's prefill), not at its finish."""
 
-    def __init__(self, chat: bool) -> None:
+    def __init__(self, chat: bool, first_events: bool = False) -> None:
         self.chat = chat
+        self.first_events = first_events
         self.head: dict[str, Any] = {}  # id, created, model of the first event
         self.prompt_ids: list[int] | None = None  # chat: the stream's first event's
         self.usage: dict[str, Any] | None = None  # the last usage seen (continuous: the prompt's count)
@@ -54,7 +65,7 @@ class PrefillStream:
 
     def feed(self, data: bytes) -> list[int]:
         """Take the next bytes of the stream; the indices of the choices it finished (their
-        ``finish_reason`` came). Raises ``ProxyError`` on an error event or a stream that is not SSE."""
+        ``finish_reason`` came; ``first_events``: their first token came). Raises ``ProxyError`` on an error event or a stream that is not SSE."""
         self._buf += data
         cut = self._buf.rfind(b"\n\n")
         if cut < 0:
@@ -99,20 +110,40 @@ class PrefillStream:
                 delta: dict[str, Any] = d if isinstance(d, dict) else {}
                 if isinstance(delta.get("role"), str):
                     c.role = delta["role"]
+                    c.role_event = c.role_event or obj
                 if isinstance(delta.get("content"), str):
                     c.text += delta["content"]
                 c.other.update({k: v for k, v in delta.items() if k not in ("role", "content") and v})
             elif isinstance(ch.get("text"), str):
                 c.text += ch["text"]
             if isinstance(ch.get("token_ids"), list):
+                if self.first_events and ch["token_ids"] and c.first_event is None:
+                    c.first_event = obj
+                    finished.append(i)
                 c.token_ids = (c.token_ids or []) + ch["token_ids"]
             if isinstance(ch.get("prompt_token_ids"), list) and c.prompt_ids is None:
                 c.prompt_ids = ch["prompt_token_ids"]
             c.logprobs = _merge_logprobs(c.logprobs, ch.get("logprobs"), self.chat)
             if ch.get("finish_reason") is not None and c.finish_reason is None:
                 c.finish_reason, c.stop_reason = ch["finish_reason"], ch.get("stop_reason")
-                finished.append(i)
+                if not self.first_events:
+                    finished.append(i)
         return finished
+
+    def parsed_first(self, i: int) -> ParsedFirst:
+        """Choice ``i``'s opening events (``first_events``; its first token came)."""
+        first = self.choices[i].first_event
+        assert first is not None
+        roles = tuple(c.role_event for _, c in sorted(self.choices.items()) if c.role_event is not None)
+        return ParsedFirst(roles, first)
+
+    def first_answer(self, i: int) -> bytes | None:
+        """The metaserver answer of choice ``i`` (``first_events``): its first token and the prompt's
+        digest, when the choice goes on after that token and the prompt's ids came; else None."""
+        t = first_token(self.parsed_first(i).first)
+        if t is None or not self.prompt_ids or not all(type(x) is int for x in self.prompt_ids):
+            return None
+        return msgspec.json.encode(MetaserverResponse(first_token=t, prompt_digest=prompt_digest(self.prompt_ids)))
 
     def answer(self, indices: Iterable[int]) -> bytes:
         """The non-streamed answer's JSON holding the choices at ``indices`` (finished ones)."""

@@ -41,7 +41,8 @@ def is_recomputed(choice: dict[str, Any]) -> bool:
     return choice.get("stop_reason") == RECOMPUTED or choice.get("finish_reason") == RECOMPUTED
 
 
-def _has(v: Any) -> bool:
+def filled(v: Any) -> bool:
+    """A value that says something: not null, an empty string, list or object."""
     return v is not None and v != "" and v != [] and v != {}
 
 
@@ -55,9 +56,9 @@ def carries(choice: dict[str, Any]) -> bool:
         if k in ("index", "stop_reason"):
             continue
         if k == "delta" and isinstance(v, dict):
-            if any(_has(x) for x in v.values()):
+            if any(filled(x) for x in v.values()):
                 return True
-        elif _has(v):
+        elif filled(v):
             return True
     return False
 

@@ -20,11 +20,13 @@ text prompt without log-probs (``echo_ok``): its prefill is asked without it, an
 event begins with the prompt's text and carries the prompt's ids, as vLLM's echoing event does
 (``echo_text``), so the decoder's, which echoes, is cut like any other. A streamed
 ``/v1/chat/completions`` qualifies on the same terms (none of ``echo``, ``prompt_logprobs``,
-``return_prompt_text``) and without ``tools`` or ``functions``: a tool
-parser may hold back or reroute the first token of a stream, which the prefiller's answer cannot
-show, streamed or not: vLLM parses a one-token answer's token as the stream's last
+``return_prompt_text``; ``include_reasoning`` not false); one with ``tools`` or ``functions``
+(and every chat once a prefiller showed it runs a reasoning parser) is relayed from a streamed
+two-token prefill (``parsed_relay``): a parser may hold back or reroute the first token of a
+stream, which a one-token answer cannot show: vLLM parses its token as the stream's last
 (``finished``: unstreamed tool arguments appended, a reasoning parser's fallback to content,
-engine-based parsers flushed), where a single engine's first event parses it as one of many. Every other request takes the normal path. The prefill's token is relayed only
+engine-based parsers flushed), where a single engine's first event parses it as one of many; the
+rest of this docstring is about the one-token prefill. Every other request takes the normal path. The prefill's token is relayed only
 when its choice ended with ``finish_reason: "length"`` (not an EOS or stop token). Its text is the
 single engine's first streamed text whatever it holds: vLLM's detokenizer (``vllm.v1.engine.
 detokenizer``) primes a decode stream with the prompt and only ever appends to a request's text, so
@@ -94,7 +96,10 @@ from .validate import ClientRequest
 # Keys that change a stream's first events: given (``given``), a request is not relayed, nor continued
 # after its prefill (lw_proxy.prefill_continue). Completions (``echo``: see ``echo_ok``), then chat.
 EXCLUDED = ("suffix", "prompt_logprobs")
-EXCLUDED_CHAT = ("echo", "prompt_logprobs", "return_prompt_text", "tools", "functions")
+# A streamed chat with ``tools`` or ``functions`` is relayed from a streamed prefill (``parsed_relay``);
+# a non-streamed one is not continued.
+EXCLUDED_CHAT_STREAM = ("echo", "prompt_logprobs", "return_prompt_text")
+EXCLUDED_CHAT = (*EXCLUDED_CHAT_STREAM, "tools", "functions")
 
 
 def echo_ok(req: ClientRequest) -> bool:
@@ -234,8 +239,10 @@ def eligible(req: ClientRequest) -> bool:
     b = req.body
     if not req.stream or not continues(req):
         return False
-    if any(given(b.get(k)) for k in (EXCLUDED_CHAT if req.chat else EXCLUDED)) or not echo_ok(req):
+    if any(given(b.get(k)) for k in (EXCLUDED_CHAT_STREAM if req.chat else EXCLUDED)) or not echo_ok(req):
         return False
+    if req.chat and b.get("include_reasoning") not in (None, True):
+        return False  # vLLM then sends no token ids with a parser's events: the relayed token cannot be cut
     return continuous_usage(req) is not None and held_back(req) is not None
 
 
@@ -343,13 +350,15 @@ class Prefilled(NamedTuple):
     """The prefill's 200 answer, as handed to the stream: its parent's id, its body, and whether
     the decoder continues from its first token (``relayable``). A streamed prefill's
     (``prefill_stream``) comes choice by choice: ``only`` names the choices ``data`` holds, and
-    ``more`` (the first's) is the queue the later choices' come through."""
+    ``more`` (the first's) is the queue the later choices' come through. ``parsed``: a parsed chat's
+    opening events (``parsed_relay.ParsedFirst``), which are relayed in place of ``data`` (empty)."""
 
     parent_id: str
     data: bytes
     forced: bool
     only: tuple[int, ...] | None = None
     more: Any = None
+    parsed: Any = None
 
 
 def request_id(parent_id: str) -> str:
@@ -365,6 +374,7 @@ class Relayed(NamedTuple):
     token_ids: list[int] | None
     logprobs: int = 0
     held: str = ""  # the token's text held back for stop strings (``held_back``), not in ``text``
+    delta: dict[str, Any] | None = None  # a parsed chat's relayed delta as the prefiller sent it (parsed_relay)
 
 
 class First(NamedTuple):
@@ -424,6 +434,8 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs
         return None  # the ids a single engine's first events carry are not known
     if echo is not None and pids is None:
         return None  # vLLM's echoing event carries them
+    if chat and isinstance(obj.get("usage"), dict) and isinstance(obj["usage"].get("completion_tokens_details"), dict):
+        return None  # a reasoning parser's server: its one-token answer is not its stream's first event (parsed_relay)
     u = _usage(obj.get("usage"), chat) if usage else None
     if usage and u is None:
         return None

@@ -14,9 +14,9 @@ from typing import Any, Literal
 
 from aiohttp import web
 
+from . import parsed_relay, token_ids
 from . import recompute as rc
 from . import relay as relay_mod
-from . import token_ids
 from .config import ProxyConfig
 from .errors import ProxyError
 from .metrics import ProxyMetrics
@@ -43,9 +43,10 @@ class Skip:
     role: bool = False  # a chat relay sent the role event: the decoder's is dropped
     logprobs: int = 0  # log-prob entries relayed with the first token: the decoder's are dropped
     prompt: bool = False  # the relayed event carried the prompt's ids: the decoder's first event's are dropped
+    delta: dict[str, Any] | None = None  # a parsed chat's relayed delta (parsed_relay): cut with ``ids``
 
     def done(self) -> bool:
-        return not (self.text or self.ids or self.role or self.logprobs)
+        return not (self.text or self.ids or self.role or self.logprobs or self.delta is not None)
 
 
 @dataclass(slots=True)
@@ -191,7 +192,7 @@ class SseRelay:
                 first = self._first(req, pre, roles=True)
                 if first is None:
                     self.m.not_relayed.labels("token").inc()
-                elif not relay_mod.relayable(req, pre.forced):
+                elif not self._relayable(req, pre):
                     self.m.not_relayed.labels("not_forced").inc()
                 else:
                     await out.prepare(request)
@@ -215,7 +216,15 @@ class SseRelay:
             raise
 
     @staticmethod
+    def _relayable(req: ClientRequest, pre: relay_mod.Prefilled) -> bool:
+        """A parsed chat's first event only to a decoder that continues from its token (its delta
+        must be the relayed one); others as ``relay.relayable`` says."""
+        return pre.forced if pre.parsed is not None else relay_mod.relayable(req, pre.forced)
+
+    @staticmethod
     def _first(req: ClientRequest, pre: relay_mod.Prefilled, roles: bool) -> relay_mod.First | None:
+        if pre.parsed is not None:
+            return parsed_relay.first_event(pre.parsed, pre.parent_id, req, roles)
         return relay_mod.first_event(pre.data, pre.parent_id, req.chat, relay_mod.asks_logprobs(req), req.n,
                                      ids=token_ids.client_asked(req.body),
                                      usage=relay_mod.continuous_usage(req) is True,
@@ -231,8 +240,10 @@ class SseRelay:
             if r.held:
                 state.held_text[i] = r.held
             had = state.skips.get(i)
-            state.skips[i] = Skip(r.text, r.token_ids, req.chat and (had is None or had.role), r.logprobs,
-                                  prompt=token_ids.client_asked(req.body) or relay_mod.echo_text(req) is not None)
+            state.skips[i] = Skip("" if r.delta is not None else r.text, r.token_ids,
+                                  req.chat and (had is None or had.role), r.logprobs,
+                                  prompt=token_ids.client_asked(req.body) or relay_mod.echo_text(req) is not None,
+                                  delta=r.delta)
 
     async def _relay_more(self, out: web.StreamResponse, state: StreamState) -> None:
         """A streamed prefill's later choices that came in since (``relay.Prefilled.more``): each
@@ -243,7 +254,7 @@ class SseRelay:
         while not more.empty():
             pre: relay_mod.Prefilled = more.get_nowait()
             first = self._first(req, pre, roles=False)
-            if first is None or not relay_mod.relayable(req, pre.forced):
+            if first is None or not self._relayable(req, pre):
                 continue  # the decoder's own events of that choice go out as they come
             await out.write(first.block)
             self._relayed(req, first, state)
@@ -412,7 +423,11 @@ class SseRelay:
             del delta["role"]  # the relayed events opened the choice already
             skip.role = False
         try:
-            if skip.text or skip.ids:
+            if skip.delta is not None:
+                assert skip.ids is not None
+                if parsed_relay.cut(ch, skip.delta, skip.ids[0]):
+                    skip.delta = skip.ids = None
+            elif skip.text or skip.ids:
                 skip.text, skip.ids = relay_mod.cut(ch, skip.text, skip.ids, chat)
         except relay_mod.Mismatch as e:
             idx = ch.get("index", 0)

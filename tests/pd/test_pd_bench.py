@@ -188,7 +188,8 @@ def test_request_kinds_flag_bodies_and_summary(capsys: pytest.CaptureFixture[str
     # partial character), the role event a chat opens with excluded.
     assert [request.token_event(c) for c in ({"text": ""}, {"delta": {"content": ""}},
                                                {"delta": {"role": "assistant", "content": ""}},
-                                               {"delta": {}, "finish_reason": "length"})] == [True, True, False, False]
+                                               {"delta": {}, "finish_reason": "length"},
+                                               {"delta": {"tool_calls": [{"index": 0}]}})] == [True, True, False, False, True]
     # Prompts differ per kind and target (a repeated prompt would be a pool hit) and repeat per seed.
     ps = {(k, t): request_kinds.prompt(0, 0, 64, k, t) for k in kinds for t in ("alone", "pd")}
     assert len({tuple(v) for v in ps.values()}) == len(ps) and request_kinds.prompt(0, 0, 64, "chat", "pd") == ps["chat", "pd"]

@@ -124,7 +124,7 @@ def start_compare_stack(store: str, log_dir: Path, pool_path: str, *, block_size
                                  metaserver_timeout_s=metaserver_timeout_s, memcache=memcache)
             servers[role] = start_vllm(role, model_dir, kv_role=kv_role, extra=extra, cpu=cpu, log_dir=log_dir,
                                        block_size=block_size, mla=False, max_model_len=max_model_len,
-                                       kv_cache_bytes=64 << 20, env_extra=env, launcher=on[cpu])
+                                       kv_cache_bytes=64 << 20, env_extra=env, launcher=on[cpu], tools=True)
         wait_ready([s.proc for s in servers.values()], "/health", SERVER_START_TIMEOUT_S)
         for s in servers.values():
             status, out = post_json(s.url + "/v1/completions", {"model": "tiny", "prompt": "warm up", "max_tokens": 2})

@@ -47,11 +47,11 @@ def first_content(url: str, path: str, body: dict[str, Any], timeout_s: float = 
 
 def token_event(choice: dict[str, Any]) -> bool:
     """A stream event's choice carries a generated token: a completion's ``text``, a chat delta's
-    ``content`` (not the role event a chat stream opens with)."""
+    ``content`` (not the role event a chat stream opens with) or ``tool_calls``."""
     if isinstance(choice.get("text"), str):
         return True
     delta = choice.get("delta") or {}
-    return isinstance(delta.get("content"), str) and "role" not in delta
+    return (isinstance(delta.get("content"), str) or bool(delta.get("tool_calls"))) and "role" not in delta
 
 
 def _records(server: Any, want: int, timeout_s: float = 5.0) -> list[dict[str, Any]]:

@@ -33,6 +33,8 @@ from lw_bench.pd.stack import metric_sums
 
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
 STOP = ["\n\n\n", "###"]  # stop strings the random prompts' answers hardly ever reach: the path, not a stop
+TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up.", "parameters": {
+    "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}]
 # Why lw-proxy did not relay a stream's first token (``lw_proxy_prefill_first_not_relayed_total``).
 NOT_RELAYED = ("request", "decoder_first", "token", "not_forced")
 _NOT_RELAYED = {f'lw_proxy_prefill_first_not_relayed_total{{reason="{r}"}}': r for r in NOT_RELAYED}
@@ -62,6 +64,9 @@ REQUEST_KINDS: dict[str, RequestKind] = {k.name: k for k in (
     RequestKind(name="completion_full_stop", chat=False, stream=False, fields={"stop": STOP}),
     RequestKind(name="completion_echo", chat=False, stream=True, fields={"echo": True}, text_prompt=True),
     RequestKind(name="completion_min_tokens", chat=False, stream=True, fields={"min_tokens": 2}),
+    # A named tool choice: the tool call opens with the first token (the engines run a tool parser).
+    RequestKind(name="chat_tools", chat=True, stream=True, fields={"tools": TOOLS, "tool_choice": {
+        "type": "function", "function": {"name": "lookup"}}}),
 )}
 
 

@@ -28,12 +28,14 @@ GQA_METASERVER_TIMEOUT_S = 12.0
 MLA_METASERVER_TIMEOUT_S = 30.0
 
 
-def _stack(model: str, timeout_s: float, tmp_path_factory: pytest.TempPathFactory, tools: bool = False) -> Iterator[Stack]:
+def _stack(model: str, timeout_s: float, tmp_path_factory: pytest.TempPathFactory, tools: bool = False,
+           reasoning_parser: str | None = None) -> Iterator[Stack]:
     pytest.importorskip("vllm", reason="vLLM is not installed (scripts/install-vllm.sh)")
     log_dir = tmp_path_factory.mktemp(f"pd-{model}")
     base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else log_dir
     pool = base / f"lw-pd-pool-{uuid.uuid4().hex[:8]}"
-    stack = start_stack(model, log_dir, str(pool), metaserver_timeout_s=timeout_s, tools=tools)
+    stack = start_stack(model, log_dir, str(pool), metaserver_timeout_s=timeout_s, tools=tools,
+                        reasoning_parser=reasoning_parser)
     try:
         yield stack
     finally:
@@ -56,9 +58,9 @@ def pytest_sessionfinish() -> None:
 
 
 def _module_stack(model: str, timeout_s: float, *, streaming: bool = False, name: str | None = None,
-                  tools: bool = False) -> Any:
+                  tools: bool = False, reasoning_parser: str | None = None) -> Any:
     """A module-scoped fixture of ``model``'s stack (``pd_streaming`` on when ``streaming``; tool
-    calling on when ``tools``, ``lw_bench.pd.stack.start_vllm``). With
+    calling on when ``tools``, a reasoning parser, ``lw_bench.pd.stack.start_vllm``). With
     ``name``, the fixture of that name hands its stack on to the next module when that module asks
     for the same fixture, instead of stopping it."""
 
@@ -67,7 +69,7 @@ def _module_stack(model: str, timeout_s: float, *, streaming: bool = False, name
         gen, s = _KEPT.pop(name, (None, None)) if name else (None, None)
         if gen is None or s is None:
             gen = (streaming_stack(model, timeout_s, tmp_path_factory) if streaming
-                   else _stack(model, timeout_s, tmp_path_factory, tools))
+                   else _stack(model, timeout_s, tmp_path_factory, tools, reasoning_parser))
             s = next(gen)
         yield s
         nxt = _NEXT[0]
@@ -83,6 +85,8 @@ gqa_stack = _module_stack("gqa", GQA_METASERVER_TIMEOUT_S)
 mla_stack = _module_stack("mla", MLA_METASERVER_TIMEOUT_S)
 swa_stack = _module_stack("swa", GQA_METASERVER_TIMEOUT_S, tools=True)  # test_pd_swa calls tools too
 gdn_stack = _module_stack("gdn", GQA_METASERVER_TIMEOUT_S)
+# Engines that run a reasoning parser (test_pd_reasoning): the proxy learns it from their answers.
+reasoning_stack = _module_stack("gqa", GQA_METASERVER_TIMEOUT_S, reasoning_parser="granite")
 mamba2_stack = _module_stack("mamba2", GQA_METASERVER_TIMEOUT_S)
 # The hybrids' streaming stacks; their modules time the receive against STREAM_TIMEOUT_S.
 swa_stream_stack = _module_stack("swa", STREAM_TIMEOUT_S, streaming=True)

@@ -192,13 +192,15 @@ def start_vllm(name: str, model_dir: str, *, kv_role: str, extra: dict[str, Any]
                block_size: int, mla: bool, max_model_len: int = 1024, kv_cache_bytes: int = 32 << 20,
                host: str = "127.0.0.1", launcher: Sequence[str] = (), port: int | None = None,
                env_extra: dict[str, str] | None = None, dtype: str = "float32",
-               prefix_caching: bool = False, tools: bool = False) -> VllmServer:
+               prefix_caching: bool = False, tools: bool = False, reasoning_parser: str | None = None) -> VllmServer:
     """``host``/``launcher``/``port``: bind another address, started through ``launcher`` (another
     host's network namespace, where this process cannot pick a free port: pass one). ``env_extra``:
     more environment for the server (e.g. ``PYTHONPATH``). ``prefix_caching``: vLLM's prefix cache
     (a gated delta-net hybrid saves its states only with it on). ``tools``: tool calling on (auto
     tool choice, the ``pythonic`` parser; a server with a parser streams a chat's empty-text token
-    as an event with an empty delta, or none, where one without sends empty content)."""
+    as an event with an empty delta, or none, where one without sends empty content).
+    ``reasoning_parser``: vLLM's ``--reasoning-parser`` (one that reads text, such as ``granite``:
+    the tiny tokenizer has no think tokens)."""
     port = port or free_port()
     stats = log_dir / f"{name}-stats.jsonl"
     template = log_dir / "chat_template.jinja"
@@ -214,6 +216,8 @@ def start_vllm(name: str, model_dir: str, *, kv_role: str, extra: dict[str, Any]
     ]
     if tools:  # a tool parser vLLM ships that needs no special tokens (vLLM serves a named tool choice only with one)
         argv += ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"]
+    if reasoning_parser:
+        argv += ["--reasoning-parser", reasoning_parser]
     if mla:
         argv += ["--attention-backend", "CPU_MLA"]  # the AMX MLA backend needs bf16 weights
     else:
@@ -273,7 +277,7 @@ class Stack:
 def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout_s: float,
                 extra: dict[str, Any] | None = None, max_model_len: int = 1024,
                 kv_cache_bytes: int = 32 << 20, block_size: int | None = None,
-                proxy_flags: Sequence[str] = (), tools: bool = False) -> Stack:
+                proxy_flags: Sequence[str] = (), tools: bool = False, reasoning_parser: str | None = None) -> Stack:
     """Start prefiller and decoder at once (start-up is mostly imports), warm both up with a chat
     and a completion straight at them, then the proxy (given ``proxy_flags`` too). First uses are slow (lazy imports; the
     first request asking for log-probs took ~5 s on the CPU build), so warm-ups use every feature
@@ -299,12 +303,13 @@ def start_stack(model: str, log_dir: Path, pool_path: str, *, metaserver_timeout
     c0, c1 = cpu_ids()
     prefill = start_vllm("prefill", model_dir, kv_role="kv_producer", extra=extra, cpu=c0, log_dir=log_dir,
                          block_size=block, mla=mla, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                         dtype=dtype, prefix_caching=prefix_caching, tools=tools)
+                         dtype=dtype, prefix_caching=prefix_caching, tools=tools, reasoning_parser=reasoning_parser)
     decode = proxy = None
     try:
         decode = start_vllm("decode", model_dir, kv_role="kv_consumer", extra=extra, cpu=c1, log_dir=log_dir,
                             block_size=block, mla=mla, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                            dtype=dtype, prefix_caching=prefix_caching, tools=tools)
+                            dtype=dtype, prefix_caching=prefix_caching, tools=tools,
+                            reasoning_parser=reasoning_parser)
         wait_ready([prefill.proc, decode.proc], "/health", SERVER_START_TIMEOUT_S)
         blocks = {s.proc.name: s.engine()["block_size"] for s in (prefill, decode)}
         if len(set(blocks.values())) != 1:

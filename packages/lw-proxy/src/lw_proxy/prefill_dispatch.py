@@ -3,10 +3,12 @@
 on a failure and turns the answer into the outcome the held metaserver POSTs get
 (``fanin.ParentRegistry`` calls ``run`` once per parent). It also holds the rules of when the
 prefill goes out (``--prefill-dispatch early``: ``start_early``) and of ``--prefill-first``
-(``relay``: the prefill's 200 answer is handed to the stream, lw_proxy.relay).
+(``relay``: the prefill's 200 answer is handed to the stream, lw_proxy.relay), and learns from the
+answers whether the prefillers run a reasoning parser (``reasoning``: such chats' first events come
+from a streamed two-token prefill, lw_proxy.parsed_relay).
 
 Built from the proxy's config and metrics, the prefiller pool, the client session's getter and the
-headers every backend call carries; it holds no state across parents."""
+headers every backend call carries; it holds no state across parents but what it learned (``reasoning``)."""
 
 from __future__ import annotations
 

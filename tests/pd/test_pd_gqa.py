@@ -547,3 +547,44 @@ def test_killed_decoder_behind_the_proxy_is_a_clear_error(gqa_stack: Stack) -> N
     body = json.loads(health)
     assert status == 503 and body["healthy_decode_instances"] == 0, body
 
+
+
+@pytest.mark.parametrize("n", [1, 2], ids=["greedy", "seeded-n2"])
+def test_a_streamed_prompt_list_is_relayed_and_is_the_single_engines(gqa_stack: Stack, n: int) -> None:
+    """A streamed completion of two prompts (greedy; seeded with two choices each): one streamed
+    prefill of them all, each engine request on the decoder (named after the proxy's X-Request-Id
+    and its prompt: lw_proxy.relay.choice_index) answered with its own choice's first token and its
+    own prompt's digest, every first token relayed, and every choice the single engine's, token for
+    token. The prefiller is frozen until the decoder has posted (a sampled token is relayed only to
+    a decoder that said it continues from it)."""
+    prompts = [text(540 + 2 * n, 90), text(541 + 2 * n, 130)]
+    body = {"model": "tiny", "prompt": prompts, "max_tokens": 6, "stream": True, "return_token_ids": True,
+            "ignore_eos": True, **({"temperature": 1.0, "seed": 9, "n": 2} if n > 1 else {"temperature": 0})}
+    status, ref = post_sse(gqa_stack.decode.url + "/v1/completions", body)  # the single engine's stream
+    assert status == 200 and ref[-1] == "[DONE]", ref
+
+    def per_choice(events: list) -> dict[int, tuple[str, list[int]]]:
+        out: dict[int, tuple[str, list[int]]] = {}
+        for ev in events[:-1]:
+            for ch in ev["choices"]:
+                text_, ids = out.get(ch["index"], ("", []))
+                out[ch["index"]] = (text_ + (ch.get("text") or ""), ids + (ch.get("token_ids") or []))
+        return out
+
+    settle(gqa_stack)
+    gqa_stack.decode.mark()
+    before = metric_sum(gqa_stack.proxy.url, RELAYED)
+    status, events = decoder_looks_first(gqa_stack.prefill, gqa_stack.proxy.url + "/v1/completions", body)
+    assert status == 200 and events[-1] == "[DONE]" and not [ev for ev in events[:-1] if "error" in ev], events
+    assert metric_sum(gqa_stack.proxy.url, RELAYED) - before == 1, "the prompt list's first tokens were not relayed"
+    got, want = per_choice(events), per_choice(ref)
+    assert sorted(got) == list(range(2 * n)) and got == want
+    assert len({tuple(ids) for _, ids in got.values()}) == 2 * n  # the choices differ: each is its own
+
+    def prompt_ids(events: list) -> dict[int, list[int]]:  # each choice's first event carries its prompt's
+        return {ch["index"]: ch["prompt_token_ids"] for ev in reversed(events[:-1]) for ch in ev["choices"]
+                if ch.get("prompt_token_ids")}
+    assert prompt_ids(events) == prompt_ids(ref) and len({tuple(p) for p in prompt_ids(ref).values()}) == 2
+    settle(gqa_stack)
+    recs = gqa_stack.decode.new_stats()
+    assert len(recs) == 2 * n and all(r["loaded_tokens"] == r["prompt_tokens"] - 1 for r in recs), recs

@@ -196,6 +196,49 @@ def test_each_choice_of_a_sampled_stream_gets_its_own_prefill_token(chat):
     run(body())
 
 
+@pytest.mark.parametrize("n", [1, 2])
+def test_each_prompt_of_a_streamed_prompt_list_gets_its_own_prefill_tokens(n):
+    """A streamed completion of several prompts (``n`` each, sampled): one streamed prefill of them
+    all; the decoder's engine request of prompt ``i``'s choice ``j`` (vLLM names it after the
+    proxy's ``X-Request-Id``, ``[j_]cmpl-lw-<parent>-<i>-<8 random>``) is answered with that
+    choice's first token and that prompt's digest, every first token is relayed, and each choice
+    continues from its own: the client gets the prefiller's draws, each token once."""
+    prompts = ["p", "q r", "s t u"]
+
+    async def body():
+        async with harness(prefill_first=True) as h:
+            pf, dec = h.prefillers[0], h.decoders[0]
+            pf.knobs.distinct_choices = True
+            pf.knobs.delay = 0.3  # the decoder's POSTs are in before the prefill answers
+            dec.knobs.forces_first = True
+            dec.knobs.token_delay = 0.3  # the decoder's own tokens come late
+            req = {**GREEDY, "prompt": prompts, "temperature": 0.7, "seed": 5, "n": n}
+            first, _, errors, events = await _sse(h, req)
+            assert errors == [] and first < 0.55, (first, errors)
+            assert pf.bodies[0]["n"] == n and pf.bodies[0]["stream"] is True and pf.bodies[0]["prompt"] == prompts
+            firsts = {}
+            for pi, p in enumerate(prompts):
+                for j in range(n):
+                    ids = tokenize(p)
+                    firsts[pi * n + j] = (generate_ids(ids + [j] if j else ids, 1)[0], prompt_digest(ids))
+            assert len({t for t, _ in firsts.values()}) == len(firsts)  # the test tells the choices apart
+            got = {}
+            for eid, (_, a) in zip(dec.metaserver_ids, dec.metaserver_results):
+                j = int(eid.split("_")[0]) if n > 1 else 0
+                pi = int(eid.split("_")[-1].split("-")[-2])
+                got[pi * n + j] = (a["first_token"], a["prompt_digest"])
+            assert got == firsts
+            texts = _choices(events, False)
+            for i, (t, _) in firsts.items():
+                want = [token_text(t)] + generate(tokenize(prompts[i // n]) + [t], 3)
+                assert texts[i] == want, (i, texts[i], want)
+            head = sorted(ch["index"] for ev in events[:len(firsts)] for ch in ev["choices"])
+            assert head == sorted(firsts), head  # every relayed token before any of the decoder's
+            assert h.proxy.m.registry.get_sample_value("lw_proxy_prefill_first_relayed_total") == 1
+
+    run(body())
+
+
 @pytest.mark.parametrize("chat", [False, True], ids=["completion", "chat"])
 def test_a_choice_the_prefiller_finishes_first_is_relayed_without_waiting_for_the_others(chat):
     """The prefiller streams the prefill of ``n`` 2 and finishes choice 1 a second after choice 0
@@ -370,6 +413,12 @@ def test_several_choices_are_relayed_only_when_every_choice_continues_from_its_t
     assert relay.first_event(msgspec.json.encode(ans), "abc", n=3) is None
     assert [relay.choice_index(r, 3) for r in ("0_cmpl-a-0", "2_cmpl-b", "3_x", "cmpl-1_x", "x")] == [0, 2, None, None, None]
     assert relay.choice_index("cmpl-1_x", 1) == 0
+    # Prompt i of a completion's list: named after the proxy's X-Request-Id, then 8 random characters.
+    ids = ("cmpl-lw-p-1-0a1b2c3d", "1_cmpl-lw-p-2-0a1b2c3d", "0_cmpl-lw-p-0-x", "cmpl-lw-q-1-x", "cmpl-lw-p-3-x",
+           "2_cmpl-lw-p-0-x", "cmpl-lw-p-x")
+    assert [relay.choice_index(r, 1, 3, "p") for r in ids[:1]] == [1]
+    assert [relay.choice_index(r, 2, 3, "p") for r in ids] == [None, 5, 0, None, None, None, None]
+    assert relay.choice_index("cmpl-lw-p-1-x", 1, 3, None) is None  # a name this proxy did not give
 
 
 def test_decoder_failing_after_the_relay_ends_the_stream_with_an_error():
@@ -498,6 +547,25 @@ def test_a_relayed_stream_is_the_decoders_stream_event_for_event(chat, extra):
     run(body())
 
 
+@pytest.mark.parametrize("extra", [{}, {"return_token_ids": True, "logprobs": 1},
+                                   {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}],
+                         ids=["plain", "ids", "usage"])
+def test_a_streamed_prompt_list_is_relayed_as_the_decoders_stream_event_for_event(extra):
+    """Each prompt's first event carries that prompt's ids (asked) and count (continuous usage)."""
+    req = {**GREEDY, "prompt": ["p", "q r"], **extra}
+
+    def check(h, texts, errors, events):
+        assert errors == [] and "".join(texts) == "".join(a + b for a, b in zip(generate("p", 4), generate("q r", 4)))
+
+    async def body():
+        got = await _relayed_and_not(req, check)
+        assert got[True] == got[False]
+        if "return_token_ids" in extra:
+            assert [ev["choices"][0]["prompt_token_ids"] for ev in got[True][:2]] == [tokenize("p"), tokenize("q r")]
+
+    run(body())
+
+
 @pytest.mark.parametrize("extra", [{}, {"return_token_ids": True}, {"stop": "zz"},
                                    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}],
                          ids=["plain", "ids", "stop", "usage"])
@@ -538,7 +606,7 @@ def test_eligible_only_for_plain_greedy_single_prompt_streams():
                                                            {"min_tokens": 1}, {"min_tokens": 7})] == [0, 0, 0, 1, 1]
     for mt in ("2", 2.0, True, -1):
         assert not relay.eligible(req(min_tokens=mt)) and relay.prefill_min_tokens(req(min_tokens=mt)) is None, mt
-    for kw in ({"prompt": ["a", "b"]}, {"stream": False}, {"n": 2, "prompt": ["a", "b"]},
+    for kw in ({"stream": False}, {"echo": True, "prompt": ["a", "b"]}, {"stream": False, "prompt": ["a", "b"]},
                {"stop": [""]}, {"stop": [1]}, {"stop": "x", "include_stop_str_in_output": 1}, {"echo": 1},
                {"echo": True, "prompt": [1, 2]}, {"echo": True, "logprobs": 0}, {"echo": True, "truncate_prompt_tokens": 3},
                {"best_of": 2},
@@ -548,7 +616,8 @@ def test_eligible_only_for_plain_greedy_single_prompt_streams():
     # Token ids and continuous usage go out with the relayed token as a single engine sends them.
     for kw in ({"return_token_ids": True}, {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
                {"stream_options": {"continuous_usage_stats": False}}, {"stop": ["x"]}, {"stop": []}, {"echo": True},
-               {"echo": False}, {"echo": True, "return_token_ids": True}):
+               {"echo": False}, {"echo": True, "return_token_ids": True},
+               {"prompt": ["a", "b"]}, {"n": 2, "prompt": ["a", "b"], "temperature": 0.5}):  # streamed lists too
         assert relay.eligible(req(**kw)), kw
     assert [relay.held_back(req(**kw)) for kw in ({}, {"stop": "ab"}, {"stop": ["a", "abcd"]}, {"stop": []},
                                                   {"stop": "abc", "include_stop_str_in_output": True})] == [0, 1, 3, 0, 0]
@@ -768,7 +837,7 @@ def test_every_stream_not_relayed_is_counted_with_its_reason():
             h.decoders[0].knobs.delay = 0.5
             await _sse(h, GREEDY)  # relayed
             assert not_relayed(h) == {}
-            await _sse(h, {**GREEDY, "prompt": ["p", "q"]})
+            await _sse(h, {**GREEDY, "prompt_logprobs": 1})
             await _sse(h, {**GREEDY, "suffix": "s"})
             assert not_relayed(h) == {"request": 2}
             await _sse(h, {**GREEDY, "temperature": 0.7})  # this decoder does not say forces_first
@@ -813,3 +882,24 @@ def test_a_non_streamed_answer_takes_the_first_log_prob_entry_from_the_prefill(c
                 assert entries == list(zip(generate("p", 4), want)), (forces, entries)
 
     run(body())
+
+
+def test_a_streamed_prefills_choice_answers_with_its_own_prompts_count_and_ids():
+    """A prompt list's streamed prefill: each choice's answer (what its relayed event and its
+    metaserver answer are built from) carries its own prompt's ids and count, as vLLM's events do."""
+    from lw_proxy.prefill_dispatch import metaserver_answers
+    from lw_proxy.prefill_stream import PrefillStream
+
+    def ev(i, pids, prompt):
+        return b"data: " + msgspec.json.encode({"id": "x", "created": 1, "model": "m", "choices": [
+            {"index": i, "text": " w", "finish_reason": "length", "token_ids": [40 + i], "prompt_token_ids": pids}],
+            "usage": {"prompt_tokens": prompt, "completion_tokens": 1, "total_tokens": prompt + 1}}) + b"\n\n"
+
+    ps = PrefillStream(chat=False)
+    assert ps.feed(ev(1, [7, 8, 9], 3) + ev(0, [5], 1)) == [1, 0]
+    one = json.loads(ps.answer([1]))
+    assert one["usage"]["prompt_tokens"] == 3 and one["choices"][0]["prompt_token_ids"] == [7, 8, 9]
+    req = parse_completion(msgspec.json.encode({"prompt": ["a", "b c d"], "stream": True, "max_tokens": 4}))
+    both = metaserver_answers(ps.answer([0, 1]), req)
+    assert {i: msgspec.json.decode(a)["prompt_digest"] for i, a in both.items()} == {
+        0: prompt_digest([5]), 1: prompt_digest([7, 8, 9])}

@@ -160,16 +160,18 @@ def _choice_prompts(body: dict[str, Any]) -> list[Any]:
 
 
 async def _call_metaserver(session: aiohttp.ClientSession, st: MockState, params: dict[str, Any], prompts: int,
-                           n: int = 1) -> None:
-    """One metaserver POST per engine request, named as vLLM names them (choice ``j`` of a request
-    of several choices: ``f"{j}_{request id}"``)."""
+                           n: int = 1, base: str | None = None) -> None:
+    """One metaserver POST per engine request, named as vLLM names them: prompt ``i`` of a
+    completion ``f"cmpl-{base}-{i}"`` (``base``: the request's ``X-Request-Id``, else random) plus
+    ``-`` and 8 random characters, choice ``j`` of a request of several choices ``f"{j}_{that}"``."""
     dp = decode_transfer_params(params)  # what the real connector reads, with its checks
     assert isinstance(dp, DecodeTransferParams), dp
-    rid = uuid.uuid4().hex
+    rid = base or uuid.uuid4().hex
 
     async def one(i: int) -> None:
         pi, j = divmod(i, n)
-        request_id = f"cmpl-{rid}-{pi}" if n == 1 else f"{j}_cmpl-{rid}-{pi}"
+        engine_id = f"cmpl-{rid}-{pi}-{uuid.uuid4().hex[:8]}"
+        request_id = engine_id if n == 1 else f"{j}_{engine_id}"
         st.metaserver_ids.append(request_id)
         body = msgspec.json.encode(MetaserverRequest(lw_parent_id=dp.lw_parent_id, request_id=request_id,
                                                      needs_prefill=st.knobs.needs_prefill,
@@ -238,7 +240,8 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
         # A continued prefill (lw_prefilled) calls no metaserver, as lw-vllm's decoder.
         if role == "decoder" and params.get("do_remote_prefill") and not params.get("lw_prefilled") and not k.skip_metaserver:
             st.answered_first.clear()
-            calls = _call_metaserver(request.app[SESSION], st, params, len(prompts), n)
+            calls = _call_metaserver(request.app[SESSION], st, params, len(prompts), n,
+                                     request.headers.get("X-Request-Id"))
             if k.wait_metaserver or not failing:
                 await calls
             else:

@@ -41,7 +41,7 @@ from lw_core.wire import MetaserverResponse
 from .auth import same_secret
 from .errors import ProxyError
 from .metrics import ProxyMetrics
-from .relay import choice_index
+from .relay import engine_choice
 
 log = logging.getLogger("lw_proxy")
 
@@ -70,7 +70,7 @@ class Parent:
         # The choices (indices) whose decoder request continues from the first token its answer carries.
         self.forcing: set[int] = set()
         # The 200 answer's body per choice when it carries that choice's first token (prefill_dispatch):
-        # a choice's engine request gets its own (``relay.choice_index``), others the plain answer.
+        # a choice's engine request gets its own (``relay.engine_choice``), others the plain answer.
         self.answers: dict[int, bytes] = {}
         # A streamed prefill (prefill_stream) answers each choice as its token comes: the held POSTs
         # of each choice's engine request, and the further choices' relays after the first.
@@ -221,7 +221,7 @@ class ParentRegistry:
         when the prefill's answer has one (``Parent.answers``)."""
         if out[0] != 200 or not p.answers:
             return out
-        i = choice_index(request_id, getattr(p.request, "n", 1))
+        i = engine_choice(p.request, p.id, request_id)
         return (200, p.answers.get(i, out[1])) if i is not None else out
 
     async def _arrive(self, p: Parent | None, parent_id: str, request_id: str, token: str | None,
@@ -235,7 +235,7 @@ class ParentRegistry:
             e = ProxyError(404, f"unknown lw_parent_id {parent_id!r} (never issued, or already finished)",
                            param="lw_parent_id")
             return e.status, e.body()
-        choice = choice_index(request_id, getattr(p.request, "n", 1))  # which choice's engine request
+        choice = engine_choice(p.request, p.id, request_id)  # which choice's engine request
         if forces_first and choice is not None:
             p.forcing.add(choice)
         if p.task is not None or p.result is not None:

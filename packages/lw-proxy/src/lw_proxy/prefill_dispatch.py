@@ -31,7 +31,7 @@ from .fanin import OK_BODY, Outcome, Parent, ParentRegistry
 from .metrics import ProxyMetrics
 from .prefill_continue import prompt_list
 from .prefill_stream import PrefillStream
-from .relay import Prefilled, continues, echo_ok, first_tokens, prefill_min_tokens
+from .relay import Prefilled, continues, echo_ok, first_tokens_of, prefill_min_tokens
 from .relay import request_id as relay_request_id
 from .upstream import CHAT, COMPLETIONS, RETRY_STATUSES, UPSTREAM_ERRORS
 from .validate import ClientRequest
@@ -74,12 +74,23 @@ def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False, st
 
 def metaserver_answers(data: bytes, req: ClientRequest) -> dict[int, bytes]:
     """The metaserver answer of each choice of prefill answer ``data`` that carries its first token
-    (``relay.first_tokens``) with the prompt's digest; empty when none does."""
-    firsts = first_tokens(data, req.chat)
+    (``relay.first_tokens``) with its prompt's digest (a completion's choices each carry their
+    prompt's ids: a prompt list's differ); empty when none does."""
+    try:
+        obj = msgspec.json.decode(data)
+    except msgspec.DecodeError:
+        return {}
+    firsts = first_tokens_of(obj, req.chat)
     if firsts is None:
         return {}
-    digest = prompt_digest(firsts[1])
-    return {i: _encode(MetaserverResponse(first_token=t, prompt_digest=digest)) for i, t in firsts[0].items() if i < req.n}
+    pids = {i: firsts[1] for i in firsts[0]}
+    if not req.chat:
+        for ch in obj["choices"]:
+            own = ch.get("prompt_token_ids") if isinstance(ch, dict) else None
+            if isinstance(own, list) and own and all(type(t) is int for t in own):
+                pids[ch.get("index", 0)] = own
+    return {i: _encode(MetaserverResponse(first_token=t, prompt_digest=prompt_digest(pids[i])))
+            for i, t in firsts[0].items() if i < req.children}
 
 
 class PrefillDispatcher:
@@ -129,8 +140,8 @@ class PrefillDispatcher:
         path = CHAT if req.chat else COMPLETIONS
         # A relayed chat whose first event a parser shapes: its first token's event, from a stream.
         parsed = parent.relay is not None and continues(req) and parsed_relay.parsed(req, self.reasoning)
-        # A relayed stream of several choices: each choice's token is relayed as it comes.
-        streamed = parent.relay is not None and req.stream and continues(req) and (req.n > 1 or parsed)
+        # A relayed stream of several choices (or prompts): each choice's token is relayed as it comes.
+        streamed = parent.relay is not None and req.stream and continues(req) and (req.children > 1 or parsed)
         # A prompt list continued after its prefill (lw_proxy.prefill_continue): each choice of each
         # prompt is continued from its own first token, so the prefill draws them all.
         listed = parent.relay is not None and not req.stream and prompt_list(req)
@@ -213,7 +224,7 @@ class PrefillDispatcher:
         stream (the first choice through ``parent.relay``, later ones through the queue that one
         carries), relayed when its decoder request continues from it."""
         req: ClientRequest = parent.request
-        if i >= req.n:
+        if i >= req.children:
             return
         data = ps.answer([i])
         answer = metaserver_answers(data, req).get(i)
@@ -264,5 +275,5 @@ class PrefillDispatcher:
         if continues(req) and not parsed:
             parent.answers = metaserver_answers(data, req) or parent.answers
         if parent.relay is not None and not parent.relay.done():  # a parsed prefill that handed nothing on: none
-            parent.relay.set_result(Prefilled(parent.id, b"" if parsed else data, parent.forced(set(range(req.n)))))
+            parent.relay.set_result(Prefilled(parent.id, b"" if parsed else data, parent.forced(set(range(req.children)))))
         return 200, OK_BODY

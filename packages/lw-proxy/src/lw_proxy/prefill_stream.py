@@ -46,6 +46,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: Any = None
     role_event: dict[str, Any] | None = None  # the event that opened the choice (``first_events``)
+    usage: dict[str, Any] | None = None  # the usage of its last event (continuous: its prompt's count)
     first_event: dict[str, Any] | None = None  # the event that carried its first token (``first_events``)
 
 
@@ -90,6 +91,11 @@ class PrefillStream:
                 raise ProxyError(502, f"the prefiller's stream ended with an error: {payload[:300].decode(errors='replace')}",
                                  kind="prefill_failed")
             finished += self._event(obj)
+            chs = obj.get("choices")
+            if isinstance(obj.get("usage"), dict) and isinstance(chs, list) and len(chs) == 1 and isinstance(chs[0], dict):
+                c = self.choices.get(chs[0].get("index", 0))
+                if c is not None:
+                    c.usage = obj["usage"]
         return finished
 
     def _event(self, obj: dict[str, Any]) -> list[int]:
@@ -149,7 +155,8 @@ class PrefillStream:
         """The non-streamed answer's JSON holding the choices at ``indices`` (finished ones)."""
         chs = []
         generated = 0
-        for i in sorted(indices):
+        idx = sorted(indices)
+        for i in idx:
             c = self.choices[i]
             generated += len(c.token_ids or ()) or 1
             if self.chat:
@@ -161,12 +168,14 @@ class PrefillStream:
                             "stop_reason": c.stop_reason, "prompt_token_ids": c.prompt_ids, "token_ids": c.token_ids})
         obj: dict[str, Any] = {**self.head, "object": "chat.completion" if self.chat else "text_completion",
                                "choices": chs}
-        prompt = (self.usage or {}).get("prompt_tokens")
+        # One choice's answer counts its own prompt (a prompt list's differ); several, the last seen.
+        src = (self.choices[idx[0]].usage if len(idx) == 1 else None) or self.usage or {}
+        prompt = src.get("prompt_tokens")
         if type(prompt) is int:
             usage: dict[str, Any] = {"prompt_tokens": prompt, "total_tokens": prompt + generated,
                                      "completion_tokens": generated}
             if self.chat:
-                usage["completion_tokens_details"] = (self.usage or {}).get("completion_tokens_details")
+                usage["completion_tokens_details"] = src.get("completion_tokens_details")
             obj["usage"] = usage
         if self.chat:
             obj["prompt_token_ids"] = self.prompt_ids

@@ -9,12 +9,13 @@ forwarded as usual. The client's TTFT becomes the prefill's, plus one hop.
 
 Token-identical only where the prefiller's first token is the decoder's, so only for requests where
 both pick it the same way and where the first token's text cannot be changed by what follows. The
-decoder is handed the prefill's token with its metaserver answer (``continues``: one prompt;
+decoder is handed the prefill's token with its metaserver answer (``continues``: one prompt, or
+a streamed completion's several, each engine request told apart by its name, ``choice_index``;
 ``MetaserverResponse.first_token``) and, when its POST said ``forces_first``,
 continues from it (lw_vllm.pd.first_token), sampled or greedy. A greedy request is relayed either
 way; a sampled one only when its decoder's POST, in before the prefill answered, said so
 (``relayable``). A request qualifies (``eligible``) when it is a streamed ``/v1/completions`` with
-one prompt (``best_of`` at most 1), and none of ``suffix`` or ``prompt_logprobs``
+one prompt or several (``best_of`` at most 1), and none of ``suffix`` or ``prompt_logprobs``
 (those change the first event) with a value other than null or false; ``echo: true`` only on a
 text prompt without log-probs (``echo_ok``): its prefill is asked without it, and the relayed
 event begins with the prompt's text and carries the prompt's ids, as vLLM's echoing event does
@@ -141,13 +142,15 @@ def asks_logprobs(req: ClientRequest) -> bool:
 
 def continues(req: ClientRequest) -> bool:
     """The decoder may continue from the prefill's first token (``lw_first_token``): one prompt
-    (``n`` engine requests, one per choice; ``best_of`` at most 1) whose prefill draws each choice's
+    (``n`` engine requests, one per choice; ``best_of`` at most 1), or a streamed completion of
+    several prompts (``n`` per prompt: ``choice_index``), whose prefill draws each choice's
     first token as the decoder would (the prefill keeps ``n`` and the seed, and vLLM seeds choice
     ``i`` with ``seed + i`` on both). ``min_tokens``, when given, an integer (``prefill_min_tokens``:
     the prefill asks at most 1, so its first token, like a single engine's, is never EOS or a stop
     token when the client asked at least one)."""
     b = req.body
-    if req.children != req.n or (b.get("best_of") or 1) != 1:
+    listed = req.stream and not req.chat and len(req.prompts) > 1 and req.children == len(req.prompts) * req.n
+    if (req.children != req.n and not listed) or (b.get("best_of") or 1) != 1:
         return False
     return prefill_min_tokens(req) is not None
 
@@ -326,18 +329,38 @@ def first_tokens_of(obj: Any, chat: bool) -> tuple[dict[int, int], list[int]] | 
     return firsts, pids
 
 
-def choice_index(request_id: str, n: int) -> int | None:
-    """Which choice of an ``n``-choice request the decoder's engine request ``request_id`` is: vLLM
-    names the children of a request of several choices ``f"{index}_{request id}"``
-    (``vllm.v1.engine.parallel_sampling.ParentRequest.get_child_info``); a request of one choice is
-    choice 0. None when the id does not say."""
-    if n == 1:
+def choice_index(engine_id: str, n: int, prompts: int = 1, parent_id: str | None = None) -> int | None:
+    """Which choice of a request of ``prompts`` prompts and ``n`` choices each the decoder's engine
+    request ``engine_id`` is (prompt ``i``'s choice ``j``: ``i * n + j``, as vLLM indexes a
+    completion's choices): vLLM names the children of a request of several choices
+    ``f"{j}_{request id}"`` (``vllm.v1.engine.parallel_sampling.ParentRequest.get_child_info``), and
+    prompt ``i`` of a completion ``f"cmpl-{X-Request-Id}-{i}"`` plus ``-`` and 8 random characters
+    (``vllm.v1.engine.input_processor.InputProcessor.assign_request_id``); this proxy names the
+    decoder's request of parent ``parent_id`` (``request_id``), so the prompt is read after that
+    name. A request of one choice is choice 0. None when the id does not say."""
+    if n == 1 and prompts == 1:
         return 0
-    head, sep, _ = request_id.partition("_")
-    if not sep or not head.isdigit() or len(head) > 6:
+    j, rest = 0, engine_id
+    if n > 1:
+        head, sep, rest = engine_id.partition("_")
+        if not sep or not head.isdigit() or len(head) > 6 or int(head) >= n:
+            return None
+        j = int(head)
+    if prompts == 1:
+        return j
+    prefix = f"cmpl-{request_id(parent_id)}-" if parent_id is not None else None
+    if prefix is None or not rest.startswith(prefix):
         return None
-    i = int(head)
-    return i if i < n else None
+    digits = rest[len(prefix):].partition("-")[0]
+    if not digits.isdigit() or len(digits) > 6 or int(digits) >= prompts:
+        return None
+    return int(digits) * n + j
+
+
+def engine_choice(req: Any, parent_id: str, engine_id: str) -> int | None:
+    """``choice_index`` of the decoder's engine request ``engine_id`` of ``req`` (a ``ClientRequest``,
+    the parent's) under parent ``parent_id``."""
+    return choice_index(engine_id, getattr(req, "n", 1), max(len(getattr(req, "prompts", ())), 1), parent_id)
 
 
 def given(value: Any) -> bool:

@@ -76,6 +76,7 @@ class StreamState:
     prefix: dict[int, str] = field(default_factory=dict)  # text a resumed choice's next text begins with
     # A streamed prefill's later choices (the request and their queue: ``_relay_more``).
     more: tuple[ClientRequest, Any] | None = None
+    choices: int = 1  # the stream's choices, every prompt's (a completion's prompt list: n each)
 
     def stop_cutting(self) -> None:
         self.skips.clear()
@@ -128,7 +129,8 @@ class SseRelay:
         out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                       "Cache-Control": "no-cache"})
         held: list[int] = []  # choice indices the decoder ended with "recomputed"
-        state = StreamState(rc.StreamLedger(req.chat, self.cfg.max_resume_bytes, req.n), token_ids.asks(req.body))
+        state = StreamState(rc.StreamLedger(req.chat, self.cfg.max_resume_bytes, req.n), token_ids.asks(req.body),
+                            choices=req.children)
         relay = None
         if self.cfg.prefill_first:
             if relay_mod.eligible(req):
@@ -307,7 +309,7 @@ class SseRelay:
                     parse = True
                 if parse or state.cutting() or (state.strip and b'"delta":{}' in block):
                     block = self._filter(block, held, state, rewrite)
-                    if state.dropped and len(state.dropped) == state.ledger.n:
+                    if state.dropped and len(state.dropped) == state.choices:
                         # Every choice contradicted its relayed token: nothing more of this answer is
                         # wanted (its usage summary included); each choice is resumed.
                         held.extend(state.dropped)

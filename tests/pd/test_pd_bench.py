@@ -182,6 +182,8 @@ def test_request_kinds_flag_bodies_and_summary(capsys: pytest.CaptureFixture[str
     b = request_kinds.body(kinds["completion_echo"], [11, 12], lambda ids: "t", max_tokens=2, seed=7)
     assert (b["prompt"], b["echo"], b["stream"]) == ("t", True, True)  # lw-proxy relays an echo of a text prompt
     # The prefiller alone is asked one token: min_tokens no more than that (vLLM refuses more).
+    b = request_kinds.body(kinds["completion_list"], [11, 12], None, max_tokens=2, seed=7, more=[[13]])
+    assert b["prompt"] == [[11, 12], [13]] and b["stream"] is True
     assert [request_kinds.body(kinds["completion_min_tokens"], [1], None, max_tokens=m, seed=0)["min_tokens"]
             for m in (1, 8)] == [1, 2]
     # A stream's first token is its first event carrying one, empty text included (a held-back

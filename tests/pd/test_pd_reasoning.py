@@ -8,6 +8,7 @@ streamed two-token prefill (lw_proxy.parsed_relay); every answer is the single e
 from __future__ import annotations
 
 import pytest
+from pd_faults_flow import decoder_looks_first
 
 from lw_bench.pd.stack import Stack, metric_sum, post_sse
 from lw_dev.pd_flow import CONTINUED, assert_remote_prefill_used, baseline, text, through
@@ -40,7 +41,9 @@ def _streamed(s: Stack, seed: int, relayed: bool) -> None:
     status, ref = post_sse(s.decode.url + CHAT, body)  # the single engine's stream
     assert status == 200, ref
     before = metric_sum(s.proxy.url, RELAYED), metric_sum(s.proxy.url, NOT_RELAYED_TOKEN)
-    ex = through(s, CHAT, body)
+    # The prefiller is frozen until the decoder has posted: its POST is in (and it found no prompt in
+    # the pool) before the prefill answers, so the decoder waits for the token and the relay runs.
+    ex = through(s, CHAT, body, send=lambda url, b: decoder_looks_first(s.prefill, url, b))
     assert ex.status == 200, ex.out
     moved = metric_sum(s.proxy.url, RELAYED) - before[0], metric_sum(s.proxy.url, NOT_RELAYED_TOKEN) - before[1]
     assert moved == ((1, 0) if relayed else (0, 1)), moved

@@ -8,6 +8,7 @@ streamed one's first event the prefiller's (lw_proxy.parsed_relay)."""
 from __future__ import annotations
 
 import pytest
+from pd_faults_flow import decoder_looks_first
 
 from lw_bench.models import SWA_SPEC
 from lw_bench.pd.stack import Stack, metric_sum, post_json, post_sse
@@ -122,7 +123,10 @@ def test_a_streamed_tool_chat_gets_its_first_event_from_the_prefiller(swa_stack:
     status, ref = post_sse(swa_stack.decode.url + "/v1/chat/completions", body)  # the single engine's stream
     assert status == 200 and ref[-1] == "[DONE]", ref
     before = metric_sum(swa_stack.proxy.url, RELAYED)
-    ex = through(swa_stack, "/v1/chat/completions", body)
+    # The prefiller is frozen until the decoder has posted (a parser's first event is relayed only to
+    # a decoder that continues from its token, and one that found the prompt in the pool would not).
+    ex = through(swa_stack, "/v1/chat/completions", body,
+                 send=lambda url, b: decoder_looks_first(swa_stack.prefill, url, b))
     assert ex.status == 200 and ex.out[-1] == "[DONE]", ex.out
     assert metric_sum(swa_stack.proxy.url, RELAYED) - before == 1, "the prefiller's first event was not relayed"
     assert _joined(ex.out) == _joined(ref)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +42,10 @@ class Exchange:
     prefill_requests: float  # how far the prefiller's successful-request counter moved
 
 
-def through(stack: Stack, path: str, body: dict[str, Any], *, proxy_url: str | None = None) -> Exchange:
+def through(stack: Stack, path: str, body: dict[str, Any], *, proxy_url: str | None = None,
+            send: Callable[[str, dict[str, Any]], tuple[int, Any]] | None = None) -> Exchange:
+    """``body`` through the proxy (``send(url, body)``: how it goes out, e.g. with the prefiller
+    frozen until the decoder has posted; else a plain POST), with what each engine recorded."""
     url = (proxy_url or stack.proxy.url) + path
     # Also before: the previous exchange (or the stack's warm-up) may have answered from the pool
     # while its prefill still ran; that prefill's record must not count as this exchange's.
@@ -49,7 +53,10 @@ def through(stack: Stack, path: str, body: dict[str, Any], *, proxy_url: str | N
     stack.decode.mark()
     stack.prefill.mark()
     before = metric_sum(stack.prefill.url, REQUESTS_DONE)
-    status, out = post_sse(url, body) if body.get("stream") else post_json(url, body)
+    if send is not None:
+        status, out = send(url, body)
+    else:
+        status, out = post_sse(url, body) if body.get("stream") else post_json(url, body)
     settle(stack, proxy_url)
     prefill_stats = _stable(stack.prefill.new_stats)
     moved = metric_sum(stack.prefill.url, REQUESTS_DONE) - before

@@ -68,7 +68,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "all, none, or a comma-separated list of completion, completion_full, completion_sampled, "
                         "completion_logprobs, chat, chat_full, chat_sampled, chat_logprobs, completion_n, chat_n, "
                         "completion_full_sampled, chat_full_sampled, completion_full_stop, completion_echo, "
-                        "completion_min_tokens, chat_tools (default all)")
+                        "completion_min_tokens, completion_list, chat_tools (default all)")
     p.add_argument("--no-relay", action="store_true", help="do not measure the proxy's --prefill-first (rows pd_relay, pd_stream_relay)")
     p.add_argument("--no-pin", action="store_true",
                    help="do not keep the prefiller's processes (API server and engine) alone on the first CPU; by "

@@ -22,6 +22,7 @@ asked one give or take a few, plus the chat template's own.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -46,6 +47,7 @@ class RequestKind(msgspec.Struct, frozen=True, kw_only=True):
     stream: bool
     fields: dict[str, Any] = {}  # what the kind adds to a greedy request (temperature 0)
     text_prompt: bool = False  # a completion's prompt as text (the ids decoded), not as token ids
+    prompts: int = 1  # a completion's list of this many prompts (each of the asked length)
 
 
 REQUEST_KINDS: dict[str, RequestKind] = {k.name: k for k in (
@@ -65,6 +67,7 @@ REQUEST_KINDS: dict[str, RequestKind] = {k.name: k for k in (
     RequestKind(name="completion_echo", chat=False, stream=True, fields={"echo": True}, text_prompt=True),
     RequestKind(name="completion_min_tokens", chat=False, stream=True, fields={"min_tokens": 2}),
     # A named tool choice: the tool call opens with the first token (the engines run a tool parser).
+    RequestKind(name="completion_list", chat=False, stream=True, prompts=2),
     RequestKind(name="chat_tools", chat=True, stream=True, fields={"tools": TOOLS, "tool_choice": {
         "type": "function", "function": {"name": "lookup"}}}),
 )}
@@ -84,9 +87,11 @@ def parse(text: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def body(kind: RequestKind, ids: list[int], decode: Any, *, max_tokens: int, seed: int) -> dict[str, Any]:
+def body(kind: RequestKind, ids: list[int], decode: Any, *, max_tokens: int, seed: int,
+         more: Sequence[list[int]] = ()) -> dict[str, Any]:
     """The request of ``kind`` on the prompt ``ids`` (chat and ``text_prompt``: their text,
-    ``decode(ids)``); ``min_tokens`` at most ``max_tokens`` (a prefiller alone asked one token)."""
+    ``decode(ids)``; ``more``: a prompt list's further prompts); ``min_tokens`` at most
+    ``max_tokens`` (a prefiller alone asked one token)."""
     b: dict[str, Any] = {"model": "tiny", "temperature": 0.0, "ignore_eos": True, "max_tokens": max_tokens,
                          "stream": kind.stream, **kind.fields}
     if "temperature" in kind.fields:
@@ -97,6 +102,8 @@ def body(kind: RequestKind, ids: list[int], decode: Any, *, max_tokens: int, see
         b["messages"] = [{"role": "user", "content": decode(ids)}]
     else:
         b["prompt"] = decode(ids) if kind.text_prompt else ids
+        if more:
+            b["prompt"] = [b["prompt"], *(decode(m) if kind.text_prompt else m for m in more)]
     return b
 
 
@@ -127,8 +134,9 @@ def measure(stack: Any, cfg: dict[str, Any], decode: Any, *, seed: int = 0, prog
                 order = ("alone", "pd") if (rep + length // 16 + len(name)) % 2 else ("pd", "alone")
                 for target in order:
                     one = kind.stream and target == "alone"  # the prefill's own answer: its first token
+                    more = [prompt(seed, rep, length, f"{name}#{k}", target) for k in range(1, kind.prompts)]
                     b = body(kind, prompt(seed, rep, length, name, target), decode,
-                             max_tokens=1 if one else cfg["pd_max_tokens"], seed=seed + rep)
+                             max_tokens=1 if one else cfg["pd_max_tokens"], seed=seed + rep, more=more)
                     url = stack.servers["prefill"].url if target == "alone" else stack.proxies[proxy].url
                     names = [RELAYED, *_NOT_RELAYED]
                     before = metric_sums(url, names) if target == "pd" and relay else {}

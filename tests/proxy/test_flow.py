@@ -65,6 +65,11 @@ def test_prompt_list_fans_in_to_one_prefill():
             assert [s for s, _ in dec.metaserver_results] == [200] * 6
             texts = sorted((c["index"], c["text"]) for c in out["choices"])
             assert texts == [(i, _text(generate(prompts[i // 2], 3))) for i in range(6)]
+        async with harness(prefill_first=False) as h:  # a streamed list not relayed: no choice's token is used
+            async with h.session.post(h.url + "/v1/completions",
+                                      json={"prompt": prompts, "max_tokens": 3, "n": 2, "stream": True}) as r:
+                assert r.status == 200 and (await r.read()).endswith(b"data: [DONE]\n\n")
+            assert [(b["n"], b["stream"]) for b in h.prefillers[0].bodies] == [(1, False)]
 
     run(body())
 

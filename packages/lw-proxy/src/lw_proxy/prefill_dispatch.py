@@ -58,7 +58,8 @@ def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False, st
         body["min_tokens"] = 1
     if req.max_tokens is not None:
         tokens = max(min(tokens, req.max_tokens), 1)
-    body.update(max_tokens=tokens, stream=stream, n=n if n is not None else req.n if continues(req) else 1)
+    one = continues(req) and len(req.prompts) <= 1  # a list's choices are drawn only when asked (``n``)
+    body.update(max_tokens=tokens, stream=stream, n=n if n is not None else req.n if one else 1)
     if stream:
         body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
     if req.chat:
@@ -146,7 +147,7 @@ class PrefillDispatcher:
         # prompt is continued from its own first token, so the prefill draws them all.
         listed = parent.relay is not None and not req.stream and prompt_list(req)
         payload = _encode(prefill_body(req, parent.id, token_ids=parent.relay is not None or continues(req),
-                                       stream=streamed, n=req.n if listed else None,
+                                       stream=streamed, n=req.n if listed or streamed else None,
                                        tokens=parsed_relay.PREFILL_TOKENS if parsed else 1))
         headers = {**self.headers, "X-Request-Id": f"lw-prefill-{parent.id}"}
         # Each prefiller is tried at most once per parent: one that answered 503 is overloaded, and

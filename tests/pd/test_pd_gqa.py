@@ -531,24 +531,6 @@ def test_a_sampled_stream_is_relayed_and_its_decoder_continues_from_the_relayed_
     assert "first_from_prefill" in rec["t"] and rec["loaded_tokens"] > 0, rec
 
 
-def test_killed_decoder_behind_the_proxy_is_a_clear_error(gqa_stack: Stack) -> None:
-    """A real vLLM decoder dies (SIGKILL of its whole process group): the proxy answers a clear 502
-    naming the decoder -- never a 200 with an empty body -- and reports it out of rotation.
-    Kept LAST in this module: it kills the module's decoder."""
-    proc = gqa_stack.decode.proc
-    os.killpg(proc.popen.pid, signal.SIGKILL)
-    proc.popen.wait(30)
-    t0 = time.monotonic()
-    status, out = post_json(gqa_stack.proxy.url + "/v1/completions", _completion(text(10, 40)), timeout=60)
-    assert time.monotonic() - t0 < 30, "the proxy took too long to give up on a killed decoder"
-    assert status == 502, (status, out)
-    assert "decoder" in out["error"]["message"].lower(), out
-    status, health = http("GET", gqa_stack.proxy.url + "/healthcheck", timeout=30)
-    body = json.loads(health)
-    assert status == 503 and body["healthy_decode_instances"] == 0, body
-
-
-
 @pytest.mark.parametrize("n", [1, 2], ids=["greedy", "seeded-n2"])
 def test_a_streamed_prompt_list_is_relayed_and_is_the_single_engines(gqa_stack: Stack, n: int) -> None:
     """A streamed completion of two prompts (greedy; seeded with two choices each): one streamed
@@ -588,3 +570,20 @@ def test_a_streamed_prompt_list_is_relayed_and_is_the_single_engines(gqa_stack: 
     settle(gqa_stack)
     recs = gqa_stack.decode.new_stats()
     assert len(recs) == 2 * n and all(r["loaded_tokens"] == r["prompt_tokens"] - 1 for r in recs), recs
+
+
+def test_killed_decoder_behind_the_proxy_is_a_clear_error(gqa_stack: Stack) -> None:
+    """A real vLLM decoder dies (SIGKILL of its whole process group): the proxy answers a clear 502
+    naming the decoder -- never a 200 with an empty body -- and reports it out of rotation.
+    Kept LAST in this module: it kills the module's decoder."""
+    proc = gqa_stack.decode.proc
+    os.killpg(proc.popen.pid, signal.SIGKILL)
+    proc.popen.wait(30)
+    t0 = time.monotonic()
+    status, out = post_json(gqa_stack.proxy.url + "/v1/completions", _completion(text(10, 40)), timeout=60)
+    assert time.monotonic() - t0 < 30, "the proxy took too long to give up on a killed decoder"
+    assert status == 502, (status, out)
+    assert "decoder" in out["error"]["message"].lower(), out
+    status, health = http("GET", gqa_stack.proxy.url + "/healthcheck", timeout=30)
+    body = json.loads(health)
+    assert status == 503 and body["healthy_decode_instances"] == 0, body

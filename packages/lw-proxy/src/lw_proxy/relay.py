@@ -99,6 +99,9 @@ from .validate import ClientRequest
 EXCLUDED = ("suffix", "prompt_logprobs")
 # A streamed chat with ``tools`` or ``functions`` is relayed from a streamed prefill (``parsed_relay``);
 # a non-streamed one is not continued.
+# A chat's ``echo`` asks the prompt's log-probs (vLLM: ``prompt_logprobs = top_logprobs``, 0 by
+# default), which sets ``skip_reading_prefix_cache``: its decoder computes the whole prompt and its own
+# first token (lw_vllm's decoder does not wait for the prefill then), so nothing can be relayed.
 EXCLUDED_CHAT_STREAM = ("echo", "prompt_logprobs", "return_prompt_text")
 EXCLUDED_CHAT = (*EXCLUDED_CHAT_STREAM, "tools", "functions")
 

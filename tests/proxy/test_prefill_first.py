@@ -129,17 +129,25 @@ def _choices(events, chat):
     return texts
 
 
+def _sampled_choices(h):
+    """The harness's prefiller and decoder set for relayed sampled choices: the prefiller's choices
+    draw different tokens and it answers after the decoder's POSTs are in; the decoder continues
+    from each choice's token and sends its own tokens late."""
+    pf, dec = h.prefillers[0], h.decoders[0]
+    pf.knobs.distinct_choices = True
+    pf.knobs.delay = 0.3
+    dec.knobs.forces_first = True
+    dec.knobs.token_delay = 0.3
+    return pf, dec
+
+
 def test_each_choice_of_an_echo_stream_begins_with_the_prompt_once():
     """``echo`` with ``n`` 2, sampled: the streamed prefill (without ``echo``) relays each choice's
     first token as it comes, each choice's first event beginning with the prompt's text (vLLM
     echoes per choice) and carrying its ids, and the decoder's echoing events are cut."""
     async def body():
         async with harness(prefill_first=True) as h:
-            pf, dec = h.prefillers[0], h.decoders[0]
-            pf.knobs.distinct_choices = True
-            pf.knobs.delay = 0.3  # the decoder's POSTs are in before the prefill answers
-            dec.knobs.forces_first = True
-            dec.knobs.token_delay = 0.3
+            pf, dec = _sampled_choices(h)
             req = {**GREEDY, "prompt": "the prompt", "echo": True, "temperature": 0.7, "seed": 5, "n": 2}
             _, _, errors, events = await _sse(h, req)
             assert errors == [], errors
@@ -165,11 +173,7 @@ def test_each_choice_of_a_sampled_stream_gets_its_own_prefill_token(chat):
     continues from its own: the client gets the prefiller's draws, each token once."""
     async def body():
         async with harness(prefill_first=True) as h:
-            pf, dec = h.prefillers[0], h.decoders[0]
-            pf.knobs.distinct_choices = True  # the prefiller's choices draw different tokens
-            pf.knobs.delay = 0.3  # the decoder's POSTs are in before the prefill answers
-            dec.knobs.forces_first = True
-            dec.knobs.token_delay = 0.3  # the decoder's own tokens come late
+            pf, dec = _sampled_choices(h)
             req = {**(CHAT if chat else GREEDY), "temperature": 0.7, "seed": 5, "n": 3}
             first, _, errors, events = await _sse(h, req)
             assert errors == [] and first < 0.55, (first, errors)
@@ -207,11 +211,7 @@ def test_each_prompt_of_a_streamed_prompt_list_gets_its_own_prefill_tokens(n):
 
     async def body():
         async with harness(prefill_first=True) as h:
-            pf, dec = h.prefillers[0], h.decoders[0]
-            pf.knobs.distinct_choices = True
-            pf.knobs.delay = 0.3  # the decoder's POSTs are in before the prefill answers
-            dec.knobs.forces_first = True
-            dec.knobs.token_delay = 0.3  # the decoder's own tokens come late
+            pf, dec = _sampled_choices(h)
             req = {**GREEDY, "prompt": prompts, "temperature": 0.7, "seed": 5, "n": n}
             first, _, errors, events = await _sse(h, req)
             assert errors == [] and first < 0.55, (first, errors)
@@ -406,10 +406,10 @@ def test_several_choices_are_relayed_only_when_every_choice_continues_from_its_t
     first = relay.first_event(msgspec.json.encode(ans), "abc", n=2)
     assert first.choices == {0: relay.Relayed(" w5", [7]), 1: relay.Relayed(" w6", [8])} and first.prompt_ids == [1]
     assert [json.loads(b[6:])["choices"][0]["index"] for b in first.block.split(b"\n\n") if b] == [0, 1]
-    assert relay.first_tokens(msgspec.json.encode(ans), False) == ({0: 7, 1: 8}, [1])
+    assert relay.first_tokens_of(ans, False) == ({0: 7, 1: 8}, [1])
     ans["choices"][1]["finish_reason"] = "stop"  # choice 0 ended at its first token
     assert relay.first_event(msgspec.json.encode(ans), "abc", n=2) is None
-    assert relay.first_tokens(msgspec.json.encode(ans), False) == ({1: 8}, [1])
+    assert relay.first_tokens_of(ans, False) == ({1: 8}, [1])
     assert relay.first_event(msgspec.json.encode(ans), "abc", n=3) is None
     assert [relay.choice_index(r, 3) for r in ("0_cmpl-a-0", "2_cmpl-b", "3_x", "cmpl-1_x", "x")] == [0, 2, None, None, None]
     assert relay.choice_index("cmpl-1_x", 1) == 0

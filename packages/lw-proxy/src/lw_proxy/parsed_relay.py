@@ -37,7 +37,7 @@ import msgspec
 
 from . import recompute as rc
 from . import token_ids
-from .relay import First, Mismatch, Relayed, continuous_usage, given, logprob_entries, request_id
+from .relay import First, Mismatch, Relayed, continuous_usage, given, logprob_entries, reasoning_usage, request_id
 from .validate import ClientRequest
 
 TOOLS = ("tools", "functions")
@@ -51,14 +51,11 @@ def parsed(req: ClientRequest, reasoning: bool) -> bool:
 
 
 def reasoning_server(data: bytes) -> bool:
-    """A chat answer from a server that runs a reasoning parser: vLLM sets its usage's
-    ``completion_tokens_details`` (the reasoning tokens' count) only then."""
+    """A chat answer (its JSON) from a server that runs a reasoning parser (``relay.reasoning_usage``)."""
     try:
-        obj = msgspec.json.decode(data)
+        return reasoning_usage(msgspec.json.decode(data))
     except msgspec.DecodeError:
         return False
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    return isinstance(usage, dict) and isinstance(usage.get("completion_tokens_details"), dict)
 
 
 class ParsedFirst(NamedTuple):

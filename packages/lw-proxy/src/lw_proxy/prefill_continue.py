@@ -68,6 +68,7 @@ from .relay import (
     given,
     plain_content,
     prefill_min_tokens,
+    reasoning_usage,
     request_id,
     stop_strings,
 )
@@ -130,8 +131,7 @@ def plan(req: ClientRequest, data: bytes) -> Plan | None:
         obj = msgspec.json.decode(data)
     except msgspec.DecodeError:
         return None
-    usage = obj.get("usage") if isinstance(obj, dict) else None
-    if req.chat and isinstance(usage, dict) and isinstance(usage.get("completion_tokens_details"), dict):
+    if req.chat and reasoning_usage(obj):
         return None  # a reasoning parser's server: the continuation's parser would not see the first token
     firsts = first_tokens_of(obj, req.chat)
     stops = stop_strings(req) or []

@@ -75,7 +75,7 @@ def prefill_body(req: ClientRequest, parent_id: str, token_ids: bool = False, st
 
 def metaserver_answers(data: bytes, req: ClientRequest) -> dict[int, bytes]:
     """The metaserver answer of each choice of prefill answer ``data`` that carries its first token
-    (``relay.first_tokens``) with its prompt's digest (a completion's choices each carry their
+    (``relay.first_tokens_of``) with its prompt's digest (a completion's choices each carry their
     prompt's ids: a prompt list's differ); empty when none does."""
     try:
         obj = msgspec.json.decode(data)
@@ -237,7 +237,7 @@ class PrefillDispatcher:
     def _parsed_choice(self, parent: Parent, ps: PrefillStream, i: int) -> None:
         """``_choice`` for a parsed chat's prefill (``parsed_relay``): choice ``i``'s first token's
         event came; its held POSTs get the token, and the stream its opening events."""
-        if i >= parent.request.n:
+        if i >= parent.request.children:
             return
         answer = ps.first_answer(i)
         if answer is not None:

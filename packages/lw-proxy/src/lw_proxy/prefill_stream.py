@@ -11,7 +11,7 @@ choice's event carries its text (chat: after a role event per choice), token id,
 asked, ``finish_reason`` and the prompt's count; completions carry the prompt's ids in each
 choice's first event, chat in the stream's first event. ``answer`` turns what came into the
 non-streamed answer's shape (``text`` or ``message``, merged ``logprobs``, ``token_ids``, the
-usage of those choices), which ``relay.first_tokens`` and ``relay.first_event`` read as they read a
+usage of those choices), which ``relay.first_tokens_of`` and ``relay.first_event`` read as they read a
 non-streamed prefill answer.
 
 A parsed chat's prefill (``parsed_relay``: two tokens, ``first_events``) hands each choice on at its
@@ -91,11 +91,6 @@ class PrefillStream:
                 raise ProxyError(502, f"the prefiller's stream ended with an error: {payload[:300].decode(errors='replace')}",
                                  kind="prefill_failed")
             finished += self._event(obj)
-            chs = obj.get("choices")
-            if isinstance(obj.get("usage"), dict) and isinstance(chs, list) and len(chs) == 1 and isinstance(chs[0], dict):
-                c = self.choices.get(chs[0].get("index", 0))
-                if c is not None:
-                    c.usage = obj["usage"]
         return finished
 
     def _event(self, obj: dict[str, Any]) -> list[int]:
@@ -111,6 +106,8 @@ class PrefillStream:
                 continue
             i = ch.get("index", 0)
             c = self.choices.setdefault(i, _Choice())
+            if isinstance(obj.get("usage"), dict) and len(obj["choices"]) == 1:
+                c.usage = obj["usage"]
             if self.chat:
                 d = ch.get("delta")
                 delta: dict[str, Any] = d if isinstance(d, dict) else {}

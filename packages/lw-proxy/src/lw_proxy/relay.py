@@ -129,6 +129,13 @@ def echo_text(req: ClientRequest) -> str | None:
     return rc.echo_prefix(req) if req.body.get("echo") is True else None
 
 
+def reasoning_usage(obj: Any) -> bool:
+    """A decoded chat answer from a server that runs a reasoning parser: vLLM sets its usage's
+    ``completion_tokens_details`` (the reasoning tokens' count) only then."""
+    usage = obj.get("usage") if isinstance(obj, dict) else None
+    return isinstance(usage, dict) and isinstance(usage.get("completion_tokens_details"), dict)
+
+
 def asks_usage(req: ClientRequest) -> bool:
     """The client asked for the stream's usage summary (``stream_options.include_usage``: JSON
     ``true``)."""
@@ -299,19 +306,11 @@ def relayable(req: ClientRequest, forced: bool) -> bool:
     return forced or (greedy(req) and req.n == 1)
 
 
-def first_tokens(data: bytes, chat: bool) -> tuple[dict[int, int], list[int]] | None:
-    """The prefill answer's generated token id per choice index, for each choice that ended on one
-    plain token (``finish_reason: "length"``, not an EOS or stop) and returned it, and the prompt's
-    ids; None when no choice did or the prompt's ids are missing."""
-    try:
-        obj = msgspec.json.decode(data)
-    except msgspec.DecodeError:
-        return None
-    return first_tokens_of(obj, chat)
-
-
 def first_tokens_of(obj: Any, chat: bool) -> tuple[dict[int, int], list[int]] | None:
-    """``first_tokens`` of an answer already decoded."""
+    """The prefill answer's (decoded) generated token id per choice index, for each choice that
+    ended on one plain token (``finish_reason: "length"``, not an EOS or stop) and returned it, and
+    the prompt's ids (a completion's: its first choice's); None when no choice did or the prompt's
+    ids are missing."""
     chs = obj.get("choices") if isinstance(obj, dict) else None
     if not isinstance(chs, list):
         return None
@@ -460,7 +459,7 @@ def first_event(data: bytes | None, parent_id: str, chat: bool = False, logprobs
         return None  # the ids a single engine's first events carry are not known
     if echo is not None and pids is None:
         return None  # vLLM's echoing event carries them
-    if chat and isinstance(obj.get("usage"), dict) and isinstance(obj["usage"].get("completion_tokens_details"), dict):
+    if chat and reasoning_usage(obj):
         return None  # a reasoning parser's server: its one-token answer is not its stream's first event (parsed_relay)
     u = _usage(obj.get("usage"), chat) if usage else None
     if usage and u is None:

@@ -147,6 +147,24 @@ def test_a_parsed_chat_is_not_relayed_to_a_decoder_that_does_not_continue_from_i
     run(body())
 
 
+def test_a_parsed_chat_waits_for_a_decoder_post_that_comes_after_the_prefill():
+    async def body():
+        async with harness() as h:
+            for b in (*h.prefillers, *h.decoders):
+                b.knobs.tool_parser = True
+            dec = h.decoders[0]
+            dec.knobs.forces_first = True
+            dec.knobs.delay = 0.3  # the POST comes after the two-token prefill answered
+            dec.knobs.answer_delay = 0.6
+            first, events = await _events(h, TOOLS_CHAT)
+            assert 0.25 <= first < 0.8 and _relayed(h) == 1 and dec.answered_first
+            args = [c["function"]["arguments"] for ev in events for ch in ev["choices"]
+                    for c in ch["delta"].get("tool_calls", ())]
+            assert "".join(args) == "".join(generate("p", 4))
+
+    run(body())
+
+
 def test_a_chat_ending_at_its_first_token_or_without_roles_is_not_relayed():
     role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}], "prompt_token_ids": [1]}
     tok = {"created": 5, "choices": [{"index": 0, "delta": {"content": "a"}, "token_ids": [7], "finish_reason": None}]}

@@ -117,6 +117,31 @@ def test_a_sampled_stream_is_relayed_when_its_decoder_continues_from_the_prefill
     run(body())
 
 
+def test_a_sampled_stream_whose_decoder_posts_after_the_prefill_answered_is_relayed_once_it_did():
+    """A short prefill can answer before the decoder's metaserver POST is in: the stream waits for
+    the POST (not for the decoder's token) and relays the prefill's token once the decoder said it
+    continues from it; a decoder that says it does not gets the decoder's path then."""
+    async def body():
+        async with harness(prefill_first=True) as h:
+            dec = h.decoders[0]
+            dec.knobs.delay = 0.3  # the POST comes 0.3 s after the prefill answered
+            dec.knobs.answer_delay = 0.6  # and the decoder's own first token 0.6 s after that
+            dec.knobs.forces_first = True
+            first, texts, errors, _ = await _sse(h, {**GREEDY, "temperature": 0.7})
+            assert errors == [] and "".join(texts) == "".join(generate("p", 4)) and len(texts) == 4
+            assert 0.25 <= first < 0.8, first
+            assert dec.answered_first == {0: generate_ids(tokenize("p"), 1)[0]}
+            get = h.proxy.m.registry.get_sample_value
+            assert get("lw_proxy_prefill_first_relayed_total") == 1
+            dec.knobs.forces_first = None  # an older connector: it says nothing of the token
+            first, texts, errors, _ = await _sse(h, {**GREEDY, "temperature": 0.7})
+            assert errors == [] and "".join(texts) == "".join(generate("p", 4)) and first >= 0.85
+            assert get("lw_proxy_prefill_first_relayed_total") == 1
+            assert get("lw_proxy_prefill_first_not_relayed_total", {"reason": "not_forced"}) == 1
+
+    run(body())
+
+
 def _choices(events, chat):
     """Each choice's streamed texts, by index, and the indices' order of their first events."""
     texts: dict[int, list[str]] = {}

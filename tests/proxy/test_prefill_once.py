@@ -144,3 +144,33 @@ def test_a_skipped_prefill_is_dispatched_for_a_retried_decoder_that_needs_it():
             h.proxy.registry.close(parent)
 
     run(body())
+
+
+def test_settle_waits_for_every_choices_post_and_no_longer_than_its_bound():
+    """``Parent.settle``: whether the decoder continues from the prefill's tokens, once every
+    choice's engine request said so (a POST with or without ``forces_first``), else at the bound."""
+    async def body():
+        async with harness() as h:
+            reg = h.proxy.registry
+            parent = reg.open(2, parse_completion(b'{"prompt": "x", "n": 2, "temperature": 1}'))
+            parent.answers = {0: OK_BODY, 1: OK_BODY}  # the prefill answered both choices
+            parent.result = (200, OK_BODY)
+            t0 = asyncio.get_running_loop().time()
+            assert await parent.settle(frozenset({0, 1}), 0.2) is False
+            assert asyncio.get_running_loop().time() - t0 >= 0.19  # nobody POSTed: the bound
+            waiting = asyncio.ensure_future(parent.settle(frozenset({0, 1}), 5.0))
+            rid = f"cmpl-lw-{parent.id}-0-abcdefgh"  # as vLLM names a request's engine requests
+            await reg.arrive(parent.id, f"0_{rid}", forces_first=True)
+            await asyncio.sleep(0.05)
+            assert not waiting.done()  # choice 1 has not said
+            await reg.arrive(parent.id, f"1_{rid}", forces_first=True)
+            assert await asyncio.wait_for(waiting, 1.0) is True
+            other = reg.open(1, parse_completion(b'{"prompt": "x", "temperature": 1}'))
+            other.answers, other.result = {0: OK_BODY}, (200, OK_BODY)
+            waiting = asyncio.ensure_future(other.settle(frozenset({0}), 5.0))
+            await reg.arrive(other.id, "r", forces_first=None)  # it said: it does not continue from the token
+            assert await asyncio.wait_for(waiting, 1.0) is False
+            reg.close(parent)
+            reg.close(other)
+
+    run(body())

@@ -51,7 +51,8 @@ Outcome = tuple[int, bytes]  # HTTP status and JSON body for the held metaserver
 
 class Parent:
     __slots__ = ("id", "token", "children", "request", "ids", "waiters", "result", "task", "attempts", "wanted",
-                 "early", "stalled", "relay", "forcing", "answers", "choice_waiters", "relay_more")
+                 "early", "stalled", "relay", "forcing", "answers", "choice_waiters", "relay_more", "said",
+                 "said_waiters")
 
     def __init__(self, children: int, request: Any) -> None:
         self.id = uuid.uuid4().hex
@@ -76,8 +77,12 @@ class Parent:
         # of each choice's engine request, and the further choices' relays after the first.
         self.choice_waiters: dict[int, list[asyncio.Future[Outcome]]] = {}
         self.relay_more: asyncio.Queue[Any] | None = None
+        # The choices whose engine request POSTed (so said whether it continues from its token), and
+        # who waits for more of them (``settle``).
+        self.said: set[int] = set()
+        self.said_waiters: list[asyncio.Future[None]] = []
 
-    def forced(self, choices: set[int]) -> bool:
+    def forced(self, choices: set[int] | frozenset[int]) -> bool:
         """Every one of ``choices`` continues on the decoder from the first token its answer
         carries: its engine request said ``forces_first`` and its answer has the token, and no held
         POST timed out waiting for the prefill."""
@@ -90,6 +95,35 @@ class Parent:
         for f in self.choice_waiters.pop(i, ()):
             if not f.done():
                 f.set_result((200, OK_BODY))
+
+    def say(self, choice: int, forces_first: bool | None) -> None:
+        """Choice ``choice``'s engine request POSTed, saying ``forces_first``: wake ``settle``."""
+        if forces_first:
+            self.forcing.add(choice)
+        self.said.add(choice)
+        waiters, self.said_waiters = self.said_waiters, []
+        for f in waiters:
+            if not f.done():
+                f.set_result(None)
+
+    async def settle(self, choices: frozenset[int], timeout: float) -> bool:
+        """``forced(choices)`` once it is known: wait until every one of ``choices``' engine requests
+        POSTed (at most ``timeout`` s; a decoder's POST can come after the prefill answered, when
+        the prefill is short and the decoder's intake is not). A decoder produces nothing before
+        its POST is answered, so a stream waiting here waits no longer than the decoder would."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while not self.forced(choices) and not choices <= self.said and loop.time() < deadline:
+            fut: asyncio.Future[None] = loop.create_future()
+            self.said_waiters.append(fut)
+            try:
+                await asyncio.wait_for(fut, deadline - loop.time())
+            except TimeoutError:
+                break
+            finally:
+                if fut in self.said_waiters:
+                    self.said_waiters.remove(fut)
+        return self.forced(choices)
 
 
 class ParentRegistry:
@@ -137,6 +171,7 @@ class ParentRegistry:
         if p.task is None:  # not dispatched (or skipped: the new decoder may not hold the prompt)
             p.ids.clear()
             p.forcing.clear()
+            p.said.clear()
             p.result = None
             p.wanted = False
             self._answer_gone(p, "the decoder attempt was abandoned")
@@ -236,8 +271,8 @@ class ParentRegistry:
                            param="lw_parent_id")
             return e.status, e.body()
         choice = engine_choice(p.request, p.id, request_id)  # which choice's engine request
-        if forces_first and choice is not None:
-            p.forcing.add(choice)
+        if choice is not None:
+            p.say(choice, forces_first)
         if p.task is not None or p.result is not None:
             # dispatched: a repeated POST, or a retried decoder's, shares that prefill. Each decoder
             # attempt brings at most ``children`` new ids: past that, refused as before dispatch.

@@ -13,6 +13,7 @@ headers every backend call carries; it holds no state across parents but what it
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -232,7 +233,7 @@ class PrefillDispatcher:
         if answer is not None:
             parent.answer_choice(i, answer)
         if parent.relay is not None:
-            self._to_relay(parent, Prefilled(parent.id, data, parent.forced({i}), only=(i,)))
+            self._to_relay(parent, self._prefilled(parent, data, frozenset({i}), only=(i,)))
 
     def _parsed_choice(self, parent: Parent, ps: PrefillStream, i: int) -> None:
         """``_choice`` for a parsed chat's prefill (``parsed_relay``): choice ``i``'s first token's
@@ -242,7 +243,7 @@ class PrefillDispatcher:
         answer = ps.first_answer(i)
         if answer is not None:
             parent.answer_choice(i, answer)
-        self._to_relay(parent, Prefilled(parent.id, b"", parent.forced({i}), only=(i,), parsed=ps.parsed_first(i)))
+        self._to_relay(parent, self._prefilled(parent, b"", frozenset({i}), only=(i,), parsed=ps.parsed_first(i)))
 
     @staticmethod
     def _to_relay(parent: Parent, pre: Prefilled) -> None:
@@ -276,5 +277,12 @@ class PrefillDispatcher:
         if continues(req) and not parsed:
             parent.answers = metaserver_answers(data, req) or parent.answers
         if parent.relay is not None and not parent.relay.done():  # a parsed prefill that handed nothing on: none
-            parent.relay.set_result(Prefilled(parent.id, b"" if parsed else data, parent.forced(set(range(req.children)))))
+            parent.relay.set_result(self._prefilled(parent, b"" if parsed else data, frozenset(range(req.children))))
         return 200, OK_BODY
+
+    def _prefilled(self, parent: Parent, data: bytes, choices: frozenset[int], **kw: Any) -> Prefilled:
+        """What goes to the stream for ``choices``: whether their decoder continues from their
+        tokens now, and how to wait until every one of them said so (``Parent.settle``, bounded by
+        the metaserver timeout)."""
+        return Prefilled(parent.id, data, parent.forced(choices),
+                         settle=functools.partial(parent.settle, choices, self.cfg.metaserver_timeout), **kw)

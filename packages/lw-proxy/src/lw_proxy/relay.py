@@ -86,7 +86,7 @@ computed it over the whole prompt as a single engine does, the decoder over load
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, TypeGuard
 
 import msgspec
@@ -376,7 +376,9 @@ class Prefilled(NamedTuple):
     the decoder continues from its first token (``relayable``). A streamed prefill's
     (``prefill_stream``) comes choice by choice: ``only`` names the choices ``data`` holds, and
     ``more`` (the first's) is the queue the later choices' come through. ``parsed``: a parsed chat's
-    opening events (``parsed_relay.ParsedFirst``), which are relayed in place of ``data`` (empty)."""
+    opening events (``parsed_relay.ParsedFirst``), which are relayed in place of ``data`` (empty).
+    ``settle``: ``forced`` once every choice's decoder request said whether it continues from its
+    token (``fanin.Parent.settle``), for an answer that came before they all did."""
 
     parent_id: str
     data: bytes
@@ -384,6 +386,7 @@ class Prefilled(NamedTuple):
     only: tuple[int, ...] | None = None
     more: Any = None
     parsed: Any = None
+    settle: Callable[[], Awaitable[bool]] | None = None
 
 
 def request_id(parent_id: str) -> str:

@@ -187,26 +187,27 @@ class SseRelay:
         task = asyncio.create_task(self.upstream.decode(req, path, read=False, relay=relay))
         try:
             await asyncio.wait({task, relay}, return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
+            pre: relay_mod.Prefilled | None = None if task.done() else relay.result()
+            first = None if pre is None else self._first(req, pre, roles=True)
+            if pre is not None and first is not None and not self._relayable(req, pre):
+                pre = await self._settle(task, pre)
+            if pre is None:
                 self.m.not_relayed.labels("decoder_first").inc()
+            elif first is None:
+                self.m.not_relayed.labels("token").inc()
+            elif not self._relayable(req, pre):
+                self.m.not_relayed.labels("not_forced").inc()
             else:
-                pre: relay_mod.Prefilled = relay.result()
-                first = self._first(req, pre, roles=True)
-                if first is None:
-                    self.m.not_relayed.labels("token").inc()
-                elif not self._relayable(req, pre):
-                    self.m.not_relayed.labels("not_forced").inc()
-                else:
-                    await out.prepare(request)
-                    await out.write(first.block)
-                    if req.chat and pre.only is not None:  # every choice's role event went out
-                        for i in range(req.n):
-                            state.skips[i] = Skip(role=True)
-                    self._relayed(req, first, state)
-                    state.created = first.created
-                    if pre.more is not None:
-                        state.more = (req, pre.more)
-                    self.m.relayed_first.inc()
+                await out.prepare(request)
+                await out.write(first.block)
+                if req.chat and pre.only is not None:  # every choice's role event went out
+                    for i in range(req.n):
+                        state.skips[i] = Skip(role=True)
+                self._relayed(req, first, state)
+                state.created = first.created
+                if pre.more is not None:
+                    state.more = (req, pre.more)
+                self.m.relayed_first.inc()
             return await task
         except BaseException:
             if not task.done():
@@ -216,6 +217,22 @@ class SseRelay:
                 if not isinstance(result, tuple):
                     self.upstream.finish(result)
             raise
+
+    @staticmethod
+    async def _settle(task: asyncio.Task, pre: relay_mod.Prefilled) -> relay_mod.Prefilled | None:
+        """``pre`` once its decoder requests all said whether they continue from its tokens (their
+        metaserver POSTs can come after a short prefill answered): relayed only to those that do,
+        a sampled or parsed stream's first token waits for them, not for the decoder's own token.
+        None when the decoder's answer started first."""
+        if pre.settle is None:
+            return pre
+        settle = asyncio.ensure_future(pre.settle())
+        try:
+            await asyncio.wait({task, settle}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not settle.done():
+                settle.cancel()
+        return None if task.done() else pre._replace(forced=settle.result())
 
     @staticmethod
     def _relayable(req: ClientRequest, pre: relay_mod.Prefilled) -> bool:

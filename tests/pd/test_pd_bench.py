@@ -201,16 +201,19 @@ def test_request_kinds_flag_bodies_and_summary(capsys: pytest.CaptureFixture[str
         recs.append({"store": "embedded", "request_kind": "chat", "target": "alone", "length": 256, "rep": rep,
                      "status": 200, "ttft_s": alone})
         recs.append({"store": "embedded", "request_kind": "chat", "target": "pd", "length": 256, "rep": rep,
-                     "status": 200, "ttft_s": pd, "relayed": relayed, **({} if relayed else {"not_relayed": "token"})})
+                     "status": 200, "ttft_s": pd, "relayed": relayed, **({} if relayed else {"not_relayed": "token"}),
+                     "first_gap_s": 0.02 * (rep + 1), "next_gap_s": 0.005})
     recs.append({"store": "embedded", "request_kind": "completion_full", "target": "pd", "length": 256, "rep": 0,
                  "status": 500, "ttft_s": 0.01})
     recs.append({"store": "embedded", "request_kind": "completion_full", "target": "alone", "length": 256, "rep": 0,
                  "status": 200, "ttft_s": 0.2})
     figures, problems = request_kinds.summarize(recs)
     chat = figures["embedded"]["256"]["chat"]
-    assert chat == {"alone_s": 0.1, "pd_s": 0.13, "pd_vs_alone": 1.3, "relayed_share": 0.67, "not_relayed": {"token": 1}}
+    assert chat == {"alone_s": 0.1, "pd_s": 0.13, "pd_vs_alone": 1.3, "relayed_share": 0.67, "not_relayed": {"token": 1},
+                    "first_gap_s": 0.04, "next_gap_s": 0.005}
     full = figures["embedded"]["256"]["completion_full"]
-    assert full == {"alone_s": 0.2, "pd_s": None, "pd_vs_alone": None, "relayed_share": None, "not_relayed": {}}
+    assert full == {"alone_s": 0.2, "pd_s": None, "pd_vs_alone": None, "relayed_share": None, "not_relayed": {},
+                    "first_gap_s": None, "next_gap_s": None}
     assert problems == ["embedded completion_full pd 256: HTTP 500"]
     cfg = {"lengths": [256], "reps": 2, "block_size": 128, "pd_max_tokens": 2, "throttle_bytes_per_s": 50_000_000}
     r = compare.summarize(cfg, _records())
@@ -220,8 +223,47 @@ def test_request_kinds_flag_bodies_and_summary(capsys: pytest.CaptureFixture[str
     checked(r)  # the report's struct takes the figures
     compare_report.print_table(r)
     printed = capsys.readouterr().out
-    assert "| embedded | 256 | chat | yes | 100.0 | 130.0 | 1.30 | 67% | token 1 |" in printed
-    assert "| embedded | 256 | completion_full | no | 200.0 | - | - | - | - |" in printed
+    assert "| embedded | 256 | chat | yes | 100.0 | 130.0 | 1.30 | 67% | token 1 | 40.0 / 5.0 |" in printed
+    assert "| embedded | 256 | completion_full | no | 200.0 | - | - | - | - | - |" in printed
+
+
+def test_token_times_follow_the_first_tokens_choice() -> None:
+    """A stream's token times are those of the choice whose token came first (its role event and
+    the other choices' events left out); a non-streamed answer has its end's time alone."""
+    import http.server
+    import threading
+
+    events = [{"index": 0, "delta": {"role": "assistant", "content": ""}}, {"index": 1, "delta": {"content": "a"}},
+              {"index": 0, "delta": {"content": "b"}}, {"index": 1, "delta": {"content": ""}},
+              {"index": 1, "delta": {"content": "c"}}, {"index": 1, "delta": {}, "finish_reason": "length"}]
+
+    class Sse(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            for ch in events:
+                self.wfile.write(b"data: " + json.dumps({"choices": [ch]}).encode() + b"\n\n")
+                self.wfile.flush()
+                time.sleep(0.01)
+            self.wfile.write(b"data: [DONE]\n\n")
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Sse)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_address[1]}"
+        t_send, times, status = request.token_times(url, "/v1/chat/completions", {"stream": True})
+        assert status == 200 and len(times) == 3 and t_send <= times[0] <= times[1] <= times[2]
+        assert times[1] - times[0] >= 0.015  # choice 0's event between them is not one of its
+        _, times, _ = request.token_times(url, "/v1/chat/completions", {"stream": False})
+        assert len(times) == 1
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 @pytest.mark.slow

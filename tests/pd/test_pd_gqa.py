@@ -16,7 +16,16 @@ from pd_faults_flow import decoder_looks_first, freeze, signal_group
 
 from lw_bench.pd.stack import Stack, free_port, http, metric_sum, post_json, post_sse
 from lw_dev.fake_metaserver import FakeMetaserver
-from lw_dev.pd_flow import CONTINUED, assert_remote_prefill_used, baseline, decoder_path_proxy, settle, text, through
+from lw_dev.pd_flow import (
+    CONTINUED,
+    assert_remote_prefill_used,
+    baseline,
+    continued_streams_proxy,
+    decoder_path_proxy,
+    settle,
+    text,
+    through,
+)
 from lw_dev.pd_oracle import SAMPLING, assert_same, by_index, chat_choice, completion_choice, completion_stream
 from lw_proxy import prefill_continue, relay
 
@@ -276,6 +285,50 @@ def test_streamed_greedy_text_takes_the_prefill_first_path_by_default(gqa_stack:
         assert_same(ref, got, "log-probs")
     (rec,) = gqa_stack.decode.new_stats()
     assert rec["loaded_tokens"] == rec["prompt_tokens"] - 1 and rec["failed_blocks"] == 0, rec
+
+
+def _stream_tokens(events: list) -> list[int]:
+    return [t for ev in events[:-1] for ch in ev["choices"] for t in ch.get("token_ids") or ()]
+
+
+@pytest.mark.parametrize(("chat", "extra"), [(False, {}), (True, {"logprobs": True, "top_logprobs": 2,
+                                                                   "return_tokens_as_token_ids": True}),
+                                             (False, {"temperature": 1.0, "seed": 11})],
+                         ids=["completion", "chat-logprobs", "completion-seeded"])
+def test_a_stream_continued_after_its_prefill_is_the_single_engines(gqa_stack: Stack, chat: bool, extra: dict) -> None:
+    """``--continue-streams``: the client gets the prefill's first token, then the stream of a
+    decoder request of the prompt plus that token, which loads the prompt and computes from the
+    token on; text, token ids and log-probs are the single engine's (a seeded draw's too: the
+    decoder's generator is set one draw ahead), the usage summary counts the client's prompt."""
+    url = continued_streams_proxy(gqa_stack).url
+    body = {**_relayable_greedy_body(gqa_stack, chat, {k: v for k, v in extra.items() if "temperature" != k != "seed"}),
+            **extra,
+            "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    probe = {k: v for k, v in body.items() if k != "stream_options"}
+    first = baseline(gqa_stack, _path(chat), {**probe, "stream": False, "max_tokens": 1})
+    assert relay.first_event(json.dumps(first).encode(), "probe", chat, "logprobs" in extra) is not None, first
+    status, ref_events = post_sse(gqa_stack.decode.url + _path(chat), body)  # the single engine's stream
+    assert status == 200, ref_events
+    settle(gqa_stack, url)
+    gqa_stack.decode.mark()
+    before = metric_sum(url, RELAYED)
+    status, events = post_sse(url + _path(chat), body)
+    assert status == 200, events
+    assert metric_sum(url, RELAYED) - before == 1
+    assert _stream_text(events, chat) == _stream_text(ref_events, chat)
+    assert _stream_tokens(events) == _stream_tokens(ref_events) and len(_stream_tokens(events)) == MAX_TOKENS
+    assert events[-2]["usage"] == ref_events[-2]["usage"], (events[-2], ref_events[-2])
+    assert len({ev["id"] for ev in events[:-1]}) == 1
+    if chat:
+        roles = [i for i, ev in enumerate(events[:-1]) for ch in ev["choices"] if "role" in (ch.get("delta") or {})]
+        assert roles == [0], events
+    if "logprobs" in extra:
+        ref, got = _stream_logprobs(ref_events, chat), _stream_logprobs(events, chat)
+        assert len(got["tokens"]) == MAX_TOKENS, got
+        assert_same(ref, got, "log-probs")
+    (rec,) = gqa_stack.decode.new_stats()  # one engine request: the prompt plus the relayed token
+    assert rec["remote_prefill"] == CONTINUED and 0 < rec["loaded_tokens"] < rec["prompt_tokens"], rec
+    assert rec["failed_blocks"] == 0, rec
 
 
 @pytest.mark.parametrize("continued", [True, False], ids=["continued", "decoder-path"])

@@ -65,6 +65,15 @@ class Upstream:
     def finish(self, call: DecoderCall) -> None:
         self.finished.append(call)
 
+    def continues_stream(self, req: ClientRequest) -> bool:
+        return False  # no prefill here: every stream is the decoder's
+
+    async def prefill_alone(self, req: ClientRequest) -> Any:
+        raise AssertionError("no prefill here")
+
+    def close_parent(self, parent: Any, answered: bool) -> None:
+        raise AssertionError("no prefill here")
+
 
 async def _run(upstream: Upstream, body: dict[str, Any]) -> list[Any]:
     cfg, _ = parse_args([])

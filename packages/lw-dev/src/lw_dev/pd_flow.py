@@ -105,6 +105,16 @@ def decoder_path_proxy(stack: Stack) -> Proc:
                            str(stack.metaserver_timeout_s * 2), "--no-continue-after-prefill")
 
 
+def continued_streams_proxy(stack: Stack) -> Proc:
+    """A proxy of ``stack`` with ``--continue-streams``: a stream of one choice is continued after
+    its prefill (the decoder gets the prompt plus the prefill's first token), started once per stack."""
+    for p in stack.extra_procs:
+        if p.name == "proxy-continue-streams":
+            return p
+    return stack.add_proxy("proxy-continue-streams", stack.prefill.url, stack.decode.url, "--metaserver-timeout",
+                           str(stack.metaserver_timeout_s * 2), "--continue-streams")
+
+
 CONTINUED = "continues an answered prefill"  # lw_vllm's RemotePhase.PREFILLED, as the stats record names it
 
 

@@ -125,7 +125,9 @@ class Knobs:
     # partial UTF-8 character) and its text comes with the next token
     empty_every: int | None = None
     # the first token's text is held back (a partial UTF-8 character) and comes with the second; an
-    # answer of that one token has empty text, as vLLM's
+    # answer of that one token has empty text, as vLLM's; a continuation of a prefill
+    # (lw_prefilled) begins its text with its prompt's last token's, as vLLM's detokenizer, primed
+    # with the prompt, completes the character with the first token it generates
     hold_first: bool = False
     logprob: float = -0.5  # every token's logprob (tell a prefiller's from a decoder's)
     created: int = 0  # every answer's ``created`` (tell a prefiller's from a decoder's)
@@ -276,8 +278,10 @@ def make_backend(role: str) -> tuple[web.Application, MockState]:
             toks = choice_tokens(st, idx, pids, n, max_tokens if cut is None else min(cut, max_tokens))
             toks, text, stopped = _stop_strings(toks, body)
             total += len(toks)
-            if k.hold_first and len(toks) == 1:
+            if k.hold_first and len(toks) == 1 and not params.get("lw_prefilled"):
                 text = ""
+            elif k.hold_first and params.get("lw_prefilled") and toks:
+                text = token_text(pids[-1]) + text
             c: dict[str, Any] = {"index": idx}
             if chat and k.tool_parser and body.get("tools") and len(toks) > 1:
                 c["message"] = {"role": "assistant", "content": None, "tool_calls": [
@@ -430,7 +434,9 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
             for idx, pids in choices:
                 await send({"index": idx, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}, prompt_token_ids=pids if ret_ids else None, prompt_text=None)
-        held = {idx: "" for idx, _ in choices}  # text held back by empty_every or for stop strings
+        prefilled = bool((body.get("kv_transfer_params") or {}).get("lw_prefilled"))
+        # text held back by empty_every or for stop strings (or a continuation's prompt's, hold_first)
+        held = {idx: token_text(pids[-1]) if k.hold_first and prefilled else "" for idx, pids in choices}
         tools = chat and k.tool_parser and bool(body.get("tools"))
         tool_held = {idx: "" for idx, _ in choices}  # the first token's text a tool parser held back
         stop = body.get("stop") or []
@@ -448,7 +454,8 @@ async def _stream(request: web.Request, st: MockState, choices: list[tuple[int, 
                 tok = gen[idx][t]
                 text = held[idx] + token_text(tok)
                 held[idx] = ""
-                if (k.empty_every and (t + 1) % k.empty_every == 0 or k.hold_first and t == 0) and not last:
+                if (k.empty_every and (t + 1) % k.empty_every == 0 or k.hold_first and t == 0 and not prefilled) \
+                        and not last:
                     held[idx], text = text, ""
                 if hold and not last:  # as vLLM: the stop strings' longest length less one is held back
                     text = held[idx] + text

@@ -115,6 +115,8 @@ class ProxyConfig:
     # Streamed completions and chat: relay the prefiller's first token while the decoder loads (lw_proxy.relay).
     prefill_first: bool = True
     continue_after_prefill: bool = True  # with prefill_first: non-streamed answers (lw_proxy.prefill_continue)
+    # with continue_after_prefill: streams of one choice too (prefill_continue.applies_stream)
+    continue_streams: bool = False
 
     def __post_init__(self) -> None:
         for name in ("api_key", "backend_api_key"):
@@ -201,6 +203,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "metaserver (see lw_proxy.prefill_continue). On by default; turn it off for decoders "
                         "running pd_streaming over a slow store, whose layer-by-layer pull hides the transfer "
                         "behind the prefill where a continuation loads after it")
+    p.add_argument("--continue-streams", action=argparse.BooleanOptionalAction, default=False,
+                   help="with --continue-after-prefill, a stream of one choice (one prompt; no continuous usage, "
+                        "stop strings or completion log-probs) is continued after its prefill too: the client gets the "
+                        "prefill's first token, then the stream of a decoder request of the prompt plus that token, "
+                        "which spends no step on the prompt's last token (a forced first token spends one) but is "
+                        "sent only once the prefill answered. Off by default: it shortens the gap after the first "
+                        "token on an idle decoder (see docs/bench/pd.md); a busy decoder batches that step instead")
     p.add_argument("--api-key", default=None,
                    help="bearer token clients must send (not empty, no surrounding whitespace: both are refused); "
                         "prefer env LW_PROXY_API_KEY or --api-key-file: a command-line value shows in the process "
@@ -313,6 +322,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ProxyConfig, argparse.Nam
         prefill_dispatch=a.prefill_dispatch,
         prefill_first=a.prefill_first,
         continue_after_prefill=a.continue_after_prefill,
+        continue_streams=a.continue_streams,
     )
     return cfg, a
 

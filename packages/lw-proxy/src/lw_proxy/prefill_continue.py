@@ -62,10 +62,14 @@ from . import recompute as rc
 from .relay import (
     EXCLUDED,
     EXCLUDED_CHAT,
+    asks_logprobs,
     continues,
+    continuous_usage,
     echo_ok,
+    eligible,
     first_tokens_of,
     given,
+    held_back,
     plain_content,
     prefill_min_tokens,
     reasoning_usage,
@@ -92,10 +96,26 @@ def prompt_list(req: ClientRequest) -> bool:
 
 def applies(req: ClientRequest, prefill_first: bool) -> bool:
     """Whether a request's answer is continued after its prefill (see the module docstring)."""
-    b = req.body
     if req.stream or not prefill_first or req.prompt_ids is not None:
         return False
-    if not (continues(req) or prompt_list(req)) or prefill_min_tokens(req) is None:
+    return (continues(req) or prompt_list(req)) and _continuable(req)
+
+
+def applies_stream(req: ClientRequest) -> bool:
+    """Whether a stream is continued after its prefill (``sse_relay``): one choice of one prompt
+    that the relay may open (``relay.eligible``), and what ``applies`` asks of an answer that is
+    not streamed, but not where the continuation's events would differ from a single engine's:
+    continuous usage (each event's counts would be the continuation's), stop strings vLLM holds
+    text back for (it holds back the continuation's own text, not across the first token), a
+    completion's log-probs (their ``text_offset`` count from the continuation's start)."""
+    return (req.stream and req.prompt_ids is None and req.children == 1 and eligible(req)
+            and continuous_usage(req) is False and held_back(req) == 0
+            and (req.chat or not asks_logprobs(req)) and _continuable(req))
+
+
+def _continuable(req: ClientRequest) -> bool:
+    b = req.body
+    if prefill_min_tokens(req) is None:
         return False
     if any(given(b.get(k)) for k in (*(EXCLUDED_CHAT if req.chat else EXCLUDED), *EXCLUDED_CONTINUED)):
         return False

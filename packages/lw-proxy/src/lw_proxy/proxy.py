@@ -198,6 +198,33 @@ class Proxy:
                      deadline: float) -> web.StreamResponse:
         return await self.sse.stream(request, req, path, deadline)
 
+    def continues_stream(self, req: ClientRequest) -> bool:
+        """A stream continued after its prefill (``--continue-streams``,
+        ``prefill_continue.applies_stream``; early dispatch only, and not once a prefiller showed a
+        reasoning parser: such chats take their first events from a streamed prefill,
+        ``parsed_relay``)."""
+        return (self.cfg.prefill_first and self.cfg.continue_after_prefill and self.cfg.continue_streams
+                and self.prefill.early and not self.prefill.reasoning and prefill_continue.applies_stream(req))
+
+    async def prefill_alone(self, req: ClientRequest) -> tuple[Parent, Prefilled | None]:
+        """Send ``req``'s prefill alone (a parent of its own, its answer handed to the parent's
+        relay) and wait for it, bounded by --prefill-timeout; the parent, which the caller closes
+        (``close_parent``), and the prefill's 200 answer, or None when no prefiller gave one."""
+        parent = self.registry.open(req.children, req)
+        pre: asyncio.Future[Prefilled] = asyncio.get_running_loop().create_future()
+        parent.relay = pre  # given the prefill's 200 answer (prefill_dispatch)
+        try:
+            self.registry.dispatch(parent)
+            assert parent.task is not None
+            await asyncio.shield(parent.task)  # a client gone cancels this wait; close() then cancels the prefill
+        except BaseException:
+            self.registry.close(parent)
+            raise
+        return parent, pre.result() if pre.done() else None
+
+    def close_parent(self, parent: Parent, answered: bool) -> None:
+        self.registry.close(parent, answered=answered)
+
     async def complete(self, req: ClientRequest, path: str) -> web.Response:
         # Early dispatch only: with on-metaserver the decoders decide whether a prefill is needed at all.
         if prefill_continue.applies(req, self.cfg.prefill_first and self.cfg.continue_after_prefill and self.prefill.early):
@@ -224,21 +251,16 @@ class Proxy:
         prefill goes out alone; once it answered, each choice it did not end goes to a decoder as the
         prompt plus its first token. A request it cannot continue (or whose prefill failed) goes to
         the decoder's path with this parent, whose metaserver calls are answered from that prefill."""
-        parent = self.registry.open(req.children, req)
-        pre: asyncio.Future[Prefilled] = asyncio.get_running_loop().create_future()
-        parent.relay = pre  # given the prefill's 200 answer (prefill_dispatch)
+        parent, pre = await self.prefill_alone(req)
         answered = False
         try:
-            self.registry.dispatch(parent)
-            assert parent.task is not None
-            await asyncio.shield(parent.task)  # bounded by --prefill-timeout; a client gone closes the parent
-            got = prefill_continue.plan(req, pre.result().data) if pre.done() else None
+            got = prefill_continue.plan(req, pre.data) if pre is not None else None
             if got is None:
-                self.m.not_relayed.labels("token" if pre.done() else "decoder_first").inc()
+                self.m.not_relayed.labels("token" if pre is not None else "decoder_first").inc()
                 status, data, ctype = await self.decode(req, path, read=True, parent=parent)
                 answered = status == 200
-                prefilled = (pre.result()._replace(forced=parent.forced(set(range(req.n))))
-                             if pre.done() and relay_mod.assembles(req) else None)
+                prefilled = (pre._replace(forced=parent.forced(set(range(req.n))))
+                             if pre is not None and relay_mod.assembles(req) else None)
                 return await self._respond(req, path, status, data, ctype, prefilled)
             self.m.relayed_first.inc()
             subs = await asyncio.gather(*(self.decode(c, path, read=True, parent=parent)

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from aiohttp import web
 
-from . import parsed_relay, token_ids
+from . import parsed_relay, prefill_continue, token_ids
 from . import recompute as rc
 from . import relay as relay_mod
 from .config import ProxyConfig
@@ -138,10 +138,13 @@ class SseRelay:
             else:
                 self.m.not_relayed.labels("request").inc()
         call: tuple[int, bytes, str] | DecoderCall | ProxyError
+        rewrite = None  # a continuation's stream: its events are choice 0's (``_filter``)
         try:
             async with asyncio.timeout_at(deadline):
                 if relay is None:
                     call = await self.upstream.decode(req, path, read=False)
+                elif self.upstream.continues_stream(req):
+                    call, rewrite = await self._continue_relaying(request, req, path, out, state)
                 else:
                     call = await self._decode_relaying(request, req, path, relay, out, state)
         except TimeoutError:
@@ -167,7 +170,7 @@ class SseRelay:
                 try:
                     if not out.prepared:
                         await out.prepare(request)
-                    ok = await self._pump(call, out, held, state, None)
+                    ok = await self._pump(call, out, held, state, rewrite)
                 finally:
                     self.upstream.finish(call)
                 state.stop_cutting()  # a resumed choice continues after what the client got
@@ -217,6 +220,47 @@ class SseRelay:
                 if not isinstance(result, tuple):
                     self.upstream.finish(result)
             raise
+
+    async def _continue_relaying(self, request: web.Request, req: ClientRequest, path: str, out: web.StreamResponse,
+                                 state: StreamState) -> tuple[tuple[int, bytes, str] | DecoderCall, int | None]:
+        """A stream continued after its prefill (``prefill_continue.applies_stream``): the prefill
+        goes out alone; its first token's event(s) go to the client, and the decoder gets the
+        prompt's token ids plus that token (``lw_prefilled``: it loads the prompt from the pool and
+        computes from the token on, no step spent on the prompt's last token again), whose stream
+        continues the client's (``rewrite`` 0: renamed, its role event dropped). A prefill that
+        failed, or whose answer cannot be relayed and continued (a first token that ended the
+        answer or that a stop string could begin in, ids missing), leaves the request to the
+        decoder's path with that parent, whose metaserver calls are answered from the prefill."""
+        parent, pre = await self.upstream.prefill_alone(req)
+        handed = False
+        try:
+            first = None if pre is None else self._first(req, pre, roles=True)
+            got = None if pre is None or first is None else prefill_continue.plan(req, pre.data)
+            cont = None if got is None else got.continuations.get(0)
+            if pre is None or first is None or cont is None:
+                self.m.not_relayed.labels("decoder_first" if pre is None else "token").inc()
+                call = await self.upstream.decode(req, path, read=False, parent=parent)
+                handed = isinstance(call, DecoderCall)
+                return call, None
+            await out.prepare(request)
+            await out.write(first.block)
+            self._relayed(req, first, state)
+            state.stop_cutting()  # the continuation never sends the relayed token
+            state.strip = not token_ids.client_asked(req.body)  # its ids are asked even with echo
+            # Its events are the stream's (the relayed event's id and created), and its usage is
+            # counted as a resumed choice's: the client's prompt, the relayed token added.
+            state.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{relay_mod.request_id(pre.parent_id)}"
+            state.created = first.created
+            state.contradicted.add(0)
+            if 0 in state.held_text:  # text held back for stop strings: the continuation's first text begins with it
+                state.prefix[0] = state.held_text.pop(0)
+            if relay_mod.asks_usage(req):
+                cont.body["stream_options"] = {"include_usage": True}
+            self.m.relayed_first.inc()
+            return await self.upstream.decode(cont, path, read=False), 0
+        finally:
+            if not handed:
+                self.upstream.close_parent(parent, answered=pre is not None)
 
     @staticmethod
     async def _settle(task: asyncio.Task, pre: relay_mod.Prefilled) -> relay_mod.Prefilled | None:
@@ -380,6 +424,8 @@ class SseRelay:
             if not choices:
                 if obj.get("usage") is not None:  # usage summary: sent once, at the end (usage_summary)
                     if state.usage is None:
+                        if rewrite is not None and state.id is not None:
+                            obj["id"] = state.id  # a continuation's: named as the stream
                         state.usage = obj
                         state.decoder_usage = rewrite is None
                     else:
@@ -402,9 +448,10 @@ class SseRelay:
                 if rewrite is not None:
                     ch["index"] = rewrite
                     delta = ch.get("delta")
-                    if isinstance(delta, dict):
-                        delta.pop("role", None)  # the continuation's opening event repeats the stream's
-                    if rewrite in state.prefix:
+                    # the continuation's opening event repeats the stream's: its role (and the empty
+                    # content beside it) goes, and a prefix waits for the first token's event
+                    opening = isinstance(delta, dict) and delta.pop("role", None) is not None
+                    if rewrite in state.prefix and not opening:
                         _prepend(ch, state.prefix, rewrite, state.ledger.chat)
                     if ch.get("prompt_token_ids") is not None:  # the continuation's prompt: not the client's
                         ch["prompt_token_ids"] = None
@@ -505,10 +552,12 @@ class SseRelay:
 
 
 def _prepend(ch: dict[str, Any], prefix: dict[int, str], idx: int, chat: bool) -> None:
-    """Begin choice ``ch``'s text with ``prefix[idx]`` (taken out) when this event carries text."""
+    """Begin choice ``ch``'s text with ``prefix[idx]`` (taken out) when this event carries text or
+    ends the choice (the text a single engine flushes at its end)."""
+    ends = ch.get("finish_reason") is not None
     if chat:
         delta = ch.get("delta")
-        if isinstance(delta, dict) and isinstance(delta.get("content"), str):
-            delta["content"] = prefix.pop(idx) + delta["content"]
-    elif isinstance(ch.get("text"), str):
-        ch["text"] = prefix.pop(idx) + ch["text"]
+        if isinstance(delta, dict) and (isinstance(delta.get("content"), str) or ends):
+            delta["content"] = prefix.pop(idx) + (delta.get("content") or "")
+    elif isinstance(ch.get("text"), str) or ends:
+        ch["text"] = prefix.pop(idx) + (ch.get("text") or "")

@@ -93,15 +93,17 @@ def print_request_kinds(r: dict[str, Any]) -> None:
 
     print("\nper request kind, through the default proxy (streamed: TTFT; not streamed: the whole answer):")
     print("\n| store | length | request kind | streamed | alone ms | PD ms | PD / alone | first token relayed "
-          "| not relayed: why |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| not relayed: why | PD gaps after the first token, ms: first / next |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for store, by_len in r["request_kinds"].items():
         for L, by_kind in by_len.items():
             for name, f in by_kind.items():
                 share = "-" if f["relayed_share"] is None else f"{f['relayed_share']:.0%}"
                 why = ", ".join(f"{k} {n}" for k, n in (f.get("not_relayed") or {}).items()) or "-"
+                gaps = ("-" if f.get("first_gap_s") is None else
+                        f"{_ms(f['first_gap_s'])} / {_ms(f.get('next_gap_s'))}")
                 print(f"| {store} | {L} | {name} | {'yes' if REQUEST_KINDS[name].stream else 'no'} | "
-                      f"{_ms(f['alone_s'])} | {_ms(f['pd_s'])} | {_x(f['pd_vs_alone'])} | {share} | {why} |")
+                      f"{_ms(f['alone_s'])} | {_ms(f['pd_s'])} | {_x(f['pd_vs_alone'])} | {share} | {why} | {gaps} |")
 
 
 def _plt() -> Any:

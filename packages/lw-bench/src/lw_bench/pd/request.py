@@ -25,6 +25,14 @@ def first_content(url: str, path: str, body: dict[str, Any], timeout_s: float = 
     included: a token whose text the detokenizer holds back is streamed with empty text -- or, not
     streamed, of the whole answer, status), wall clock. A stream is read to its end (and dropped)
     so the request finishes normally."""
+    t_send, times, status = token_times(url, path, body, timeout_s)
+    return t_send, times[0] if times else time.time(), status
+
+
+def token_times(url: str, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[float, list[float], int]:
+    """``first_content``, with the time of every event of the stream's first token's choice that
+    carries a token (``token_event``), in order: (send time, times, status); not streamed, the
+    whole answer's time alone."""
     host, port = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
@@ -33,14 +41,22 @@ def first_content(url: str, path: str, body: dict[str, Any], timeout_s: float = 
         r = conn.getresponse()
         if r.status != 200 or not body.get("stream"):
             r.read()
-            return t_send, time.time(), r.status
-        t_first = 0.0
+            return t_send, [time.time()], r.status
+        times: list[float] = []
+        choice = None
         for line in r:
-            if not t_first and line.startswith(b"data: {") and b'"choices"' in line:
+            if line.startswith(b"data: {") and b'"choices"' in line:
+                t = time.time()
                 ev = json.loads(line[6:])
-                if any(token_event(c) for c in ev.get("choices") or ()):
-                    t_first = time.time()
-        return t_send, t_first or time.time(), r.status
+                for c in ev.get("choices") or ():
+                    if not token_event(c):
+                        continue
+                    if choice is None:
+                        choice = c.get("index", 0)
+                    if c.get("index", 0) == choice:
+                        times.append(t)
+                        break
+        return t_send, times, r.status
     finally:
         conn.close()
 

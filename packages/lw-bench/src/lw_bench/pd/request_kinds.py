@@ -13,7 +13,11 @@ without it under ``--no-relay``).
   chat ``delta.content`` outside the role event; empty text counts: a token whose text the
   detokenizer holds back is streamed so); ``alone`` asks for one token, as a prefill does;
 * non-streamed kinds: time to the whole answer, ``alone`` and ``pd`` both asking for the same number
-  of tokens (a non-streamed client sees nothing before the end).
+  of tokens (a non-streamed client sees nothing before the end);
+* streamed kinds through the proxy also ask ``GAP_TOKENS`` tokens, for the gaps between the first
+  three token events of the first token's choice: ``first_gap_s`` (first → second: what the decoder
+  takes to send the token after a relayed one, where a single engine takes one decode step) and
+  ``next_gap_s`` (second → third: the decoder's own step and relay).
 
 Chat prompts are the tiny tokenizer's decoding of random token ids, so their length in tokens is the
 asked one give or take a few, plus the chat template's own.
@@ -29,7 +33,7 @@ import msgspec
 
 from lw_bench.pd.compare import RELAYED
 from lw_bench.pd.compare import prompt as random_prompt
-from lw_bench.pd.request import first_content
+from lw_bench.pd.request import token_times
 from lw_bench.pd.stack import metric_sums
 
 SAMPLING = {"temperature": 0.8, "top_p": 0.95}
@@ -38,6 +42,7 @@ TOOLS = [{"type": "function", "function": {"name": "lookup", "description": "Loo
     "type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]}}}]
 # Why lw-proxy did not relay a stream's first token (``lw_proxy_prefill_first_not_relayed_total``).
 NOT_RELAYED = ("request", "decoder_first", "token", "not_forced")
+GAP_TOKENS = 3  # a PD stream's tokens: the first, and the two gaps after it
 _NOT_RELAYED = {f'lw_proxy_prefill_first_not_relayed_total{{reason="{r}"}}': r for r in NOT_RELAYED}
 
 
@@ -135,15 +140,19 @@ def measure(stack: Any, cfg: dict[str, Any], decode: Any, *, seed: int = 0, prog
                 for target in order:
                     one = kind.stream and target == "alone"  # the prefill's own answer: its first token
                     more = [prompt(seed, rep, length, f"{name}#{k}", target) for k in range(1, kind.prompts)]
+                    n_tokens = 1 if one else max(cfg["pd_max_tokens"], GAP_TOKENS) if kind.stream else cfg["pd_max_tokens"]
                     b = body(kind, prompt(seed, rep, length, name, target), decode,
-                             max_tokens=1 if one else cfg["pd_max_tokens"], seed=seed + rep, more=more)
+                             max_tokens=n_tokens, seed=seed + rep, more=more)
                     url = stack.servers["prefill"].url if target == "alone" else stack.proxies[proxy].url
                     names = [RELAYED, *_NOT_RELAYED]
                     before = metric_sums(url, names) if target == "pd" and relay else {}
-                    t_send, t_end, status = first_content(url, PATH[kind.chat], b)
+                    t_send, times, status = token_times(url, PATH[kind.chat], b)
                     rec: dict[str, Any] = {"store": stack.store, "request_kind": name, "target": target,
                                            "length": length, "rep": rep, "status": status,
-                                           "ttft_s": round(t_end - t_send, 4)}
+                                           "ttft_s": round((times[0] if times else t_send) - t_send, 4)}
+                    if kind.stream and target == "pd" and len(times) >= GAP_TOKENS:
+                        rec["first_gap_s"] = round(times[1] - times[0], 4)
+                        rec["next_gap_s"] = round(times[2] - times[1], 4)
                     if target == "pd" and relay:
                         after = metric_sums(url, names)
                         rec["relayed"] = after[RELAYED] > before[RELAYED]
@@ -183,6 +192,8 @@ def summarize(records: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str]]
                     "pd_s": _median([r["ttft_s"] for r in pd]),
                     "pd_vs_alone": _median([v["pd"] / v["alone"] for v in pairs.values() if v.get("pd") and v.get("alone")]),
                     "relayed_share": round(sum(rel) / len(rel), 2) if rel else None,
+                    "first_gap_s": _median([r["first_gap_s"] for r in pd if "first_gap_s" in r]),
+                    "next_gap_s": _median([r["next_gap_s"] for r in pd if "next_gap_s" in r]),
                     "not_relayed": {why: n for why in NOT_RELAYED
                                     if (n := sum(r.get("not_relayed") == why for r in pd))},
                 }

@@ -49,6 +49,9 @@ class KindFigures(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     pd_s: Annotated[float, Meta(ge=0)] | None  # median, through the default proxy
     pd_vs_alone: Annotated[float, Meta(gt=0)] | None  # median of per-rep pairs
     relayed_share: Annotated[float, Meta(ge=0, le=1)] | None  # first token relayed (None: no prefill-first proxy)
+    # streamed kinds through the proxy, medians: first -> second token event, second -> third
+    first_gap_s: Annotated[float, Meta(ge=0)] | None = None
+    next_gap_s: Annotated[float, Meta(ge=0)] | None = None
     # streams not relayed, per reason (lw_bench.pd.request_kinds.NOT_RELAYED)
     not_relayed: dict[str, Annotated[int, Meta(ge=1)]] = {}
 

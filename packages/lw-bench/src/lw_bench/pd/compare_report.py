@@ -29,7 +29,8 @@ def store_label(r: dict[str, Any], store: str) -> str:
 def print_table(r: dict[str, Any]) -> None:
     c = r["config"]
     print(f"lw-bench pd: block {c['block_size']}, {c['reps']} reps, PD streams {c['pd_max_tokens']} tokens; "
-          f"load average {r.get('loadavg', '-')}")
+          f"load average {r.get('loadavg', '-')}"
+          + ("; prefill-first proxies with --continue-streams" if c.get("continue_streams") else ""))
     print("\nper request (ms): TTFT, then " + " | ".join(PHASES))
     for rec in r["records"]:
         ph = rec["phases"]

@@ -88,7 +88,7 @@ def engine_extra(store: str, pool_path: str, timeline: Path, *, streaming: bool,
 
 def start_compare_stack(store: str, log_dir: Path, pool_path: str, *, block_size: int, max_model_len: int,
                         bytes_per_s: int, relay: bool, metaserver_timeout_s: float = 30.0,
-                        pin: bool = False) -> CompareStack:
+                        pin: bool = False, continue_streams: bool = False) -> CompareStack:
     """``pin``: each engine's whole process tree (API server too, not only vLLM's OpenMP threads) runs
     on its CPU through ``taskset``, the proxies and this process on the decoders' CPU: the prefiller
     gets a core of its own, as it would on its own host, and its TTFT is not the client's or the
@@ -137,10 +137,11 @@ def start_compare_stack(store: str, log_dir: Path, pool_path: str, *, block_size
         proxies["pd_stream"] = start_proxy("proxy-stream", pf, servers["decode_stream"].url, log_dir, *off,
                                            launcher=on[c1])
         if relay:
-            proxies["pd_relay"] = start_proxy("proxy-relay", pf, servers["decode"].url, log_dir, *flags,
-                                              "--prefill-first", launcher=on[c1])
+            on_flags = (*flags, "--prefill-first", *(("--continue-streams",) if continue_streams else ()))
+            proxies["pd_relay"] = start_proxy("proxy-relay", pf, servers["decode"].url, log_dir, *on_flags,
+                                              launcher=on[c1])
             proxies["pd_stream_relay"] = start_proxy("proxy-stream-relay", pf, servers["decode_stream"].url, log_dir,
-                                                     *flags, "--prefill-first", launcher=on[c1])
+                                                     *on_flags, launcher=on[c1])
         # One PD round trip per proxy: first saves, loads and metaserver calls pay one-time costs.
         for name, p in proxies.items():
             body = {"model": "tiny", "prompt": f"ka lo mi ne ru {name} " * 30, "max_tokens": 2, "temperature": 0.0}

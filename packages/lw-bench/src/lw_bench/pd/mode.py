@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "completion_full_sampled, chat_full_sampled, completion_full_stop, completion_echo, "
                         "completion_min_tokens, completion_list, chat_tools (default all)")
     p.add_argument("--no-relay", action="store_true", help="do not measure the proxy's --prefill-first (rows pd_relay, pd_stream_relay)")
+    p.add_argument("--continue-streams", action="store_true",
+                   help="the prefill-first proxies run lw-proxy --continue-streams (streams of one choice continued "
+                        "after their prefill)")
     p.add_argument("--no-pin", action="store_true",
                    help="do not keep the prefiller's processes (API server and engine) alone on the first CPU; by "
                         "default the decoders, proxies and this client share the second, as P and D hosts would not "
@@ -119,7 +122,7 @@ def config(args: argparse.Namespace) -> dict[str, Any]:
             "stores": _stores(getattr(args, "stores", "embedded,throttled")),
             "throttle_bytes_per_s": int(mbs * 1e6), "relay": not getattr(args, "no_relay", False),
             "request_kinds": request_kinds.parse(getattr(args, "request_kinds", "all")),
-            "pin": not getattr(args, "no_pin", False)}
+            "pin": not getattr(args, "no_pin", False), "continue_streams": bool(getattr(args, "continue_streams", False))}
 
 
 def measure(stack: Any, cfg: dict[str, Any], *, seed: int = 0, progress: Any = None,
@@ -261,7 +264,8 @@ def _run_store(store: str, cfg: dict[str, Any], log_dir: Path,
     try:
         stack = start_compare_stack(store, log_dir / store, pool, block_size=cfg["block_size"],
                                     max_model_len=cfg["max_model_len"], bytes_per_s=cfg["throttle_bytes_per_s"],
-                                    relay=cfg["relay"], pin=cfg.get("pin", False))
+                                    relay=cfg["relay"], pin=cfg.get("pin", False),
+                                    continue_streams=cfg.get("continue_streams", False))
         try:
             compare.measure(stack, {**cfg, "lengths": [min(cfg["lengths"])], "reps": 1}, seed=10_000)  # one-time costs
             records = compare.measure(stack, cfg, progress=lambda r: print(

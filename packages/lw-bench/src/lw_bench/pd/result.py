@@ -32,6 +32,7 @@ class PdBenchConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     relay: bool  # prefill-first kinds measured
     request_kinds: list[str]  # lw_bench.pd.request_kinds measured (names of REQUEST_KINDS)
     pin: bool  # the prefiller's processes alone on the first CPU
+    continue_streams: bool = False  # the prefill-first proxies run lw-proxy --continue-streams
 
 
 class TransferHidden(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

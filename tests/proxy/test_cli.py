@@ -76,6 +76,7 @@ def test_good_flags_build_the_config():
     assert (cfg.max_retries, cfg.retry_delay, cfg.api_key) == (5, 0.5, "k")
     assert cfg.prefill_first and not parse_args(["--no-prefill-first"])[0].prefill_first  # on by default
     assert cfg.continue_after_prefill and not parse_args(["--no-continue-after-prefill"])[0].continue_after_prefill
+    assert not cfg.continue_streams and parse_args(["--continue-streams"])[0].continue_streams  # off by default
     assert check_host("[fe80::1]") == "fe80::1"
     cfg, _ = parse_args(["--port", "9000", "--metaserver-port", "9001", "--request-timeout", "30"])
     assert cfg.metaserver_url == "http://127.0.0.1:9001/v1/metaserver" and cfg.request_timeout == 30

@@ -1,7 +1,8 @@
 """The proxy's SSE relay (``SseRelay``, owned by ``proxy.Proxy``): forwarding the decoder's events,
 the deadlines of a stream, and resuming choices the decoder ended with ``stop_reason ==
-"recomputed"``. Built from the proxy's config and metrics and an ``upstream.Upstream`` (the decoder
-calls); it holds no state across streams. Each stream's state is one ``StreamState``: what was
+"recomputed"``, and streams continued after their prefill (``--continue-streams``). Built from the
+proxy's config and metrics and an ``upstream.Upstream`` (the decoder calls); it holds no state
+across streams. Each stream's state is one ``StreamState``: what was
 relayed from the prefill and is still to be cut, whether token ids the client did not ask for are
 stripped, the stream's id and usage summary, and the ledger a resume is built from."""
 
@@ -64,7 +65,8 @@ class StreamState:
     created: int | None = None  # the relayed event's ``created``: the decoder's events get it too
     # Usage of a stream with resumed choices (``usage_summary``): whether ``usage`` is the decoder's
     # own summary, the token ids the decoder sent per choice, the relayed tokens per choice, and
-    # the choices ever dropped for contradicting theirs.
+    # the choices whose relayed tokens no decoder stream sent (dropped for contradicting them, or
+    # continued after them: ``_continue_relaying``).
     decoder_usage: bool = False
     decoder_tokens: dict[int, int] = field(default_factory=dict)
     relayed_tokens: dict[int, int] = field(default_factory=dict)

@@ -261,6 +261,9 @@ def test_token_times_follow_the_first_tokens_choice() -> None:
         assert times[1] - times[0] >= 0.015  # choice 0's event between them is not one of its
         _, times, _ = request.token_times(url, "/v1/chat/completions", {"stream": False})
         assert len(times) == 1
+        events[:] = [events[0], events[-1]]  # a stream with no token event: its end's time
+        t_send, times, _ = request.token_times(url, "/v1/chat/completions", {"stream": True})
+        assert len(times) == 1 and times[0] >= t_send + 0.015
     finally:
         srv.shutdown()
         srv.server_close()

@@ -26,13 +26,13 @@ def first_content(url: str, path: str, body: dict[str, Any], timeout_s: float = 
     streamed, of the whole answer, status), wall clock. A stream is read to its end (and dropped)
     so the request finishes normally."""
     t_send, times, status = token_times(url, path, body, timeout_s)
-    return t_send, times[0] if times else time.time(), status
+    return t_send, times[0], status
 
 
 def token_times(url: str, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[float, list[float], int]:
     """``first_content``, with the time of every event of the stream's first token's choice that
-    carries a token (``token_event``), in order: (send time, times, status); not streamed, the
-    whole answer's time alone."""
+    carries a token (``token_event``), in order: (send time, times, status); not streamed, or a
+    stream none of whose events carried a token, the time of its end alone."""
     host, port = url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
     try:
@@ -56,7 +56,7 @@ def token_times(url: str, path: str, body: dict[str, Any], timeout_s: float = 12
                     if c.get("index", 0) == choice:
                         times.append(t)
                         break
-        return t_send, times, r.status
+        return t_send, times or [time.time()], r.status
     finally:
         conn.close()
 

@@ -149,7 +149,7 @@ def measure(stack: Any, cfg: dict[str, Any], decode: Any, *, seed: int = 0, prog
                     t_send, times, status = token_times(url, PATH[kind.chat], b)
                     rec: dict[str, Any] = {"store": stack.store, "request_kind": name, "target": target,
                                            "length": length, "rep": rep, "status": status,
-                                           "ttft_s": round((times[0] if times else t_send) - t_send, 4)}
+                                           "ttft_s": round(times[0] - t_send, 4)}
                     if kind.stream and target == "pd" and len(times) >= GAP_TOKENS:
                         rec["first_gap_s"] = round(times[1] - times[0], 4)
                         rec["next_gap_s"] = round(times[2] - times[1], 4)

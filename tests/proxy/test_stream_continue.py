@@ -40,6 +40,12 @@ def _shape(events: list) -> list:
     return [clean(ev) for ev in events]
 
 
+def _completion_text(events: list, index: int | None = None) -> str:
+    """A completion stream's text (of choice ``index`` only, when given)."""
+    return "".join(ch.get("text") or "" for ev in events for ch in ev.get("choices") or ()
+                   if index is None or ch.get("index") == index)
+
+
 def _counter(h, name: str, **labels: str) -> float:
     return h.proxy.m.registry.get_sample_value(name, labels or None) or 0.0
 
@@ -112,8 +118,7 @@ def test_streams_a_continuation_would_show_differently_keep_the_early_dispatch(e
             got = await _events(h, {**GREEDY, **extra})
             assert not h.decoders[0].bodies[0]["kv_transfer_params"].get("lw_prefilled")
             assert h.decoders[0].metaserver_results  # the decoder's path, the prefill dispatched early
-            texts = [ch.get("text") for ev in got for ch in ev.get("choices") or () if ch.get("index") == 0]
-            assert "".join(t for t in texts if t) == "".join(generate("p", 4))
+            assert _completion_text(got, 0) == "".join(generate("p", 4))
 
     run(body())
 
@@ -130,12 +135,10 @@ def test_a_prefill_that_cannot_be_continued_or_failed_leaves_the_stream_to_the_d
             assert not dec.bodies[0]["kv_transfer_params"].get("lw_prefilled") and len(pf.bodies) == 1
             assert dec.metaserver_results  # answered from the prefill that ran
             assert _counter(h, "lw_proxy_prefill_first_not_relayed_total", reason="token") == 1
-            texts = [ch.get("text") for ev in got for ch in ev.get("choices") or ()]
-            assert "".join(t for t in texts if t) == "".join(generate("p", 4))
+            assert _completion_text(got) == "".join(generate("p", 4))
             pf.knobs.status = 500  # a prefill that fails: the decoder computes
             got = await _events(h, GREEDY)
-            texts = [ch.get("text") for ev in got for ch in ev.get("choices") or ()]
-            assert "".join(t for t in texts if t) == "".join(generate("p", 4))
+            assert _completion_text(got) == "".join(generate("p", 4))
             assert not dec.bodies[1]["kv_transfer_params"].get("lw_prefilled")
             assert _counter(h, "lw_proxy_prefill_first_relayed_total") == 0
             assert len(h.proxy.registry) == 0
@@ -149,8 +152,7 @@ def test_a_recomputed_continuation_is_resumed_and_a_failing_one_ends_with_an_err
             dec = h.decoders[0]
             dec.knobs.recompute_after = 1  # the continuation ends after one token with "recomputed"
             got = await _events(h, {**GREEDY, **USAGE})
-            texts = [ch.get("text") for ev in got for ch in ev.get("choices") or ()]
-            assert "".join(t for t in texts if t) == "".join(generate("p", 4))
+            assert _completion_text(got) == "".join(generate("p", 4))
             assert got[-1]["usage"]["completion_tokens"] == 4 and got[-1]["usage"]["prompt_tokens"] == 1
             prompt = tokenize("p")
             assert [b["prompt"] for b in dec.bodies] == [prompt + generate_ids(prompt, 1), prompt + generate_ids(prompt, 2)]
